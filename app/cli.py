@@ -1,0 +1,29 @@
+"""The `prefixlab` command: the desktop app by default, or generate / run / bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixlab", description=__doc__)
+    parser.add_argument("--model", help="GGUF model file (default: the bundled SmolLM2-135M-Instruct)")
+    sub = parser.add_subparsers(dest="command")
+    from . import bench, generate, run_headless
+    generate.add_parser(sub)
+    run_headless.add_parser(sub)
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        from .gui import run_app
+        return run_app(model_path=args.model)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

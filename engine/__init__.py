@@ -1,0 +1,39 @@
+"""PrefixLab's inference engine: GGUF models on NumPy with a paged KV pool and a prefix cache.
+
+No Qt here, ever: the engine is a library (`import engine as dl`).
+"""
+
+from .api import (
+    create_kv_pool,
+    create_session,
+    decode,
+    encode,
+    eval,
+    eval_batch,
+    release_kv_pages,
+)
+from .config import ModelConfig
+from .errors import ModelLoadError, PoolExhausted, TemplateError
+from .kv_pool import KVPool, Session
+from .loader import Model, default_model_path, load_model
+from .prefix_cache import (
+    ChainRecord,
+    PrefixCache,
+    ProbeResult,
+    create_prefix_cache,
+    prefix_attach,
+    prefix_chain_list,
+    prefix_held_groups,
+    prefix_insert,
+    prefix_probe,
+    prefix_release,
+)
+from .sampler import Sampler, SamplingParams
+
+__all__ = [
+    "ChainRecord", "KVPool", "Model", "ModelConfig", "ModelLoadError", "PoolExhausted",
+    "PrefixCache", "ProbeResult", "Sampler", "SamplingParams", "Session", "TemplateError",
+    "create_kv_pool", "create_prefix_cache", "create_session", "decode", "default_model_path",
+    "encode", "eval", "eval_batch", "load_model", "prefix_attach", "prefix_chain_list",
+    "prefix_held_groups", "prefix_insert", "prefix_probe", "prefix_release", "release_kv_pages",
+]

@@ -1,0 +1,70 @@
+"""The functional engine API of DESIGN §3 (the dasLLAMA tutorial's calls)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kv_pool import KVPool, Session
+from .loader import Model
+from .model import forward
+
+
+def create_kv_pool(m: Model, page_rows: int = 16, max_pages: int | None = None) -> KVPool:
+    """A KV pool of pages holding `page_rows` positions each; `max_pages=None` grows."""
+    return KVPool(m.config, page_rows=page_rows, max_pages=max_pages)
+
+
+def create_session(m: Model, pool: KVPool) -> Session:
+    """A fresh session (n_past 0, empty page table) over `pool`."""
+    if pool.cfg != m.config:
+        raise ValueError("this KV pool was made for another model")
+    return Session(pool=pool)
+
+
+def encode(m: Model, text: str) -> list[int]:
+    """Token ids of `text`: special tokens parsed, no BOS."""
+    return m.tokenizer.encode(text)
+
+
+def decode(m: Model, ids) -> str:
+    """Text of token ids."""
+    return m.tokenizer.decode(ids)
+
+
+def _check_eval(m: Model, s: Session, tokens, pool: KVPool) -> list[int]:
+    if s.released:
+        raise ValueError(f"session {s.id} was released; create a new session")
+    if s.pool is not pool:
+        raise ValueError(f"session {s.id} belongs to another KV pool than the batch")
+    toks = [int(t) for t in tokens]
+    if not toks:
+        raise ValueError(f"no tokens to evaluate for session {s.id}")
+    bad = [t for t in toks if not 0 <= t < m.config.vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{m.config.vocab_size - 1})")
+    if s.n_past + len(toks) > m.config.context_length:
+        raise ValueError(
+            f"session {s.id} would reach {s.n_past + len(toks)} positions, past the model's "
+            f"context length {m.config.context_length}")
+    return toks
+
+
+def eval_batch(m: Model, sessions: list[Session], token_lists: list) -> np.ndarray:
+    """One forward pass for many sessions; float32[B, vocab] logits after each last token."""
+    if len(sessions) != len(token_lists) or not sessions:
+        raise ValueError("eval_batch needs one token list per session, and at least one session")
+    if len({s.id for s in sessions}) != len(sessions):
+        raise ValueError("eval_batch got the same session twice")
+    pool = sessions[0].pool
+    toks = [_check_eval(m, s, t, pool) for s, t in zip(sessions, token_lists)]
+    return forward(m, sessions, toks)
+
+
+def eval(m: Model, s: Session, tokens) -> np.ndarray:  # noqa: A001 - the tutorial's name
+    """Evaluate tokens on a session; float32[vocab] logits after the last one."""
+    return eval_batch(m, [s], [tokens])[0]
+
+
+def release_kv_pages(s: Session) -> None:
+    """Hand the session's pages back to its pool."""
+    s.release()

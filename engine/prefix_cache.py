@@ -1,0 +1,345 @@
+"""A page-granular prefix cache over a KVPool, ported from dasLLAMA.
+
+Page i of a prompt is keyed by a chained hash of page i-1's key and page i's
+tokens (the namespace salts page 0), so equal keys mean equal prefixes. Hashes
+route, tokens verify: a hit is accepted only when the stored tokens, parent and
+namespace equal the prompt's. The cache holds one pool reference per page.
+
+Eviction gives back least-recently-used pages that no session holds, and only
+leaves (pages with no cached child), so the deepest page of a chain goes first
+and no cached page is ever stranded behind an evicted head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .kv_pool import KVPool, Session
+
+HashFn = Callable[[bytes], int]
+
+
+def blake2b_64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@dataclass
+class CachedPage:
+    """One cached page: its pool page, tokens and place in the tree of prefixes."""
+
+    key: int
+    page: int
+    tokens: tuple[int, ...]
+    parent: int | None
+    namespace: str
+    depth: int
+    chain_id: int
+    last_used: int
+    children: set[int] = field(default_factory=set)
+
+
+@dataclass
+class ChainRecord:
+    """A chain: the pages one insert added. What `prefix_chain_list` reports."""
+
+    id: int
+    n_tokens: int
+    pages_live: int
+    hits: int
+    preview: str
+    created_at: float
+    last_hit_at: float | None = None
+    namespace: str = ""
+    first_page_depth: int = 0
+
+
+@dataclass
+class CacheCounters:
+    queries: int = 0
+    hits: int = 0
+    hit_pages: int = 0
+    inserted_pages: int = 0
+    evicted_pages: int = 0
+    tokens_saved: int = 0
+
+
+@dataclass
+class ProbeResult:
+    """How far a prompt would match, and why it stops (see `prefix_probe`)."""
+
+    matched_tokens: int
+    matched_pages: int
+    stop_reason: str          # "cap" | "miss" | "token_mismatch" | "end"
+    first_diff_index: int | None
+    nearest_chain_id: int | None
+
+
+class PrefixCache:
+    """Cached pages by chained key, chain records, an LRU heap of evictable leaves."""
+
+    def __init__(self, max_pages: int = 0, hash_fn: HashFn | None = None):
+        if not isinstance(max_pages, int) or max_pages < 0:
+            raise ValueError(f"max_pages must be an integer >= 0 (0: unbounded), got {max_pages!r}")
+        self.max_pages = max_pages
+        self.hash_fn = hash_fn or blake2b_64
+        self.pages: dict[int, CachedPage] = {}
+        self.roots: dict[str, set[int]] = {}
+        self.chains: dict[int, ChainRecord] = {}
+        self.counters = CacheCounters()
+        self.page_rows: int | None = None
+        self.pool: KVPool | None = None
+        self._clock = itertools.count(1)
+        self._chain_ids = itertools.count(1)
+        self._leaf_heap: list[tuple[int, int]] = []  # (last_used, key), stale entries skipped
+        self.by_page: dict[int, int] = {}            # pool page -> key
+
+    # keys -------------------------------------------------------------
+    def page_key(self, parent: int | None, tokens, namespace: str) -> int:
+        salt = (b"ns:" + namespace.encode("utf-8") + b"\0") if parent is None else parent.to_bytes(8, "little")
+        return self.hash_fn(salt + np.asarray(tokens, dtype=np.int64).tobytes())
+
+    def verify(self, entry: CachedPage, parent: int | None, tokens, namespace: str) -> bool:
+        return entry.parent == parent and entry.namespace == namespace and entry.tokens == tuple(tokens)
+
+    # recency ----------------------------------------------------------
+    def touch(self, entry: CachedPage) -> None:
+        entry.last_used = next(self._clock)
+        if not entry.children:
+            heapq.heappush(self._leaf_heap, (entry.last_used, entry.key))
+
+    def bind(self, pool: KVPool) -> None:
+        if self.pool is None:
+            self.pool, self.page_rows = pool, pool.page_rows
+            pool.add_reclaimer(self)
+        elif self.pool is not pool:
+            raise ValueError("this prefix cache belongs to another KV pool")
+
+    # eviction ---------------------------------------------------------
+    def _evictable(self, entry: CachedPage) -> bool:
+        return not entry.children and self.pool.refcount[entry.page] == 1
+
+    def evict(self, n: int) -> int:
+        """Give back up to n least-recently-used leaf pages no session holds; return how many."""
+        evicted, held = 0, []
+        while evicted < n and self._leaf_heap:
+            stamp, key = heapq.heappop(self._leaf_heap)
+            entry = self.pages.get(key)
+            if entry is None or entry.last_used != stamp or entry.children:
+                continue  # stale heap entry
+            if not self._evictable(entry):
+                held.append((stamp, key))
+                continue
+            self._remove(entry)
+            evicted += 1
+        for item in held:
+            heapq.heappush(self._leaf_heap, item)
+        return evicted
+
+    def evict_for_pool(self, pool: KVPool, n: int) -> int:
+        return self.evict(n) if pool is self.pool else 0
+
+    def _remove(self, entry: CachedPage) -> None:
+        del self.pages[entry.key]
+        del self.by_page[entry.page]
+        if entry.parent is None:
+            self.roots[entry.namespace].discard(entry.key)
+        else:
+            parent = self.pages[entry.parent]
+            parent.children.discard(entry.key)
+            if not parent.children:
+                heapq.heappush(self._leaf_heap, (parent.last_used, parent.key))
+        chain = self.chains[entry.chain_id]
+        chain.pages_live -= 1
+        if chain.pages_live == 0:
+            del self.chains[entry.chain_id]
+        self.counters.evicted_pages += 1
+        self.pool.release(entry.page)
+
+    def enforce_budget(self) -> None:
+        if self.max_pages and len(self.pages) > self.max_pages:
+            self.evict(len(self.pages) - self.max_pages)
+
+    # queries ----------------------------------------------------------
+    def walk(self, prompt, namespace: str, limit_pages: int):
+        """Yield (index, key, entry or None, verified) page by page until a miss."""
+        rows = self.page_rows
+        parent = None
+        for i in range(limit_pages):
+            toks = prompt[i * rows:(i + 1) * rows]
+            key = self.page_key(parent, toks, namespace)
+            entry = self.pages.get(key)
+            ok = entry is not None and self.verify(entry, parent, toks, namespace)
+            yield i, key, entry, ok
+            if not ok:
+                return
+            parent = key
+
+    def nearest(self, parent: int | None, namespace: str, toks) -> tuple[int, int | None]:
+        """Longest common prefix of `toks` with any cached child of `parent`, and its chain."""
+        keys = self.roots.get(namespace, set()) if parent is None else self.pages[parent].children
+        best, chain = 0, None
+        for key in keys:
+            entry = self.pages[key]
+            n = 0
+            for a, b in zip(entry.tokens, toks):
+                if a != b:
+                    break
+                n += 1
+            if chain is None or n > best:
+                best, chain = n, entry.chain_id
+        return best, chain
+
+
+def create_prefix_cache(max_pages: int = 0, hash_fn: HashFn | None = None) -> PrefixCache:
+    """A prefix cache with a page budget (0: unbounded); `hash_fn` is injectable for tests."""
+    return PrefixCache(max_pages=max_pages, hash_fn=hash_fn)
+
+
+def _check_session(pool: KVPool, s: Session) -> None:
+    if s.released:
+        raise ValueError(f"session {s.id} was released; create a new session")
+    if s.pool is not pool:
+        raise ValueError(f"session {s.id} belongs to another KV pool")
+
+
+def prefix_insert(cache: PrefixCache, pool: KVPool, s: Session, tokens, preview: str = "",
+                  namespace: str = "") -> int:
+    """Donate the session's full pages covering `tokens`; return how many pages were new."""
+    _check_session(pool, s)
+    cache.bind(pool)
+    rows = pool.page_rows
+    covered = min(len(tokens), s.n_past)
+    if list(tokens[:covered]) != s.tokens[:covered]:
+        first = next(i for i, (a, b) in enumerate(zip(tokens, s.tokens)) if a != b)
+        raise ValueError(f"tokens differ from what session {s.id} evaluated, first at position {first}")
+    chain: ChainRecord | None = None
+    parent: int | None = None
+    added = 0
+    for i in range(covered // rows):
+        toks = tuple(int(t) for t in tokens[i * rows:(i + 1) * rows])
+        key = cache.page_key(parent, toks, namespace)
+        entry = cache.pages.get(key)
+        if entry is not None:
+            if not cache.verify(entry, parent, toks, namespace):
+                break  # a hash collision: never store under another prefix's key
+            cache.touch(entry)
+            parent = key
+            continue
+        if chain is None:
+            chain = ChainRecord(id=next(cache._chain_ids), n_tokens=0, pages_live=0, hits=0,
+                                preview=preview, created_at=time.time(), namespace=namespace,
+                                first_page_depth=i)
+            cache.chains[chain.id] = chain
+        page = s.page_table[i]
+        if page in cache.by_page:
+            break  # this pool page already caches another prefix (cannot happen via attach)
+        pool.retain(page)
+        entry = CachedPage(key=key, page=page, tokens=toks, parent=parent, namespace=namespace,
+                           depth=i, chain_id=chain.id, last_used=0)
+        cache.pages[key] = entry
+        cache.by_page[page] = key
+        if parent is None:
+            cache.roots.setdefault(namespace, set()).add(key)
+        else:
+            cache.pages[parent].children.add(key)
+        cache.touch(entry)
+        chain.n_tokens += rows
+        chain.pages_live += 1
+        added += 1
+        parent = key
+    cache.counters.inserted_pages += added
+    cache.enforce_budget()
+    return added
+
+
+def prefix_attach(cache: PrefixCache, pool: KVPool, s: Session, prompt, namespace: str = "") -> int:
+    """Attach the cached pages matching the prompt's start to a fresh session; return tokens matched."""
+    _check_session(pool, s)
+    if s.n_past != 0 or s.page_table:
+        raise ValueError(
+            f"prefix_attach needs a fresh session (n_past 0, no pages); session {s.id} has "
+            f"n_past {s.n_past} and {len(s.page_table)} pages")
+    cache.counters.queries += 1
+    if cache.pool is not None and cache.pool is not pool:
+        raise ValueError("this prefix cache belongs to another KV pool")
+    if cache.pool is None:
+        return 0
+    rows = pool.page_rows
+    cap = max(0, (len(prompt) - 1) // rows)
+    matched: list[CachedPage] = []
+    for _, _, entry, ok in cache.walk(prompt, namespace, cap):
+        if not ok:
+            break
+        matched.append(entry)
+    for entry in matched:
+        pool.retain(entry.page)
+        s.page_table.append(entry.page)
+        cache.touch(entry)
+    n = len(matched) * rows
+    s.n_past = n
+    s.tokens = [int(t) for t in prompt[:n]]
+    if matched:
+        chain = cache.chains[matched[-1].chain_id]
+        chain.hits += 1
+        chain.last_hit_at = time.time()
+        cache.counters.hits += 1
+        cache.counters.hit_pages += len(matched)
+        cache.counters.tokens_saved += n
+    return n
+
+
+def prefix_probe(cache: PrefixCache, prompt, namespace: str = "") -> ProbeResult:
+    """Read-only: how far `prompt` would match and why it stops; counts nothing."""
+    if cache.pool is None or len(prompt) == 0:
+        return ProbeResult(0, 0, "end", None, None)
+    rows = cache.page_rows
+    cap = max(0, (len(prompt) - 1) // rows)
+    n_full = len(prompt) // rows
+    matched, parent, last_chain = 0, None, None
+    for i, key, entry, ok in cache.walk(prompt, namespace, n_full):
+        if ok and i < cap:
+            matched, parent, last_chain = i + 1, key, entry.chain_id
+            continue
+        if ok:  # the cache holds this page but the cap keeps one token for the model
+            return ProbeResult(matched * rows, matched, "cap", None, entry.chain_id)
+        toks = [int(t) for t in prompt[i * rows:(i + 1) * rows]]
+        lcp, chain = cache.nearest(parent, namespace, toks)
+        reason = "token_mismatch" if entry is not None else "miss"
+        return ProbeResult(matched * rows, matched, reason, i * rows + lcp, chain or last_chain)
+    # Out of full pages: the rest of the prompt is a partial page.
+    tail = [int(t) for t in prompt[matched * rows:]]
+    lcp, chain = cache.nearest(parent, namespace, tail)
+    diff = matched * rows + lcp if chain is not None else None
+    return ProbeResult(matched * rows, matched, "end", diff, chain or last_chain)
+
+
+def prefix_chain_list(cache: PrefixCache) -> list[ChainRecord]:
+    """Every chain that still has a live page, oldest first."""
+    return [c for c in cache.chains.values() if c.pages_live > 0]
+
+
+def prefix_held_groups(cache: PrefixCache) -> list[int]:
+    """The pool pages the cache holds a reference on."""
+    return sorted(cache.by_page)
+
+
+def prefix_release(cache: PrefixCache, pool: KVPool) -> int:
+    """Hand every cached page back to the pool; return how many."""
+    if cache.pool is not None and cache.pool is not pool:
+        raise ValueError("this prefix cache belongs to another KV pool")
+    n = len(cache.pages)
+    for entry in cache.pages.values():
+        pool.release(entry.page)
+    cache.pages.clear()
+    cache.by_page.clear()
+    cache.roots.clear()
+    cache.chains.clear()
+    cache._leaf_heap.clear()
+    return n

@@ -1,0 +1,141 @@
+"""Byte-level BPE tokenizer and chat template, both built from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from .errors import ModelLoadError, TemplateError
+
+# llama.cpp token types that are parsed as whole tokens in text.
+CONTROL, USER_DEFINED = 3, 4
+
+# GPT-2 style split used by llama.cpp's "llama-bpe" (Llama 3) pre-tokenizer.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# A plain ChatML template used when the GGUF has none or its own one fails.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm",):
+        # llama.cpp splits digits one by one before the GPT-2 regex.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama-bpe", "llama3"):
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    return byte_level
+
+
+def build_tokenizer(path: str, model: str, pre: str, tokens: list[str], merges: list[str],
+                    token_types) -> Tokenizer:
+    """A `tokenizers.Tokenizer` equal to llama.cpp's for a gpt2-style GGUF vocabulary."""
+    if model != "gpt2":
+        raise ModelLoadError(f"{path}: unsupported tokenizer model '{model}'; supported: gpt2 (byte-level BPE)")
+    if not tokens or merges is None:
+        raise ModelLoadError(f"{path}: missing tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = []
+    for m in merges:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise ModelLoadError(f"{path}: malformed merge {m!r} in tokenizer.ggml.merges")
+        pairs.append((a, b))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=False))
+    tk.pre_tokenizer = _pre_tokenizer(pre)
+    tk.decoder = decoders.ByteLevel()
+    if token_types is not None:
+        special = [tokens[i] for i, t in enumerate(token_types) if int(t) in (CONTROL, USER_DEFINED)]
+        tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
+    return tk
+
+
+@dataclass
+class TextTokenizer:
+    """Encode, decode, stream-decode and apply the chat template."""
+
+    tokenizer: Tokenizer
+    chat_template: str
+    eos_ids: tuple[int, ...]
+    bos_id: int | None = None
+    template_warning: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are parsed; no BOS."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(int(token_id)) or ""
+
+    def stream(self) -> TokenStream:
+        return TokenStream(self.tokenizer)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to `messages`, rendered in Jinja2's sandbox."""
+        return render_template(self.chat_template, messages, add_generation_prompt,
+                               bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
+                               eos_token=self.token_text(self.eos_ids[0]) if self.eos_ids else "")
+
+
+class TokenStream:
+    """Turns generated token ids into text pieces, holding back split UTF-8 bytes."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._stream = decoders.DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer, int(token_id)) or ""
+
+
+def _raise_exception(message):
+    raise TemplateError(f"chat template raised: {message}")
+
+
+def render_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                    **extra) -> str:
+    """Render an untrusted chat template in an immutable sandbox."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+    except SecurityError as e:
+        raise TemplateError(f"chat template blocked by the sandbox: {e}") from e
+    except TemplateError:
+        raise
+    except Exception as e:  # syntax errors, undefined names, type errors
+        raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+
+def checked_template(template: str | None) -> tuple[str, str]:
+    """The template to use and a warning when the GGUF's own one is unusable."""
+    if not template:
+        return FALLBACK_TEMPLATE, "the model has no chat template; using plain ChatML"
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+             {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    try:
+        render_template(template, probe, True, bos_token="", eos_token="")
+    except TemplateError as e:
+        return FALLBACK_TEMPLATE, f"{e}; using plain ChatML instead"
+    return template, ""

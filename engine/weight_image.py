@@ -1,0 +1,115 @@
+"""A prepared float32 weight image: written once per GGUF, memory-mapped after.
+
+Layout of an image folder: `index.json` (what the arrays are, where they lie,
+and checksums) and `weights.bin` (the arrays back to back, 64-byte aligned).
+An image is used only when the GGUF's size, mtime and header checksum and the
+data checksum all agree; anything else rebuilds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+
+import numpy as np
+
+IMAGE_VERSION = 1
+ALIGN = 64
+CRC_BLOCK = 1 << 24
+
+
+def cache_root() -> str:
+    """Where weight images live: $PREFIXLAB_CACHE_DIR, else the user cache dir."""
+    root = os.environ.get("PREFIXLAB_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "prefixlab")
+    return os.path.join(root, "weights")
+
+
+def file_crc(path: str, length: int | None = None) -> int:
+    """CRC-32 of the first `length` bytes of a file (all of it when None)."""
+    crc = 0
+    remaining = os.path.getsize(path) if length is None else length
+    with open(path, "rb") as fh:
+        while remaining > 0:
+            block = fh.read(min(CRC_BLOCK, remaining))
+            if not block:
+                break
+            crc = zlib.crc32(block, crc)
+            remaining -= len(block)
+    return crc
+
+
+def image_key(gguf_path: str) -> str:
+    """Folder name of a GGUF's image: size, mtime and a checksum of its first MiB."""
+    st = os.stat(gguf_path)
+    return f"{st.st_size}-{st.st_mtime_ns}-{file_crc(gguf_path, 1 << 20):08x}"
+
+
+def image_dir(gguf_path: str) -> str:
+    return os.path.join(cache_root(), image_key(gguf_path))
+
+
+def write_image(gguf_path: str, header_bytes: int, arrays: dict[str, np.ndarray], info: dict) -> str:
+    """Write arrays and info atomically into this GGUF's image folder; return it."""
+    final = image_dir(gguf_path)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
+    try:
+        index, offset = {}, 0
+        with open(os.path.join(tmp, "weights.bin"), "wb") as fh:
+            for name, arr in arrays.items():
+                arr = np.ascontiguousarray(arr, dtype=np.float32)
+                pad = (-offset) % ALIGN
+                fh.write(b"\0" * pad)
+                offset += pad
+                index[name] = {"offset": offset, "shape": list(arr.shape)}
+                fh.write(arr.tobytes())
+                offset += arr.nbytes
+        meta = {
+            "version": IMAGE_VERSION,
+            "gguf_header_bytes": header_bytes,
+            "gguf_header_crc": file_crc(gguf_path, header_bytes),
+            "data_bytes": offset,
+            "data_crc": file_crc(os.path.join(tmp, "weights.bin")),
+            "arrays": index,
+            "info": info,
+        }
+        with open(os.path.join(tmp, "index.json"), "w", encoding="utf-8") as fh:
+            json.dump(meta, fh)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_image(gguf_path: str) -> tuple[dict[str, np.ndarray], dict] | None:
+    """Memory-map a valid image of this GGUF, or None when absent, stale or corrupt."""
+    folder = image_dir(gguf_path)
+    index_path, data_path = os.path.join(folder, "index.json"), os.path.join(folder, "weights.bin")
+    try:
+        with open(index_path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+        if meta.get("version") != IMAGE_VERSION:
+            return None
+        if os.path.getsize(data_path) != meta["data_bytes"]:
+            return None
+        if file_crc(gguf_path, meta["gguf_header_bytes"]) != meta["gguf_header_crc"]:
+            return None
+        if file_crc(data_path) != meta["data_crc"]:
+            return None
+        blob = np.memmap(data_path, dtype=np.uint8, mode="r")
+        arrays = {}
+        for name, spec in meta["arrays"].items():
+            shape = tuple(spec["shape"])
+            n = int(np.prod(shape)) * 4
+            arrays[name] = blob[spec["offset"]:spec["offset"] + n].view(np.float32).reshape(shape)
+        return arrays, meta["info"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
