@@ -210,8 +210,12 @@ def _check_session(pool: KVPool, s: Session) -> None:
 
 
 def prefix_insert(cache: PrefixCache, pool: KVPool, s: Session, tokens, preview: str = "",
-                  namespace: str = "") -> int:
-    """Donate the session's full pages covering `tokens`; return how many pages were new."""
+                  namespace: str = "", chain_id: int | None = None) -> int:
+    """Donate the session's full pages covering `tokens`; return how many pages were new.
+
+    `chain_id` appends the new pages to that live chain instead of making a new
+    record (the scheduler publishes a prompt page by page as prefill computes it).
+    """
     _check_session(pool, s)
     cache.bind(pool)
     rows = pool.page_rows
@@ -219,7 +223,7 @@ def prefix_insert(cache: PrefixCache, pool: KVPool, s: Session, tokens, preview:
     if list(tokens[:covered]) != s.tokens[:covered]:
         first = next(i for i, (a, b) in enumerate(zip(tokens, s.tokens)) if a != b)
         raise ValueError(f"tokens differ from what session {s.id} evaluated, first at position {first}")
-    chain: ChainRecord | None = None
+    chain: ChainRecord | None = cache.chains.get(chain_id) if chain_id is not None else None
     parent: int | None = None
     added = 0
     for i in range(covered // rows):

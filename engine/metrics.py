@@ -1,0 +1,104 @@
+"""The scheduler's timeline (one row per step) and per-request records (DESIGN §5)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from .kv_pool import KVPool
+from .prefix_cache import PrefixCache
+
+# Page states, as the page map colours them.
+PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED, PAGE_CACHED = 0, 1, 2, 3
+PAGE_STATE_NAMES = {PAGE_FREE: "free", PAGE_PRIVATE: "private", PAGE_SHARED: "shared",
+                    PAGE_CACHED: "cached"}
+
+
+def page_states(pool: KVPool, cache: PrefixCache | None) -> np.ndarray:
+    """State of every pool page: free, private to sessions, shared, or held only by the cache."""
+    states = np.where(pool.refcount > 0, PAGE_PRIVATE, PAGE_FREE).astype(np.int8)
+    if cache is not None and cache.by_page:
+        held = np.fromiter(cache.by_page, dtype=np.int64, count=len(cache.by_page))
+        states[held] = np.where(pool.refcount[held] > 1, PAGE_SHARED, PAGE_CACHED)
+    return states
+
+
+@dataclass
+class TimelineRow:
+    """Every metric of one scheduler step; cumulative counts since the scheduler started."""
+
+    step: int
+    wall_s: float
+    capacity: int
+    pages_private: int
+    pages_shared: int
+    pages_cached: int
+    pages_free: int
+    chains: int
+    cached_pages: int
+    queries: int
+    hits: int
+    hit_pages: int
+    prefill_computed: int
+    prefill_saved: int
+    decode_tokens: int
+    active: int
+    queued: int
+    batch_size: int
+    step_s: float
+
+    @property
+    def hit_rate(self) -> float:
+        """saved / (saved + computed): the share of prompt tokens the cache spared."""
+        total = self.prefill_saved + self.prefill_computed
+        return self.prefill_saved / total if total else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)] + ["hit_rate"]
+
+
+@dataclass
+class RequestRecord:
+    """What one request did: the numbers a user sees in its badges and the report."""
+
+    id: int
+    preview: str
+    conversation_id: str | None
+    namespace: str
+    n_prompt: int
+    n_cached: int = 0
+    n_prefilled: int = 0
+    n_gen: int = 0
+    queue_wait_s: float = 0.0
+    ttft_s: float | None = None
+    decode_tps: float | None = None
+    finish_reason: str | None = None
+    chain_hit: int | None = None
+    chain_donated: int | None = None
+    text: str = ""
+    submitted_s: float = 0.0
+    finished_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Timeline:
+    """Rows appended by the scheduler; readers take `rows` or column arrays."""
+
+    def __init__(self):
+        self.rows: list[TimelineRow] = []
+
+    def append(self, row: TimelineRow) -> None:
+        self.rows.append(row)
+
+    def column(self, name: str) -> np.ndarray:
+        return np.array([getattr(r, name) for r in self.rows], dtype=np.float64)
+
+    def __len__(self) -> int:
+        return len(self.rows)

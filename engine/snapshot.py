@@ -1,0 +1,85 @@
+"""A copy of the scheduler's state for another thread: the UI reads this, never the engine."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .metrics import RequestRecord, TimelineRow
+from .prefix_cache import ChainRecord, prefix_chain_list
+
+
+@dataclass
+class PageInfo:
+    """What a page-map tooltip shows about one pool page."""
+
+    page: int
+    refcount: int
+    state: int
+    chain_id: int | None = None
+    owners: list[int] = field(default_factory=list)  # request ids whose session holds the page
+    first_position: int | None = None
+    text: str = ""
+
+
+@dataclass
+class Snapshot:
+    """Everything the charts, page map and tables draw, copied out of the engine."""
+
+    timeline: list[TimelineRow]
+    page_states: np.ndarray
+    refcounts: np.ndarray
+    pages: dict[int, PageInfo]
+    chains: list[ChainRecord]
+    records: list[RequestRecord]
+    page_rows: int
+    prefill_tok_s: float
+    seconds_saved: float
+
+
+class SnapshotMaker:
+    """Builds snapshots; remembers page texts so each cached page is decoded once."""
+
+    def __init__(self):
+        self._text_by_key: dict[int, str] = {}
+
+    def take(self, scheduler, since_row: int = 0) -> Snapshot:
+        cache, pool, tok = scheduler.cache, scheduler.pool, scheduler.model.tokenizer
+        rows = pool.page_rows
+        states = scheduler.page_states()
+        pages: dict[int, PageInfo] = {}
+        live_keys = set()
+        for page, key in cache.by_page.items():
+            entry = cache.pages[key]
+            live_keys.add(key)
+            text = self._text_by_key.get(key)
+            if text is None:
+                text = self._text_by_key[key] = tok.decode(entry.tokens)
+            pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]), entry.chain_id,
+                                   first_position=entry.depth * rows, text=text)
+        for stream in scheduler.active:
+            s = stream.session
+            if s is None:
+                continue
+            for i, page in enumerate(s.page_table):
+                info = pages.get(page)
+                if info is None:
+                    toks = s.tokens[i * rows:(i + 1) * rows]
+                    info = pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]),
+                                                  first_position=i * rows, text=tok.decode(toks))
+                info.owners.append(stream.id)
+        for key in [k for k in self._text_by_key if k not in live_keys]:
+            del self._text_by_key[key]
+        return Snapshot(
+            timeline=list(scheduler.timeline.rows[since_row:]),
+            page_states=states.copy(),
+            refcounts=pool.refcount.copy(),
+            pages=pages,
+            chains=[copy.copy(c) for c in prefix_chain_list(cache)],
+            records=[copy.copy(r) for r in scheduler.records.values()],
+            page_rows=rows,
+            prefill_tok_s=scheduler.prefill_rate(),
+            seconds_saved=scheduler.seconds_saved(),
+        )
