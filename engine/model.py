@@ -31,8 +31,17 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+    # in place over the last axis: x [..., S] is a fresh scores array nobody else holds
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
+
+
+def causal_bias(T: int, S: int, n_past: int) -> np.ndarray:
+    # [T, S]: 0 where query t (at position n_past + t) may see key s, -inf after it
+    future = np.arange(S)[None, :] > (n_past + np.arange(T))[:, None]
+    return np.where(future, np.float32(-np.inf), np.float32(0.0))
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int) -> np.ndarray:
@@ -41,12 +50,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int) -> np.nd
     S, KV, _ = k.shape          # k, v [S, KV, hd]
     R = H // KV
     qg = q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3).reshape(KV, R * T, hd)  # [KV, R*T, hd]
-    scores = (qg @ k.transpose(1, 2, 0)) * (1.0 / np.sqrt(hd))                  # [KV, R*T, S]
+    # Contiguous operands keep the batched matmuls on BLAS.
+    kt = np.ascontiguousarray(k.transpose(1, 2, 0))                               # [KV, hd, S]
+    vt = np.ascontiguousarray(v.transpose(1, 0, 2))                               # [KV, S, hd]
+    scores = qg @ kt                                                              # [KV, R*T, S]
+    scores *= np.float32(1.0 / np.sqrt(hd))
     if T > 1:
-        causal = np.arange(S)[None, :] > (n_past + np.arange(T))[:, None]        # [T, S]
-        scores.reshape(KV, R, T, S)[:, :, causal] = -np.inf
+        scores.reshape(KV, R, T, S)[...] += causal_bias(T, S, n_past)             # [KV, R, T, S]
     probs = softmax(scores)                                                       # [KV, R*T, S]
-    out = probs @ v.transpose(1, 0, 2)                                            # [KV, R*T, hd]
+    out = probs @ vt                                                              # [KV, R*T, hd]
     return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
 
 
@@ -54,7 +66,11 @@ def swiglu(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarr
     gu = x @ w_gate_up                         # [N, 2*ff]
     ff = gu.shape[1] // 2
     g, u = gu[:, :ff], gu[:, ff:]              # [N, ff] each
-    return (g / (1.0 + np.exp(-g)) * u) @ w_down  # [N, d]
+    act = np.exp(-g)                           # [N, ff]; silu(g) = g / (1 + e^-g)
+    act += 1.0
+    np.divide(g, act, out=act)
+    act *= u
+    return act @ w_down                        # [N, d]
 
 
 def page_slots(sessions: list[Session], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
