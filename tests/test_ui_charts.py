@@ -1,0 +1,202 @@
+"""ChartsPanel on a real scheduler run: series equal the timeline, TTFT split, PNG export offscreen."""
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import functools  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import engine  # noqa: E402
+from engine.metrics import RequestRecord, TimelineRow  # noqa: E402
+from engine.scheduler import Scheduler  # noqa: E402
+from engine.snapshot import Snapshot, SnapshotMaker  # noqa: E402
+
+SYSTEM = ("You are a friendly assistant for a small hardware store. You answer questions about tools, "
+          "paint, lumber and garden supplies in one short sentence.")
+QUESTIONS = ("What glue works on wood?", "Which paint suits a bathroom?", "How do I cut ceramic tile?")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass
+class EngineRun:
+    """One short real run: every timeline row, a snapshot after each step, the final records."""
+
+    rows: list[TimelineRow]
+    snapshots: list[Snapshot]
+    records: list[RequestRecord]
+    scheduler: Scheduler
+
+
+@functools.lru_cache(maxsize=1)
+def engine_run() -> EngineRun:
+    """Run the bundled model once per test session (shared with test_ui_cache_panel)."""
+    model = engine.load_model()
+    sched = Scheduler(model, page_rows=16)
+    for q in QUESTIONS:
+        sched.submit(system=SYSTEM, user=q, max_new_tokens=8)
+    maker, snaps, seen = SnapshotMaker(), [], 0
+    while sched.has_work():
+        sched.step()
+        snaps.append(maker.take(sched, since_row=seen))
+        seen = len(sched.timeline)
+    return EngineRun(list(sched.timeline.rows), snaps, snaps[-1].records, sched)
+
+
+@pytest.fixture(scope="module")
+def run() -> EngineRun:
+    return engine_run()
+
+
+@pytest.fixture
+def panel(qtbot):
+    from ui.charts import ChartsPanel
+    w = ChartsPanel()
+    qtbot.addWidget(w)
+    w.resize(1100, 760)
+    return w
+
+
+def column(rows, name):
+    if name == "hit_rate":
+        return np.array([r.hit_rate for r in rows])
+    return np.array([getattr(r, name) for r in rows], dtype=np.float64)
+
+
+def n_points(curve) -> int:
+    x = curve.getData()[0]
+    return 0 if x is None else len(x)
+
+
+TIMELINE_NAMES = ("pages_private", "pages_shared", "pages_cached", "pages_free", "chains", "cached_pages",
+                  "hits", "hit_rate", "prefill_computed", "prefill_saved")
+
+
+def test_run_exercises_the_cache(run):
+    last = run.rows[-1]
+    assert len(run.snapshots) == len(run.rows) >= 3
+    assert last.hits >= 1 and last.prefill_saved > 0 and last.prefill_computed > 0
+    assert any(r.n_cached > 0 for r in run.records) and any(r.n_cached == 0 for r in run.records)
+
+
+def test_series_equal_timeline_after_append_and_timer(run, panel, qtbot):
+    # Feed it the way the worker does: each snapshot carries the rows since the previous one.
+    for snap in run.snapshots:
+        panel.append(snap.timeline, snap.records)
+    for name in TIMELINE_NAMES:
+        x, y = panel.series(name)
+        np.testing.assert_array_equal(x, column(run.rows, "wall_s"))
+        np.testing.assert_allclose(y, column(run.rows, name), err_msg=name)
+    # The timer pushes the buffers to the curves (stacked for the pool chart).
+    curves = panel._charts.curves
+    qtbot.waitUntil(lambda: n_points(curves["hits"]) == len(run.rows), timeout=2000)
+    assert not panel._timer.isActive() or panel._dirty is False
+    for name in ("hits", "prefill_saved", "prefill_computed", "chains", "cached_pages"):
+        np.testing.assert_allclose(curves[name].getData()[1], column(run.rows, name), err_msg=name)
+    np.testing.assert_allclose(curves["hit_rate"].getData()[1], 100 * column(run.rows, "hit_rate"))
+    top = curves["pages_free"].getData()[1]
+    np.testing.assert_allclose(top, column(run.rows, "capacity"))  # the stack sums to the pool
+    for name in TIMELINE_NAMES:  # and the series still equal the timeline after the refresh
+        np.testing.assert_allclose(panel.series(name)[1], column(run.rows, name))
+
+
+def test_timer_coalesces_appends_and_stops_when_idle(run, panel, qtbot):
+    calls = []
+    original = panel._charts.refresh
+    panel._charts.refresh = lambda *a: (calls.append(1), original(*a))
+    for row in run.rows:  # many appends in one event-loop turn: one refresh, not one per row
+        panel.append([row], run.records)
+    assert calls == []
+    qtbot.waitUntil(lambda: len(calls) == 1, timeout=2000)
+    qtbot.waitUntil(lambda: not panel._timer.isActive(), timeout=2000)
+    assert len(calls) == 1
+
+
+def test_ttft_split_matches_records(run, panel):
+    panel.append(run.rows, run.records)
+    hit_x, hit_y = panel.series("ttft_hit")
+    miss_x, miss_y = panel.series("ttft_miss")
+    done = [r for r in run.records if r.ttft_s is not None]
+    hits = sorted((r for r in done if r.n_cached > 0), key=lambda r: r.id)
+    misses = sorted((r for r in done if r.n_cached == 0), key=lambda r: r.id)
+    assert hits and misses
+    np.testing.assert_array_equal(hit_x, [r.id for r in hits])
+    np.testing.assert_allclose(hit_y, [r.ttft_s for r in hits])
+    np.testing.assert_array_equal(miss_x, [r.id for r in misses])
+    np.testing.assert_allclose(miss_y, [r.ttft_s for r in misses])
+    assert set(hit_x).isdisjoint(miss_x)
+
+
+def test_records_replace_and_set_data_and_clear(run, panel):
+    panel.append(run.rows[:2], run.records)
+    panel.append(run.rows[2:], run.records[:1])  # records replace, rows accumulate
+    assert len(panel.series("hits")[0]) == len(run.rows)
+    assert len(panel.series("ttft_hit")[0]) + len(panel.series("ttft_miss")[0]) == 1
+    panel.set_data(run.rows[:3], run.records)
+    np.testing.assert_allclose(panel.series("prefill_saved")[1], column(run.rows[:3], "prefill_saved"))
+    np.testing.assert_allclose(panel._charts.curves["prefill_saved"].getData()[1],
+                               column(run.rows[:3], "prefill_saved"))  # set_data redraws at once
+    panel.clear()
+    for name in ("hits", "ttft_hit", "ttft_miss"):
+        assert len(panel.series(name)[0]) == 0
+    with pytest.raises(KeyError):
+        panel.series("nope")
+
+
+def test_buffer_grows_past_its_capacity(run, panel):
+    rows = [TimelineRow(**{**r.__dict__, "step": i + 1, "wall_s": i * 0.01})
+            for i, r in enumerate(run.rows * 200)]
+    panel.append(rows, [])
+    x, y = panel.series("pages_free")
+    assert len(x) == len(rows) > 256
+    np.testing.assert_allclose(y, column(rows, "pages_free"))
+    panel.refresh()
+
+
+def test_render_images_offscreen(run, panel):
+    panel.set_data(run.rows, run.records)
+    images = panel.render_images(width=640, height=240)
+    assert set(images) == set(panel.plot_widgets()) == {"pool", "cache", "hits", "prefill", "ttft"}
+    from PySide6.QtGui import QImage
+    for name, png in images.items():
+        assert png.startswith(PNG), name
+        img = QImage.fromData(png, "PNG")
+        assert (img.width(), img.height()) == (640, 240)
+    dark = panel.render_images(width=320, height=200, theme="dark")
+    img = QImage.fromData(dark["pool"], "PNG")
+    assert img.pixelColor(2, 2).lightness() < 100  # a dark background
+    assert QImage.fromData(images["pool"], "PNG").pixelColor(2, 2).lightness() > 200
+
+
+def test_themes_follow_the_palette(panel, qtbot):
+    from PySide6.QtGui import QColor, QPalette
+    pal = QPalette(panel.palette())
+    pal.setColor(QPalette.ColorRole.Window, QColor("#1b1d22"))
+    pal.setColor(QPalette.ColorRole.Base, QColor("#23262d"))
+    pal.setColor(QPalette.ColorRole.WindowText, QColor("#e5e7eb"))
+    panel.setPalette(pal)
+    qtbot.waitUntil(lambda: panel._current_theme().dark, timeout=1000)
+    bg = panel.plot_widgets()["pool"].backgroundBrush().color()
+    assert bg.lightness() < 100
+
+
+def test_screenshot(run, panel, qtbot):
+    panel.set_data(run.rows, run.records)
+    panel.show()
+    qtbot.waitExposed(panel)
+    assert panel.grab().save("/tmp/prefixlab_charts.png")
+
+
+def test_many_redraws_keep_the_interpreter_alive(run, panel, qtbot):
+    """PySide6 6.12 drops a reference to None per graphics-item paint; on 3.11 that used to abort."""
+    import sys
+    panel.show()
+    qtbot.waitExposed(panel)
+    for i in range(60):
+        panel.append([run.rows[i % len(run.rows)]], run.records)
+        panel.refresh()
+        panel.repaint()
+    assert sys.getrefcount(None) > 10**6

@@ -1,0 +1,142 @@
+"""One palette for page states and chart series, in a light and a dark theme."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from PySide6.QtGui import QColor, QGuiApplication, QPalette
+from PySide6.QtWidgets import QWidget
+
+from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED, PAGE_STATE_NAMES
+
+_PINNED = 1 << 40
+
+
+def pin_singletons() -> bool:
+    """Make None, True and False immortal on CPython < 3.12; True when it did.
+
+    The PySide6 6.12 wheels drop one reference to None (and True) too many in many
+    calls: QGraphicsScene.render, every QGraphicsItem.paint override, QPainter calls.
+    On Python 3.11 these objects are not immortal yet (PEP 683 made them so in 3.12),
+    so a live pyqtgraph chart drives None's count to zero within seconds and CPython
+    aborts ("none_dealloc"). Adding 2**40 to the counts does what 3.12 does by design.
+    Every ui module of the panels imports this one, so the fix is in place before any
+    widget paints (app/qt_compat.py does the same for the app; both together are harmless).
+    """
+    if sys.version_info >= (3, 12) or sys.implementation.name != "cpython" or \
+            hasattr(sys, "gettotalrefcount"):  # 3.12+: already immortal; debug builds: another layout
+        return False
+    import ctypes
+    for obj in (None, True, False):
+        count = ctypes.c_ssize_t.from_address(id(obj))  # ob_refcnt: the first field of PyObject
+        if count.value < _PINNED:
+            count.value += _PINNED
+    return True
+
+
+pin_singletons()
+
+# Stacking order of the pool chart (bottom to top) and the page-map legend.
+STATE_ORDER = (PAGE_PRIVATE, PAGE_SHARED, PAGE_CACHED, PAGE_FREE)
+STATE_LABELS = {
+    PAGE_PRIVATE: "private to streams",
+    PAGE_SHARED: "shared (cache + streams)",
+    PAGE_CACHED: "held only by the cache",
+    PAGE_FREE: "free",
+}
+
+# Okabe-Ito hues (colour-blind safe), mid-tone so they read on white and on near-black.
+# Green always means "the cache helped", vermillion "computed / missed".
+_STATE_COLORS = {PAGE_PRIVATE: "#3d85c6", PAGE_SHARED: "#1fa774", PAGE_CACHED: "#e69f00"}
+_FREE_LIGHT, _FREE_DARK = "#d9dee5", "#3a404a"
+
+SERIES_COLORS = {
+    "pages_private": _STATE_COLORS[PAGE_PRIVATE],
+    "pages_shared": _STATE_COLORS[PAGE_SHARED],
+    "pages_cached": _STATE_COLORS[PAGE_CACHED],
+    "chains": "#8e6bd8",
+    "cached_pages": _STATE_COLORS[PAGE_CACHED],
+    "hits": "#3d85c6",
+    "hit_rate": "#cc5fa0",
+    "prefill_computed": "#d55e00",
+    "prefill_saved": "#1fa774",
+    "ttft_hit": "#1fa774",
+    "ttft_miss": "#d55e00",
+}
+
+
+@dataclass(frozen=True)
+class Theme:
+    """Colours of one theme, as '#rrggbb' strings."""
+
+    dark: bool
+    background: str   # plot and page-map background
+    foreground: str   # titles, legend text
+    muted: str        # axis ticks, secondary text
+    grid: str         # grid lines and cell gaps
+    highlight: str    # outline of the selected chain's pages
+    hover: str        # outline of the page under the mouse
+    prompt_bg: str    # the prompt's differing token, in rich text
+    cached_bg: str    # the cached token it differs from
+
+    def color(self, name: str) -> QColor:
+        return QColor(getattr(self, name))
+
+
+LIGHT = Theme(dark=False, background="#ffffff", foreground="#1f2328", muted="#59636e", grid="#d0d7de",
+              highlight="#111111", hover="#6e7781", prompt_bg="#ffd8c2", cached_bg="#cdeedd")
+DARK = Theme(dark=True, background="#1e2127", foreground="#e6e6e6", muted="#a3acb9", grid="#3b4250",
+             highlight="#ffffff", hover="#9aa4b2", prompt_bg="#7a3413", cached_bg="#155a38")
+
+
+def is_dark(palette: QPalette | None = None) -> bool:
+    """True when the palette's window colour is dark."""
+    if palette is None:
+        palette = QGuiApplication.palette()
+    return palette.color(QPalette.ColorRole.Window).lightness() < 128
+
+
+def theme_for(source: QWidget | QPalette | str | None = None) -> Theme:
+    """The theme matching a widget's palette, a palette, or 'light' / 'dark' by name."""
+    if isinstance(source, str):
+        if source not in ("light", "dark"):
+            raise ValueError(f"theme must be 'light' or 'dark', got {source!r}")
+        return DARK if source == "dark" else LIGHT
+    palette = source.palette() if isinstance(source, QWidget) else source
+    if palette is None:
+        palette = QGuiApplication.palette()
+    dark = is_dark(palette)
+    base = DARK if dark else LIGHT
+    # Blend into the host window: take its own background and text colours.
+    window = palette.color(QPalette.ColorRole.Base)
+    if dark and window.lightness() <= palette.color(QPalette.ColorRole.Window).lightness():
+        window = palette.color(QPalette.ColorRole.Window).lighter(118)  # a card a shade above the window
+    text = palette.color(QPalette.ColorRole.WindowText)
+    return Theme(dark=dark, background=window.name(), foreground=text.name(), muted=base.muted,
+                 grid=base.grid, highlight=base.highlight, hover=base.hover, prompt_bg=base.prompt_bg,
+                 cached_bg=base.cached_bg)
+
+
+def state_color(state: int, theme: Theme) -> QColor:
+    """Colour of a page state (PAGE_FREE/PRIVATE/SHARED/CACHED) in a theme."""
+    if state == PAGE_FREE:
+        return QColor(_FREE_DARK if theme.dark else _FREE_LIGHT)
+    return QColor(_STATE_COLORS[state])
+
+
+def state_name(state: int) -> str:
+    return PAGE_STATE_NAMES[state]
+
+
+def series_color(name: str, theme: Theme | None = None) -> QColor:
+    """Colour of a chart series; 'pages_free' follows the theme."""
+    if name == "pages_free":
+        return state_color(PAGE_FREE, theme or LIGHT)
+    return QColor(SERIES_COLORS[name])
+
+
+def with_alpha(color: QColor, alpha: int) -> QColor:
+    c = QColor(color)
+    c.setAlpha(alpha)
+    return c
