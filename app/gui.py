@@ -1,0 +1,43 @@
+"""Start the desktop app: `prefixlab` with no subcommand calls `run_app`."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+
+from . import qt_compat  # noqa: F401 - guards PySide6's refcount bug
+from .settings import APPLICATION, ORGANIZATION, qsettings
+
+
+def make_app(argv: list[str] | None = None) -> QApplication:
+    """The QApplication (made once), named and themed from the remembered settings."""
+    from ui.theme import apply_theme, icon
+
+    app = QApplication.instance() or QApplication(argv if argv is not None else sys.argv)
+    app.setOrganizationName(ORGANIZATION)
+    app.setApplicationName(APPLICATION)
+    app.setApplicationDisplayName("PrefixLab")
+    app.setWindowIcon(icon("prefixlab"))
+    apply_theme(app, str(qsettings().value("view/theme", "light")))
+    return app
+
+
+def run_app(model_path: str | None) -> int:
+    """Open the main window, load `model_path` (None: the bundled model) in the background, run."""
+    app = make_app()
+    from ui.main_window import MainWindow
+
+    window = MainWindow(model_path=model_path)
+    window.show()
+    # Ctrl+C in the terminal closes the window cleanly: Python only sees signals when the
+    # interpreter runs, so a slow timer gives it the chance.
+    signal.signal(signal.SIGINT, lambda *_: window.close())
+    tick = QTimer()
+    tick.timeout.connect(lambda: None)
+    tick.start(250)
+    code = app.exec()
+    window.shutdown()
+    return code

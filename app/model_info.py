@@ -1,0 +1,44 @@
+"""A loaded model described as plain data (what the model bar and reports show)."""
+
+from __future__ import annotations
+
+import os
+
+
+def model_info(model) -> dict:
+    """Name, architecture, quantization and sizes of an engine Model, as a plain dict."""
+    cfg = model.config
+    return {
+        "path": model.path,
+        "file": os.path.basename(model.path),
+        "name": model.name,
+        "arch": model.arch,
+        "quant": model.quant,
+        "n_params": int(model.n_params),
+        "context_length": int(cfg.context_length),
+        "n_layers": int(cfg.n_layers),
+        "d_model": int(cfg.d_model),
+        "n_heads": int(cfg.n_heads),
+        "n_kv_heads": int(cfg.n_kv_heads),
+        "head_dim": int(cfg.head_dim),
+        "vocab_size": int(cfg.vocab_size),
+        "file_size": int(model.file_size),
+        "load_seconds": float(model.load_seconds),
+        "from_image": bool(model.from_image),
+    }
+
+
+def format_count(n: int) -> str:
+    """135_000_000 -> '135M'; 1_700_000_000 -> '1.7B'."""
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            value = n / div
+            return f"{value:.1f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
+    return str(n)
+
+
+def format_bytes(n: int) -> str:
+    for div, suffix in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= div:
+            return f"{n / div:.1f} {suffix}"
+    return f"{n} B"

@@ -1,0 +1,181 @@
+"""The app's preferences: validated, remembered with QSettings, turned into engine arguments."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from PySide6.QtCore import QSettings
+
+from engine.sampler import SamplingParams
+
+ORGANIZATION = "PrefixLab"
+APPLICATION = "PrefixLab"
+MAX_RECENT_MODELS = 8
+
+# Settings whose change needs a new KV pool, hence a new Scheduler (the cache starts empty).
+POOL_FIELDS = ("page_rows", "pool_pages")
+# Settings the worker can change on a live scheduler without losing the cache.
+LIVE_FIELDS = ("max_streams", "chunk_tokens", "cache_pages", "cache_enabled")
+
+
+def qsettings() -> QSettings:
+    """The app's settings store: an INI file in the user scope (tests redirect it with setPath)."""
+    return QSettings(QSettings.Format.IniFormat, QSettings.Scope.UserScope, ORGANIZATION, APPLICATION)
+
+
+@dataclass
+class AppSettings:
+    """Every preference the Settings dialog edits."""
+
+    page_rows: int = 16
+    pool_pages: int = 0          # 0: the pool grows
+    cache_pages: int = 0         # cache budget in pages; 0: unbounded
+    max_streams: int = 8
+    chunk_tokens: int = 64
+    cache_enabled: bool = True
+    namespace: str = ""
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.1
+    seed: int = -1               # -1: a fresh seed per request
+    max_new_tokens: int = 64
+
+    # validation -----------------------------------------------------------
+    def errors(self) -> list[str]:
+        """Every problem with these values, one readable sentence each (empty when valid)."""
+        errs, bad = [], set()
+
+        def need_int(name: str, low: int, high: int) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                bad.add(name)
+                errs.append(f"{label(name)} must be a whole number from {low} to {high}, got {value!r}")
+
+        need_int("page_rows", 1, 4096)
+        need_int("pool_pages", 0, 1_000_000)
+        need_int("cache_pages", 0, 1_000_000)
+        need_int("max_streams", 1, 64)
+        need_int("chunk_tokens", 1, 65_536)
+        need_int("top_k", 0, 1_000_000)
+        need_int("seed", -1, 2**31 - 1)
+        need_int("max_new_tokens", 1, 65_536)
+        if not 0.0 <= self.temperature <= 10.0:
+            errs.append(f"Temperature must be from 0 (greedy) to 10, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            errs.append(f"Top-p must be above 0 and at most 1, got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            errs.append(f"Min-p must be at least 0 and below 1, got {self.min_p}")
+        if not 0.0 < self.repeat_penalty <= 10.0:
+            errs.append(f"Repetition penalty must be above 0 and at most 10, got {self.repeat_penalty}")
+        if len(self.namespace) > 200 or any(ord(c) < 32 for c in self.namespace):
+            errs.append("Namespace must be at most 200 printable characters")
+        if self.pool_pages and not bad & {"page_rows", "pool_pages", "max_new_tokens"}:
+            # One request must fit: prompt pages (at least one) + answer + the turn's closing tokens.
+            need = -(-(self.max_new_tokens + 4) // self.page_rows) + 1
+            if self.pool_pages < need:
+                errs.append(f"Pool pages ({self.pool_pages}) cannot hold even one request of "
+                            f"{self.max_new_tokens} new tokens at {self.page_rows} positions per page: "
+                            f"use at least {need} pages, or 0 to let the pool grow")
+        if not bad & {"pool_pages", "cache_pages"} and self.cache_pages and self.pool_pages \
+                and self.cache_pages > self.pool_pages:
+            errs.append(f"Cache budget ({self.cache_pages} pages) is larger than the pool "
+                        f"({self.pool_pages} pages)")
+        return errs
+
+    def validate(self) -> None:
+        errs = self.errors()
+        if errs:
+            raise ValueError("; ".join(errs))
+
+    # engine arguments -------------------------------------------------------
+    def scheduler_kwargs(self) -> dict:
+        """Keyword arguments of engine.scheduler.Scheduler (less the model)."""
+        return {"max_streams": self.max_streams, "chunk_tokens": self.chunk_tokens,
+                "page_rows": self.page_rows, "pool_pages": self.pool_pages or None,
+                "cache_pages": self.cache_pages, "cache_enabled": self.cache_enabled}
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                              seed=None if self.seed < 0 else self.seed)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AppSettings:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    # persistence ------------------------------------------------------------
+    def save(self, store: QSettings | None = None) -> None:
+        store = store or qsettings()
+        store.beginGroup("settings")
+        for f in fields(self):
+            store.setValue(f.name, getattr(self, f.name))
+        store.endGroup()
+        store.sync()
+
+    @classmethod
+    def load(cls, store: QSettings | None = None) -> AppSettings:
+        """The remembered settings; a missing or unreadable value falls back to its default."""
+        store = store or qsettings()
+        default = cls()
+        values = {}
+        store.beginGroup("settings")
+        for f in fields(cls):
+            raw = store.value(f.name, None)
+            values[f.name] = _coerce(raw, getattr(default, f.name))
+        store.endGroup()
+        loaded = cls(**values)
+        return loaded if not loaded.errors() else default
+
+
+LABELS = {
+    "page_rows": "Page rows", "pool_pages": "Pool pages", "cache_pages": "Cache budget",
+    "max_streams": "Max streams", "chunk_tokens": "Chunk tokens", "cache_enabled": "Prefix cache",
+    "namespace": "Namespace", "temperature": "Temperature", "top_k": "Top-k", "top_p": "Top-p",
+    "min_p": "Min-p", "repeat_penalty": "Repetition penalty", "seed": "Seed",
+    "max_new_tokens": "Max new tokens",
+}
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def _coerce(raw, default):
+    """QSettings' INI values come back as strings; turn one into the default's type."""
+    if raw is None:
+        return default
+    try:
+        if isinstance(default, bool):
+            return raw if isinstance(raw, bool) else str(raw).lower() in ("true", "1", "yes")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        return default
+
+
+# recent models ----------------------------------------------------------------
+def recent_models(store: QSettings | None = None) -> list[str]:
+    store = store or qsettings()
+    value = store.value("recent_models", [])
+    if isinstance(value, str):
+        value = [value] if value else []
+    return [str(v) for v in (value or [])][:MAX_RECENT_MODELS]
+
+
+def add_recent_model(path: str, store: QSettings | None = None) -> list[str]:
+    """Put `path` first in the recent models list; return the list."""
+    store = store or qsettings()
+    paths = [path] + [p for p in recent_models(store) if p != path]
+    paths = paths[:MAX_RECENT_MODELS]
+    store.setValue("recent_models", paths)
+    store.sync()
+    return paths

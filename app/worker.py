@@ -1,0 +1,445 @@
+"""The engine's one long-lived worker thread (DESIGN §6).
+
+`EngineWorker` is a QObject moved to a parentless QThread. It holds the Model
+and the Scheduler; nothing else touches them. The UI feeds it by queued
+signals (through `EngineClient`, which lives in the UI thread) and gets plain
+data back by signals: token pieces batched per step, finished records, and a
+Snapshot copy at most ~20 times a second. Cancellation is a flag the worker
+checks between steps, so a stop lands within one step even while the event
+queue is busy.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+import time
+import traceback
+
+from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
+
+import engine
+from engine.scheduler import FinishEvent, Scheduler, SubmitRefused, TokenEvent, common_prefix
+from engine.snapshot import SnapshotMaker
+
+from . import qt_compat  # noqa: F401 - guards PySide6's refcount bug
+from .model_info import model_info
+from .settings import LIVE_FIELDS, POOL_FIELDS, AppSettings
+
+STATS_INTERVAL_S = 0.05       # stats_updated at most ~20 Hz
+PROBE_CONTEXT_TOKENS = 12
+
+
+def guarded(fn):
+    """Run a worker slot; any exception becomes the `failed` signal, never a dead thread."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args):
+        try:
+            return fn(self, *args)
+        except Exception as e:  # noqa: BLE001 - reported to the user, the thread lives on
+            self.failed.emit(f"{fn.__name__}: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
+            return None
+
+    return wrapper
+
+
+class EngineWorker(QObject):
+    """Holds the Model and the Scheduler; steps the scheduler while there is work."""
+
+    token_generated = Signal(list)       # [(request_id, text piece), ...], one list per step
+    requests_submitted = Signal(list)    # [(tag, request_id, n_prompt), ...]
+    request_refused = Signal(str, str)   # tag, why
+    request_finished = Signal(object)    # RequestRecord (a copy)
+    stats_updated = Signal(object)       # engine.snapshot.Snapshot (a copy)
+    model_loaded = Signal(dict)          # app.model_info.model_info(model)
+    model_load_failed = Signal(str)
+    scheduler_reset = Signal(dict)       # a new Scheduler (new pool, empty cache): its settings
+    run_finished = Signal()
+    failed = Signal(str)
+    probe_ready = Signal(dict)
+    cache_flushed = Signal(int)
+    report_ready = Signal(str, object)   # path, report data (built here, rendered in the UI thread)
+
+    def __init__(self):
+        super().__init__()
+        self.model = None
+        self.scheduler: Scheduler | None = None
+        self._settings = AppSettings()
+        self._pending_settings: AppSettings | None = None
+        self._maker = SnapshotMaker()
+        self._last_stats = 0.0
+        self._busy = False
+        self._quitting = False
+        self._lock = threading.Lock()
+        self._cancel_tags: set[str] = set()
+        self._rid_of: dict[str, int] = {}
+        self._tag_of: dict[int, str] = {}
+        # A zero-interval timer (a child, so it moves to the thread with us): each step is
+        # one timer event, and queued submit/cancel/settings events run between steps.
+        self._timer = QTimer(self)
+        self._timer.setInterval(0)
+        self._timer.timeout.connect(self._pump)
+
+    # thread-safe flags (called from the UI thread) -------------------------
+    def request_cancel(self, tags) -> None:
+        """Stop these requests (by the tags they were submitted with) at the next step."""
+        with self._lock:
+            self._cancel_tags.update(tags)
+
+    def request_shutdown(self) -> None:
+        """Stop stepping at once; the queued `shutdown` slot then ends the thread."""
+        self._quitting = True
+
+    # slots (queued from the UI thread) --------------------------------------
+    @Slot(str)
+    @guarded
+    def load_model(self, path: str) -> None:
+        """Load a GGUF (the bundled model for ""); on failure keep the current model."""
+        if self._quitting:
+            return
+        self._stop_everything()
+        try:
+            model = engine.load_model(path or None)
+        except engine.ModelLoadError as e:
+            self.model_load_failed.emit(str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - any broken file must leave the old model
+            self.model_load_failed.emit(f"{path or 'the bundled model'}: {type(e).__name__}: {e}")
+            return
+        self.model = model
+        self._new_scheduler()
+        self.model_loaded.emit(model_info(model))
+
+    @Slot(dict)
+    @guarded
+    def apply_settings(self, values: dict) -> None:
+        """New preferences: live ones now, pool ones (a new Scheduler) when idle."""
+        new = AppSettings.from_dict(values)
+        new.validate()
+        old, self._settings = self._settings, new
+        s = self.scheduler
+        if s is None:
+            return
+        if any(getattr(old, f) != getattr(new, f) for f in POOL_FIELDS):
+            if s.has_work():
+                self._pending_settings = new
+            else:
+                self._new_scheduler()
+            return
+        if any(getattr(old, f) != getattr(new, f) for f in LIVE_FIELDS):
+            self._apply_live(new)
+            self._emit_stats(force=True)
+
+    @Slot(list)
+    @guarded
+    def submit(self, jobs: list) -> None:
+        """Queue requests: dicts with tag, system, user, conversation_id, messages, max_new_tokens,
+        sampling (dict), namespace."""
+        s = self.scheduler
+        accepted = []
+        for job in jobs:
+            tag = job["tag"]
+            if s is None:
+                self.request_refused.emit(tag, "no model is loaded")
+                continue
+            try:
+                rid = self._submit_one(s, job)
+            except (SubmitRefused, ValueError) as e:
+                with self._lock:
+                    self._cancel_tags.discard(tag)
+                self.request_refused.emit(tag, str(e))
+                continue
+            self._rid_of[tag] = rid
+            self._tag_of[rid] = tag
+            accepted.append((tag, rid, s.records[rid].n_prompt))
+        if accepted:
+            self.requests_submitted.emit(accepted)
+            self._busy = True
+            if not self._timer.isActive():
+                self._timer.start()
+
+    @Slot()
+    @guarded
+    def flush_cache(self) -> None:
+        if self.scheduler is None:
+            return
+        n = self.scheduler.flush_cache()
+        self.cache_flushed.emit(n)
+        self._emit_stats(force=True)
+
+    @Slot(dict)
+    @guarded
+    def probe(self, request: dict) -> None:
+        """How far a prompt (system + user) would match the cache, and where it differs."""
+        if self.scheduler is None or self.model is None:
+            return
+        self.probe_ready.emit(probe_prompt(self.scheduler, request.get("system", ""),
+                                           request.get("user", ""), request.get("namespace", "")))
+
+    @Slot(dict)
+    @guarded
+    def make_report(self, request: dict) -> None:
+        """Build the session's report data here (it reads the scheduler); the UI thread renders it."""
+        if self.scheduler is None or self.model is None:
+            raise RuntimeError("no model is loaded, so there is nothing to report")
+        from engine.report import build_report  # the reports module; imported only when used
+
+        report = build_report(self.scheduler, self.model, request.get("system", ""),
+                              self._settings.sampling(), request.get("title", ""),
+                              namespace=self._settings.namespace)
+        self.report_ready.emit(request["path"], report)
+
+    @Slot()
+    def shutdown(self) -> None:
+        """Stop stepping and end the thread's event loop (the UI thread then waits)."""
+        self._quitting = True
+        self._timer.stop()
+        QThread.currentThread().quit()
+
+    # stepping ---------------------------------------------------------------
+    @Slot()
+    def _pump(self) -> None:
+        """One scheduler step, then back to the event loop (the timer calls us again)."""
+        s = self.scheduler
+        if self._quitting or s is None:
+            self._timer.stop()
+            return
+        try:
+            self._apply_cancels(s)
+            if s.has_work():
+                self._emit_events(s.step())
+        except Exception as e:  # noqa: BLE001 - a broken step must not kill the thread
+            self.failed.emit(f"scheduler step: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
+            self._recover()
+        if self.scheduler is None or not self.scheduler.has_work():
+            self._timer.stop()
+            self._run_done()
+        else:
+            self._emit_stats()
+
+    def _emit_events(self, events: list) -> None:
+        pieces = [(ev.request_id, ev.text) for ev in events if isinstance(ev, TokenEvent)]
+        if pieces:
+            self.token_generated.emit(pieces)
+        for ev in events:
+            if isinstance(ev, FinishEvent):
+                tag = self._tag_of.pop(ev.request_id, None)
+                if tag is not None:
+                    self._rid_of.pop(tag, None)
+                    with self._lock:
+                        self._cancel_tags.discard(tag)
+                self.request_finished.emit(copy.copy(ev.record))
+
+    def _apply_cancels(self, s: Scheduler) -> None:
+        with self._lock:
+            tags = list(self._cancel_tags)
+        for tag in tags:
+            rid = self._rid_of.get(tag)
+            if rid is not None:
+                s.cancel(rid)
+
+    def _run_done(self) -> None:
+        self._emit_stats(force=True)
+        if self._busy:
+            self._busy = False
+            if self._pending_settings is not None:
+                self._pending_settings = None
+                self._new_scheduler()
+            self.run_finished.emit()
+
+    def _stop_everything(self) -> None:
+        """Cancel every request and reap them (finish events go out as `cancelled`)."""
+        s = self.scheduler
+        if s is None or not s.has_work():
+            return
+        s.cancel_all()
+        for _ in range(3):  # one step reaps cancelled streams; the loop is only a guard
+            self._emit_events(s.step())
+            if not s.has_work():
+                break
+        self._timer.stop()
+        self._run_done()
+
+    def _recover(self) -> None:
+        """After a failed step: cancel what runs; if even that fails, start a fresh scheduler."""
+        try:
+            self._stop_everything()
+        except Exception:  # noqa: BLE001
+            for rid in list(self._tag_of):
+                record = self.scheduler.records.get(rid) if self.scheduler else None
+                if record is not None:
+                    record = copy.copy(record)
+                    record.finish_reason = "cancelled"
+                    self.request_finished.emit(record)
+            self._tag_of.clear()
+            self._rid_of.clear()
+            self._new_scheduler()
+
+    def _new_scheduler(self) -> None:
+        if self.model is None:
+            return
+        self.scheduler = Scheduler(self.model, **self._settings.scheduler_kwargs())
+        self._maker = SnapshotMaker()
+        self._tag_of.clear()
+        self._rid_of.clear()
+        self.scheduler_reset.emit(self.scheduler.settings.to_dict())
+        self._emit_stats(force=True)
+
+    def _apply_live(self, new: AppSettings) -> None:
+        s = self.scheduler
+        s.settings.max_streams = new.max_streams
+        s.settings.chunk_tokens = new.chunk_tokens
+        s.settings.cache_enabled = new.cache_enabled
+        s.settings.cache_pages = new.cache_pages
+        s.cache.max_pages = new.cache_pages
+        s.cache.enforce_budget()
+
+    def _submit_one(self, s: Scheduler, job: dict) -> int:
+        cid = job.get("conversation_id")
+        conv = s.conversations.get(cid) if cid else None
+        common = {"max_new_tokens": int(job.get("max_new_tokens", 64)),
+                  "sampling": engine.SamplingParams(**job.get("sampling", {})),
+                  "namespace": job.get("namespace", ""), "conversation_id": cid}
+        messages = job.get("messages")
+        if messages and (conv is None or not conv.history_tokens):
+            # The scheduler lost this conversation (new pool, or its first turn was stopped):
+            # send the whole history the UI kept.
+            return s.submit(messages=messages, **common)
+        return s.submit(system=job.get("system") or None, user=job["user"], **common)
+
+    def _emit_stats(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.scheduler is None or (not force and now - self._last_stats < STATS_INTERVAL_S):
+            return
+        self._last_stats = now
+        self.stats_updated.emit(self._maker.take(self.scheduler))
+
+
+# probe -------------------------------------------------------------------------
+def chat_prompt(model, system: str, user: str) -> list[int]:
+    """The tokens a first turn of (system, user) submits, exactly as the scheduler builds them."""
+    tok = model.tokenizer
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user}]
+    return tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+
+
+def probe_prompt(scheduler: Scheduler, system: str, user: str, namespace: str = "") -> dict:
+    """engine.prefix_probe on the scheduler's cache, with the texts the cache panel shows."""
+    model, cache = scheduler.model, scheduler.cache
+    tok = model.tokenizer
+    prompt = chat_prompt(model, system, user)
+    r = engine.prefix_probe(cache, prompt, namespace)
+    d = r.first_diff_index
+    if d is not None and d < len(prompt):
+        context = tok.decode(prompt[max(0, d - PROBE_CONTEXT_TOKENS):d])
+        prompt_token = tok.decode([prompt[d]])
+        cached = cached_token_at(cache, prompt, namespace, d, r.nearest_chain_id)
+        cached_token = tok.decode([cached]) if cached is not None else None
+    else:
+        end = r.matched_tokens if d is None else len(prompt)
+        context = tok.decode(prompt[max(0, end - PROBE_CONTEXT_TOKENS):end])
+        prompt_token = cached_token = None
+    return {
+        "matched_tokens": r.matched_tokens, "matched_pages": r.matched_pages, "n_prompt": len(prompt),
+        "stop_reason": r.stop_reason, "first_diff_index": d, "chain_id": r.nearest_chain_id,
+        "context_before": context, "prompt_token": prompt_token, "cached_token": cached_token,
+        "page_rows": scheduler.pool.page_rows, "namespace": namespace,
+        "cache_enabled": scheduler.settings.cache_enabled, "user": user,
+    }
+
+
+def cached_token_at(cache, prompt: list[int], namespace: str, index: int,
+                    prefer_chain: int | None = None) -> int | None:
+    """The token the nearest cached page holds at prompt position `index` (None: nothing there).
+
+    The engine's ProbeResult names the nearest chain but not its token; this walks the
+    verified path to the page holding `index` and picks the sibling page sharing the
+    longest start with the prompt's page (the one `prefix_probe` measured).
+    """
+    rows = cache.page_rows
+    if not rows:
+        return None
+    page_i, offset = divmod(index, rows)
+    parent = None
+    for j in range(page_i):
+        toks = prompt[j * rows:(j + 1) * rows]
+        key = cache.page_key(parent, toks, namespace)
+        entry = cache.pages.get(key)
+        if entry is None or not cache.verify(entry, parent, toks, namespace):
+            return None
+        parent = key
+    page = [int(t) for t in prompt[page_i * rows:(page_i + 1) * rows]]
+    best, best_score = None, (-1, False)
+    for entry in cache.pages.values():
+        if entry.parent != parent or entry.namespace != namespace:
+            continue
+        score = (common_prefix(page, list(entry.tokens)), entry.chain_id == prefer_chain)
+        if score > best_score:
+            best, best_score = entry, score
+    if best is None or offset >= len(best.tokens):
+        return None
+    return int(best.tokens[offset])
+
+
+class EngineClient(QObject):
+    """The UI thread's handle on the worker: owns the thread, sends queued requests."""
+
+    _load = Signal(str)
+    _settings = Signal(dict)
+    _submit = Signal(list)
+    _flush = Signal()
+    _probe = Signal(dict)
+    _report = Signal(object)
+    _shutdown = Signal()
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self.thread = QThread()  # no parent: it must outlive nothing and be waited for
+        self.thread.setObjectName("prefixlab-engine")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        self._load.connect(self.worker.load_model)
+        self._settings.connect(self.worker.apply_settings)
+        self._submit.connect(self.worker.submit)
+        self._flush.connect(self.worker.flush_cache)
+        self._probe.connect(self.worker.probe)
+        self._report.connect(self.worker.make_report)
+        self._shutdown.connect(self.worker.shutdown)
+        self._tags = 0
+        self.thread.start()
+
+    def new_tag(self) -> str:
+        self._tags += 1
+        return f"t{self._tags}"
+
+    def load_model(self, path: str | None) -> None:
+        self._load.emit(path or "")
+
+    def apply_settings(self, settings: AppSettings) -> None:
+        self._settings.emit(settings.to_dict())
+
+    def submit(self, jobs: list[dict]) -> None:
+        self._submit.emit(jobs)
+
+    def cancel(self, tags) -> None:
+        self.worker.request_cancel(list(tags))
+
+    def flush_cache(self) -> None:
+        self._flush.emit()
+
+    def probe(self, system: str, user: str, namespace: str = "") -> None:
+        self._probe.emit({"system": system, "user": user, "namespace": namespace})
+
+    def make_report(self, path: str, system: str = "", title: str = "") -> None:
+        self._report.emit({"path": path, "system": system, "title": title})
+
+    def shutdown(self) -> None:
+        """Stop, quit() and wait() (DESIGN §6); safe to call twice."""
+        if not self.thread.isRunning():
+            return
+        self.worker.request_shutdown()
+        self._shutdown.emit()
+        self.thread.wait()

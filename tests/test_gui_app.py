@@ -1,0 +1,189 @@
+"""The real window on the bundled model: run all, cache hits, stop, close mid-run, broken drops."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PySide6.QtCore import Qt  # noqa: E402
+from PySide6.QtGui import QKeySequence  # noqa: E402
+
+from engine.metrics import PAGE_STATE_NAMES  # noqa: E402
+from tests.gui_helpers import (  # noqa: E402, F401 - gui_settings is a fixture
+    LOAD_TIMEOUT_MS,
+    PROMPTS,
+    RUN_TIMEOUT_MS,
+    SYSTEM,
+    drop_file,
+    gui_settings,
+    set_settings,
+)
+from ui.main_window import MainWindow  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+def window(qtbot, real_model, gui_settings):  # noqa: F811 - the fixture imported above
+    """A shown main window whose worker loaded the bundled model (real_model warms the weight image)."""
+    w = MainWindow()
+    w.show()
+    qtbot.waitUntil(lambda: w.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    yield w
+    w.close()
+    assert not w.client.thread.isRunning()
+
+
+def type_prompts(qtbot, w, prompts) -> list[str]:
+    qtbot.keyClicks(w.system_edit, SYSTEM)
+    for text in prompts:
+        qtbot.keyClicks(w.prompt_list.entry, text)
+        qtbot.keyClick(w.prompt_list.entry, Qt.Key.Key_Return)
+    assert [t for _, t in w.prompt_list.prompts()] == list(prompts)
+    return [uid for uid, _ in w.prompt_list.prompts()]
+
+
+def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp_path):
+    w = window
+    info = w.model_info
+    assert info["arch"] == "llama" and info["quant"] == "Q4_1"
+    assert info["n_params"] > 100_000_000 and info["context_length"] == 8192
+    assert "llama" in w.model_bar.summary() and not w.model_bar.loading
+    assert QKeySequence("Ctrl+Return") in w.act_run_all.shortcuts()
+    assert w.act_stop_all.shortcut() == QKeySequence("Esc")
+    assert w.act_open.shortcut() == QKeySequence("Ctrl+O")
+    assert w.act_export.shortcut() == QKeySequence("Ctrl+E")
+
+    set_settings(w, max_new_tokens=8)
+    uids = type_prompts(qtbot, w, PROMPTS)
+    w.act_run_all.trigger()
+    qtbot.waitUntil(lambda: len(w.finished_records) == 3, timeout=RUN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: not w._open_tags and w.snapshot is not None, timeout=10_000)
+
+    cards = [w.streams.card(uid) for uid in uids]
+    for card in cards:
+        assert card.answer_text().strip(), f"{card.uid} has no answer"
+        assert card.turns[-1].reason in ("stop", "length")
+        assert card.answer_text() in card.transcript_text()
+    records = {r.id: r for r in w.finished_records}
+    cached = [card.turns[-1].record["n_cached"] for card in cards]
+    assert cached[1] > 0 and cached[2] > 0, cached
+    for card, n in zip(cards, cached, strict=True):
+        n_prompt = card.turns[-1].record["n_prompt"]
+        assert card.badge_cache.text() == f"cached {n} of {n_prompt}"
+        assert card.badge_ttft.text().startswith("TTFT ")
+        assert card.badge_reason.text() == card.turns[-1].reason
+    assert w.requests_table.rowCount() == 3
+
+    # The charts hold exactly the scheduler's timeline; the page map counts match the pool.
+    sched = w.client.worker.scheduler
+    qtbot.waitUntil(lambda: w.charts.row_count == len(sched.timeline.rows), timeout=10_000)
+    rows = sched.timeline.rows
+    for name in ("pages_free", "pages_cached", "prefill_saved", "hits", "chains"):
+        x, y = w.charts.series(name)
+        np.testing.assert_allclose(x, [r.wall_s for r in rows])
+        np.testing.assert_allclose(y, [getattr(r, name) for r in rows])
+    states = sched.page_states()
+    expected = {PAGE_STATE_NAMES[s]: int(n) for s, n in enumerate(np.bincount(states, minlength=4))}
+    qtbot.waitUntil(lambda: w.cache_panel.page_map.counts_by_state() == expected, timeout=10_000)
+    assert len(w.snapshot.page_states) == sched.pool.capacity
+
+    # "Why it missed": the probe of a typed prompt matches the cached system prompt.
+    w.prompt_list.select(uids[1])
+    w.cache_panel.probe_button.click()
+    qtbot.waitUntil(lambda: w.last_probe is not None, timeout=30_000)
+    probe = w.last_probe
+    for key in ("matched_tokens", "matched_pages", "n_prompt", "stop_reason", "first_diff_index",
+                "chain_id", "context_before", "prompt_token", "cached_token"):
+        assert key in probe
+    assert probe["matched_tokens"] >= cached[1] > 0
+
+    # A follow-up turn extends the conversation, so it hits the first turn's pages.
+    first = cards[0].turns[-1].record
+    qtbot.keyClicks(cards[0].followup, "Do you sell screws too?")
+    qtbot.keyClick(cards[0].followup, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: len(w.finished_records) == 4, timeout=RUN_TIMEOUT_MS)
+    follow = w.finished_records[-1]
+    assert follow.conversation_id == records[first["id"]].conversation_id
+    page_rows = w.settings.page_rows
+    assert follow.n_cached >= (first["n_prompt"] // page_rows) * page_rows
+    assert len(cards[0].turns) == 2 and cards[0].answer_text().strip()
+
+    # The report is built in the worker and written in the UI thread.
+    path = tmp_path / "session.json"
+    w.client.make_report(str(path), w.system_prompt())
+    qtbot.waitUntil(lambda: bool(w.last_report_paths or w.last_error), timeout=60_000)
+    assert w.last_error is None, w.last_error
+    assert path.is_file() and path.stat().st_size > 0
+    assert w.last_error is None
+
+
+def test_stop_one_stop_all_then_close_mid_generation(window, qtbot, tmp_path, monkeypatch):
+    w = window
+    set_settings(w, max_new_tokens=400)
+    uids = type_prompts(qtbot, w, PROMPTS)
+    w.run_all()
+    cards = [w.streams.card(uid) for uid in uids]
+    qtbot.waitUntil(lambda: all(bool(c.answer_text()) for c in cards), timeout=RUN_TIMEOUT_MS)
+
+    # Switching models while streams run asks first; "no" keeps everything running.
+    asked = []
+    monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or False)
+    assert w.open_model_path(str(tmp_path / "other.gguf")) is False
+    assert asked and all(c.running for c in cards)
+
+    cards[0].stop_button.click()
+    qtbot.waitUntil(lambda: cards[0].turns[-1].reason == "cancelled", timeout=60_000)
+    assert cards[0].answer_text().strip() and "[stopped]" in cards[0].transcript_text()
+    assert cards[0].badge_reason.text() == "cancelled"
+    stopped = [r for r in w.finished_records if r.finish_reason == "cancelled"]
+    assert len(stopped) == 1 and stopped[0].n_gen > 0 and stopped[0].text == cards[0].answer_text()
+
+    kept = [c.answer_text() for c in cards[1:]]
+    w.act_stop_all.trigger()  # Esc
+    qtbot.waitUntil(lambda: not any(c.running for c in cards), timeout=60_000)
+    for card, before in zip(cards[1:], kept, strict=True):
+        assert card.turns[-1].reason == "cancelled"
+        assert card.answer_text().startswith(before)
+
+    # Run one prompt again (a new conversation) and close the window while it generates.
+    cards[1].run_button.click()
+    qtbot.waitUntil(lambda: cards[1].running and len(cards[1].turns) == 2 and bool(cards[1].answer_text()),
+                    timeout=RUN_TIMEOUT_MS)
+    thread = w.client.thread
+    w.close()
+    assert not thread.isRunning()
+    assert w.last_error is None
+    assert cards[1].turns[0].answer.strip()  # the earlier run's text is still there
+
+
+def test_broken_gguf_drop_shows_the_error_and_keeps_the_model(window, qtbot, tmp_path):
+    w = window
+    before = dict(w.model_info)
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
+    entered, dropped = drop_file(w, broken)
+    assert entered and dropped
+    qtbot.waitUntil(lambda: w.last_error is not None, timeout=60_000)
+    assert "broken.gguf" in w.last_error
+    assert w.model_info == before and w.model_bar.info == before
+    assert not w.model_bar.loading and w.act_run_all.isEnabled()
+
+    # Not a model: the drop is refused.
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    assert drop_file(w, other) == (False, False)
+
+    # An exception inside the worker becomes `failed` and a dialog; the thread lives on.
+    w.last_error = None
+    w.client.submit([{"tag": "bad", "user": "hi", "sampling": {"no_such_knob": 1}}])
+    qtbot.waitUntil(lambda: w.last_error is not None, timeout=30_000)
+    assert "no_such_knob" in w.last_error
+    assert w.client.thread.isRunning()
+    w.prompt_list.add_prompt("Do you sell drills?")
+    assert w.probe_selected()
+    qtbot.waitUntil(lambda: w.last_probe is not None, timeout=30_000)
+    assert w.last_probe["matched_tokens"] == 0 and w.last_probe["stop_reason"] in ("miss", "end")

@@ -1,0 +1,101 @@
+"""The model bar: name, architecture, quantization, parameters, context; a busy bar while loading."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QSizePolicy
+
+from app.model_info import format_bytes, format_count
+
+from .theme import icon
+
+
+def _chip(tooltip: str) -> QLabel:
+    label = QLabel()
+    label.setProperty("chip", True)
+    label.setToolTip(tooltip)
+    return label
+
+
+class ModelBar(QFrame):
+    """Shows the loaded model; while a load runs, a busy indicator and the file being loaded."""
+
+    open_clicked = Signal()
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("modelBar")
+        self.info: dict | None = None
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(8, 0, 4, 0)
+        lay.setSpacing(6)
+        self.name = QLabel("No model")
+        self.name.setObjectName("modelName")
+        self.name.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        lay.addWidget(self.name)
+        self.chips = {
+            "arch": _chip("Architecture"), "quant": _chip("Quantization of the weights"),
+            "params": _chip("Parameters"), "context": _chip("Context length (tokens)"),
+            "size": _chip("File size"),
+        }
+        for chip in self.chips.values():
+            chip.hide()
+            lay.addWidget(chip)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 0)  # busy: a load reports no fraction
+        self.progress.setFixedWidth(140)
+        self.progress.setTextVisible(False)
+        self.progress.hide()
+        lay.addWidget(self.progress)
+        self.status = QLabel()
+        self.status.setObjectName("hint")
+        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        lay.addWidget(self.status, 1)
+        self.open_button = QPushButton(icon("open"), "Open model…")
+        self.open_button.setToolTip("Open a GGUF model (Ctrl+O), or drop a .gguf file on the window")
+        self.open_button.clicked.connect(self.open_clicked)
+        lay.addWidget(self.open_button)
+
+    @property
+    def loading(self) -> bool:
+        return not self.progress.isHidden()
+
+    def set_loading(self, what: str) -> None:
+        self.progress.show()
+        self.status.setText(f"Loading {what}…")
+        self.open_button.setEnabled(False)
+
+    def set_model(self, info: dict) -> None:
+        """Show a loaded model (a dict from app.model_info.model_info)."""
+        self.info = info
+        self.progress.hide()
+        self.open_button.setEnabled(True)
+        self.name.setText(info["name"])
+        self.name.setToolTip(info["path"])
+        self.chips["arch"].setText(info["arch"])
+        self.chips["quant"].setText(info["quant"])
+        self.chips["params"].setText(f"{format_count(info['n_params'])} params")
+        self.chips["params"].setToolTip(f"{info['n_params']:,} parameters")
+        self.chips["context"].setText(f"ctx {info['context_length']:,}")
+        self.chips["size"].setText(format_bytes(info["file_size"]))
+        for chip in self.chips.values():
+            chip.show()
+        how = "from the prepared weight image" if info.get("from_image") else "from the GGUF"
+        self.status.setText(f"loaded in {info['load_seconds']:.2f} s")
+        self.status.setToolTip(
+            f"{info['file']} — {info['n_layers']} layers, d={info['d_model']}, {info['n_heads']} heads "
+            f"({info['n_kv_heads']} KV), vocab {info['vocab_size']:,}; loaded {how}")
+
+    def set_failed(self) -> None:
+        """A load failed: stop the busy bar; the previous model's details stay."""
+        self.progress.hide()
+        self.open_button.setEnabled(True)
+        self.status.setText("load failed; kept the previous model" if self.info else "no model loaded")
+
+    def summary(self) -> str:
+        """One line: name, architecture, quantization, parameters, context (tests and reports)."""
+        if not self.info:
+            return "no model"
+        i = self.info
+        return (f"{i['name']} · {i['arch']} · {i['quant']} · {format_count(i['n_params'])} params · "
+                f"ctx {i['context_length']}")

@@ -1,0 +1,159 @@
+"""The Settings dialog: pool, cache, scheduler and sampling; validated before it closes."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.settings import AppSettings
+
+from .theme import icon
+
+
+def _spin(low: int, high: int, tip: str, special: str = "") -> QSpinBox:
+    w = QSpinBox()
+    w.setRange(low, high)
+    w.setToolTip(tip)
+    w.setAccelerated(True)
+    if special:
+        w.setSpecialValueText(special)
+    return w
+
+
+def _dspin(low: float, high: float, step: float, decimals: int, tip: str) -> QDoubleSpinBox:
+    w = QDoubleSpinBox()
+    w.setRange(low, high)
+    w.setSingleStep(step)
+    w.setDecimals(decimals)
+    w.setToolTip(tip)
+    return w
+
+
+class SettingsDialog(QDialog):
+    """Edits an AppSettings; `accept()` refuses invalid values and says why."""
+
+    flush_requested = Signal()
+
+    def __init__(self, settings: AppSettings, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self.setMinimumWidth(520)
+        self.result_settings: AppSettings | None = None
+        lay = QVBoxLayout(self)
+
+        pool = QGroupBox("KV pool and prefix cache")
+        f = QFormLayout(pool)
+        self.page_rows = _spin(1, 4096, "Positions per KV page: the cache shares whole pages only")
+        self.pool_pages = _spin(0, 1_000_000, "Pages in the pool; 0 lets the pool grow", "0 (grows)")
+        self.cache_pages = _spin(0, 1_000_000, "Most pages the cache may keep; 0: no budget", "0 (unbounded)")
+        self.cache_enabled = QCheckBox("Reuse cached prefixes")
+        self.cache_enabled.setToolTip("Off: every prompt is prefilled in full (for comparison)")
+        self.namespace = QLineEdit()
+        self.namespace.setPlaceholderText("(none)")
+        self.namespace.setToolTip("A salt for cache keys: prompts only share pages within one namespace")
+        f.addRow("Page rows", self.page_rows)
+        f.addRow("Pool pages", self.pool_pages)
+        f.addRow("Cache budget (pages)", self.cache_pages)
+        f.addRow("Prefix cache", self.cache_enabled)
+        f.addRow("Namespace", self.namespace)
+        flush_row = QHBoxLayout()
+        self.flush_button = QPushButton(icon("flush"), "Flush cache")
+        self.flush_button.setToolTip("Give back every cached page no stream is using")
+        self.flush_button.clicked.connect(self.flush_requested)
+        flush_row.addWidget(self.flush_button)
+        note = QLabel("Changing page rows or pool pages makes a new pool (the cache starts empty) "
+                      "once no stream runs.")
+        note.setObjectName("hint")
+        note.setWordWrap(True)
+        flush_row.addWidget(note, 1)
+        f.addRow(flush_row)
+        lay.addWidget(pool)
+
+        sched = QGroupBox("Scheduler")
+        f = QFormLayout(sched)
+        self.max_streams = _spin(1, 64, "Streams decoded together in one batch")
+        self.chunk_tokens = _spin(1, 65_536, "Prompt tokens prefilled per step (shared by all streams)")
+        f.addRow("Max streams", self.max_streams)
+        f.addRow("Chunk tokens", self.chunk_tokens)
+        lay.addWidget(sched)
+
+        samp = QGroupBox("Sampling")
+        f = QFormLayout(samp)
+        self.temperature = _dspin(0.0, 10.0, 0.1, 2, "0: greedy (always the most likely token)")
+        self.top_k = _spin(0, 1_000_000, "Keep the k most likely tokens; 0: off")
+        self.top_p = _dspin(0.0, 1.0, 0.05, 2, "Keep the smallest set of tokens whose probability reaches p")
+        self.min_p = _dspin(0.0, 1.0, 0.01, 3, "Drop tokens less likely than min-p × the top token")
+        self.repeat_penalty = _dspin(0.0, 10.0, 0.05, 2, "Above 1 discourages repeating recent tokens")
+        self.seed = _spin(-1, 2**31 - 1, "A fixed seed makes sampling repeatable", "random")
+        self.max_new_tokens = _spin(1, 65_536, "Longest answer, in tokens")
+        for name, w in (("Temperature", self.temperature), ("Top-k", self.top_k), ("Top-p", self.top_p),
+                        ("Min-p", self.min_p), ("Repetition penalty", self.repeat_penalty),
+                        ("Seed", self.seed), ("Max new tokens", self.max_new_tokens)):
+            f.addRow(name, w)
+        lay.addWidget(samp)
+
+        self.error = QLabel()
+        self.error.setObjectName("errorText")
+        self.error.setWordWrap(True)
+        self.error.hide()
+        lay.addWidget(self.error)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+                                   | QDialogButtonBox.StandardButton.RestoreDefaults)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(
+            lambda: self.set_values(AppSettings()))
+        lay.addWidget(buttons)
+        self.set_values(settings)
+
+    def set_values(self, s: AppSettings) -> None:
+        self.page_rows.setValue(s.page_rows)
+        self.pool_pages.setValue(s.pool_pages)
+        self.cache_pages.setValue(s.cache_pages)
+        self.cache_enabled.setChecked(s.cache_enabled)
+        self.namespace.setText(s.namespace)
+        self.max_streams.setValue(s.max_streams)
+        self.chunk_tokens.setValue(s.chunk_tokens)
+        self.temperature.setValue(s.temperature)
+        self.top_k.setValue(s.top_k)
+        self.top_p.setValue(s.top_p)
+        self.min_p.setValue(s.min_p)
+        self.repeat_penalty.setValue(s.repeat_penalty)
+        self.seed.setValue(s.seed)
+        self.max_new_tokens.setValue(s.max_new_tokens)
+
+    def values(self) -> AppSettings:
+        """The settings as the widgets show them (not validated)."""
+        return AppSettings(
+            page_rows=self.page_rows.value(), pool_pages=self.pool_pages.value(),
+            cache_pages=self.cache_pages.value(), cache_enabled=self.cache_enabled.isChecked(),
+            namespace=self.namespace.text().strip(), max_streams=self.max_streams.value(),
+            chunk_tokens=self.chunk_tokens.value(), temperature=round(self.temperature.value(), 4),
+            top_k=self.top_k.value(), top_p=round(self.top_p.value(), 4), min_p=round(self.min_p.value(), 4),
+            repeat_penalty=round(self.repeat_penalty.value(), 4), seed=self.seed.value(),
+            max_new_tokens=self.max_new_tokens.value())
+
+    def accept(self) -> None:
+        s = self.values()
+        errors = s.errors()
+        if errors:
+            self.error.setText("Please fix:\n• " + "\n• ".join(errors))
+            self.error.show()
+            return
+        self.error.hide()
+        self.result_settings = s
+        super().accept()
