@@ -1,0 +1,545 @@
+"""Session reports as HTML and PDF (Qt, offscreen is fine), and `export_report` for every format.
+
+The HTML is one self-contained file (inline CSS, charts and the page map as base64
+PNG); prompts and answers are escaped text, never markup (Jinja2 autoescape). The
+PDF is the same content laid out by QTextDocument on A4 pages through QPdfWriter.
+JSON and CSV come from `engine.report`, which needs no Qt.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+from dataclasses import dataclass
+
+import jinja2
+
+from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
+from engine.report import (
+    Report,
+    ReportWriteError,
+    check_target,
+    csv_paths,
+    snapshot_from_report,
+    write_bytes,
+    write_csv,
+    write_json,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEMPLATE_DIR = os.path.join(ROOT, "resources", "report")
+CHART_WIDTH, CHART_HEIGHT = 900, 300
+PAGE_MAP_WIDTH = 900
+
+FORMATS = {".html": "html", ".htm": "html", ".pdf": "pdf", ".json": "json", ".csv": "csv", ".zip": "csv"}
+
+# Page-state and series colours; ui/colors.py holds the same palette for the GUI.
+STATE_COLORS = {PAGE_PRIVATE: "#3d85c6", PAGE_SHARED: "#1fa774", PAGE_CACHED: "#e69f00", PAGE_FREE: "#d9dee5"}
+STATE_LABELS = {PAGE_PRIVATE: "private to streams", PAGE_SHARED: "shared (cache + streams)",
+                PAGE_CACHED: "held only by the cache", PAGE_FREE: "free"}
+SAVED_COLOR, COMPUTED_COLOR = "#1fa774", "#d55e00"
+
+_app = None  # the offscreen application this module made, kept alive
+
+
+def export_report(path: str | os.PathLike, report: Report) -> list[str]:
+    """Write `report` in the format the extension names (.html/.htm, .pdf, .json, .csv, .zip).
+
+    Returns the paths written (.csv writes `<stem>-requests.csv` and `<stem>-timeline.csv`).
+    ValueError for another extension; ReportWriteError (an OSError) naming the path when
+    the file cannot be written, with nothing half-written left behind.
+    """
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    kind = FORMATS.get(ext)
+    if kind is None:
+        shown = ext or "(none)"
+        raise ValueError(f"{path}: unknown report format {shown!r}; "
+                         f"use .html, .htm, .pdf, .json, .csv or .zip")
+    for target in csv_paths(path) if kind == "csv" else [path]:
+        check_target(os.path.abspath(target))  # fail before drawing charts for a path that cannot work
+    if kind == "json":
+        return [write_json(path, report)]
+    if kind == "csv":
+        return write_csv(path, report)
+    if kind == "html":
+        return [write_html(path, report)]
+    return [write_pdf(path, report)]
+
+
+def write_html(path: str | os.PathLike, report: Report) -> str:
+    """Write the self-contained HTML report atomically."""
+    return write_bytes(path, render_html(report).encode("utf-8"))
+
+
+def write_pdf(path: str | os.PathLike, report: Report) -> str:
+    """Write the A4 PDF report atomically."""
+    return write_bytes(path, render_pdf(report).data)
+
+
+# --- Qt -----------------------------------------------------------------------------------
+
+
+def ensure_qt_app():
+    """The running Q(Gui)Application, or a new offscreen QApplication when there is none."""
+    global _app
+    from PySide6.QtGui import QGuiApplication
+    from PySide6.QtWidgets import QApplication
+    app = QGuiApplication.instance()
+    if app is None:
+        if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+            os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+        app = _app = QApplication([])
+    return app
+
+
+def _png_bytes(image) -> bytes:
+    from PySide6.QtCore import QBuffer, QByteArray, QIODevice
+    data = QByteArray()
+    buf = QBuffer(data)
+    buf.open(QIODevice.OpenModeFlag.WriteOnly)
+    image.save(buf, "PNG")
+    buf.close()
+    return bytes(data)
+
+
+@dataclass
+class Figure:
+    """A picture in the report: its key, caption and PNG bytes (note: how to read it)."""
+
+    key: str
+    caption: str
+    png: bytes
+    note: str = ""
+
+    @property
+    def b64(self) -> str:
+        return base64.b64encode(self.png).decode("ascii")
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """Width and height from the PNG header."""
+        return int.from_bytes(self.png[16:20], "big"), int.from_bytes(self.png[20:24], "big")
+
+
+# Captions of ui.charts' charts, by the keys of ChartsPanel.render_images.
+CHART_CAPTIONS = {
+    "pool": "KV pool pages by state: private to streams, shared, held only by the cache, free",
+    "cache": "Cached chains and cached pages",
+    "hits": "Cache hits (cumulative) and hit rate = saved / (saved + computed)",
+    "prefill": "Prefill tokens computed and saved by the cache (cumulative)",
+    "ttft": "Time to first token per request, cache hits and misses",
+}
+
+
+def _caption(key: str) -> str:
+    return key.replace("_", " ").strip().capitalize()
+
+
+def chart_images(report: Report, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> list[Figure]:
+    """The GUI's charts of this session as PNGs, drawn offscreen by ui.charts.ChartsPanel.
+
+    Empty when there is no QApplication (a bare QGuiApplication cannot make widgets) or no ui
+    package; the report then says that it has no charts.
+    """
+    app = ensure_qt_app()
+    from PySide6.QtWidgets import QApplication
+    if not isinstance(app, QApplication):
+        return []  # widgets need a QApplication; a bare QGuiApplication gets a report without charts
+    try:
+        from ui.charts import ChartsPanel  # lazy: app -> ui only here, so the GUI's charts are the report's
+    except ImportError:
+        return []
+    panel = ChartsPanel()
+    try:
+        panel.set_data(list(report.timeline), list(report.requests))
+        images = panel.render_images(width=width, height=height, theme="light")
+    finally:
+        panel.deleteLater()
+    return [Figure(k, CHART_CAPTIONS.get(k) or _caption(k), png) for k, png in images.items()]
+
+
+def page_map_image(report: Report, width: int = PAGE_MAP_WIDTH) -> Figure | None:
+    """The pool's pages at the end of the session, drawn by ui.page_map.PageMap.
+
+    Without a QApplication (PageMap is a widget) or the ui package, a plain QPainter drawing.
+    """
+    ensure_qt_app()
+    pages = report.pages
+    if not pages.states:
+        return None
+    caption = f"Page map at the end: {pages.capacity} pages of {pages.page_rows} positions"
+    try:
+        from ui.page_map import PageMap
+    except ImportError:
+        PageMap = None
+    if PageMap is not None:
+        from PySide6.QtWidgets import QApplication
+        if isinstance(QApplication.instance(), QApplication):
+            pm = PageMap()
+            try:
+                _feed_page_map(pm, report)
+                png = pm.render_image(width, _their_page_map_height(pages.capacity, width), theme="light")
+            finally:
+                pm.deleteLater()
+            return Figure("page_map", caption, png)
+    return Figure("page_map", caption, _draw_page_map(report, width),
+                  note="cN: the cached chain owning the page; a dark corner: more than one reference.")
+
+
+def _feed_page_map(pm, report: Report) -> None:
+    snap = snapshot_from_report(report)
+    for name in ("update_snapshot", "set_snapshot"):
+        fn = getattr(pm, name, None)
+        if fn is not None:
+            fn(snap)
+            return
+    raise TypeError("ui.page_map.PageMap has neither update_snapshot nor set_snapshot")
+
+
+PAGE_MAP_MAX_HEIGHT = 520
+
+
+def _their_page_map_height(capacity: int, width: int) -> int:
+    """A height for ui.page_map's image that fits its largest cells without blank rows below."""
+    try:
+        from ui.page_map import LEGEND_H, MARGIN, fit_grid
+        geo = fit_grid(capacity, width - 2 * MARGIN, 10**6)  # no height limit: the largest cells
+        need = geo.size.height() + LEGEND_H + 2 * MARGIN
+    except (ImportError, AttributeError):
+        need = _page_map_height(capacity, width)
+    return int(min(max(need, 80), PAGE_MAP_MAX_HEIGHT))
+
+
+def _grid(capacity: int, width: int) -> tuple[int, int, int]:
+    """Columns, rows and cell size of a page grid `width` pixels wide."""
+    cols = max(1, min(16 if capacity <= 64 else 32, capacity))
+    cell = max(6, min(40, (width - 20) // cols))
+    rows = math.ceil(capacity / cols)
+    return cols, rows, cell
+
+
+_LEGEND_H = 34
+
+
+def _page_map_height(capacity: int, width: int) -> int:
+    _, rows, cell = _grid(capacity, width)
+    return _LEGEND_H + rows * cell + 12
+
+
+def _draw_page_map(report: Report, width: int) -> bytes:
+    from PySide6.QtCore import QRectF, Qt
+    from PySide6.QtGui import QColor, QFont, QImage, QPainter
+
+    pages = report.pages
+    cols, rows, cell = _grid(pages.capacity, width)
+    height = _page_map_height(pages.capacity, width)
+    img = QImage(width, height, QImage.Format.Format_ARGB32)
+    img.fill(QColor("#ffffff"))
+    p = QPainter(img)
+    p.setRenderHint(QPainter.RenderHint.Antialiasing)
+    font = QFont()
+    font.setPixelSize(13)
+    p.setFont(font)
+    x = 10
+    for state in (PAGE_PRIVATE, PAGE_SHARED, PAGE_CACHED, PAGE_FREE):
+        p.fillRect(QRectF(x, 10, 14, 14), QColor(STATE_COLORS[state]))
+        label = f"{STATE_LABELS[state]}: {pages.count(state)}"
+        p.setPen(QColor("#1f2328"))
+        p.drawText(QRectF(x + 20, 6, 260, 22), Qt.AlignmentFlag.AlignVCenter, label)
+        x += 26 + p.fontMetrics().horizontalAdvance(label) + 18
+    small = QFont()
+    small.setPixelSize(max(7, cell // 3))
+    p.setFont(small)
+    left = (width - cols * cell) // 2
+    for i, state in enumerate(pages.states):
+        r, c = divmod(i, cols)
+        rect = QRectF(left + c * cell + 1, _LEGEND_H + r * cell + 1, cell - 2, cell - 2)
+        p.fillRect(rect, QColor(STATE_COLORS.get(state, "#888888")))
+        chain = pages.chain_ids[i]
+        if chain is not None and cell >= 20:
+            p.setPen(QColor("#ffffff"))
+            p.drawText(rect, Qt.AlignmentFlag.AlignCenter, f"c{chain}")
+        if pages.refcounts[i] > 1:  # more than one reference: a dark corner mark
+            p.fillRect(QRectF(rect.right() - 5, rect.top(), 5, 5), QColor("#1f2328"))
+    p.end()
+    return _png_bytes(img)
+
+
+# --- HTML ---------------------------------------------------------------------------------
+
+
+def _num(value) -> str:
+    """The exact machine-readable value of a cell: repr for floats, '' for None."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def fmt_pct(x: float | None) -> str:
+    return "–" if x is None else f"{x * 100:.1f} %"
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "–"
+    return f"{x * 1000:.0f} ms" if abs(x) < 1 else f"{x:.2f} s"
+
+
+def fmt_rate(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1f}"
+
+
+def fmt_int(x: int | None) -> str:
+    return "–" if x is None else f"{x:,}"
+
+
+def fmt_any(x) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return str(x)
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
+@dataclass
+class Cell:
+    """One table cell: its field name, exact value (data-value) and what a reader sees."""
+
+    field: str
+    value: str
+    text: str
+    numeric: bool = True
+
+
+REQUEST_COLUMNS = [
+    # field, header, formatter, tooltip
+    ("id", "#", fmt_int, "request id"),
+    ("preview", "Prompt", None, "the user prompt (first 60 characters)"),
+    ("n_prompt", "Prompt tok", fmt_int, "tokens in the whole prompt, system prompt included"),
+    ("n_cached", "Cached", fmt_int, "prompt tokens attached from the cache (not computed)"),
+    ("n_prefilled", "Prefilled", fmt_int, "prompt tokens computed by prefill"),
+    ("n_gen", "Generated", fmt_int, "tokens generated"),
+    ("queue_wait_s", "Queue wait", fmt_s, "time from submit to admission"),
+    ("ttft_s", "TTFT", fmt_s, "time from admission to the first token"),
+    ("decode_tps", "Tok/s", fmt_rate, "decode tokens per second of this request"),
+    ("finish_reason", "Finish", None, "stop, length or cancelled"),
+    ("chain_hit", "Hit chain", fmt_int, "the cached chain this prompt's prefix came from"),
+    ("chain_donated", "Donated", fmt_int, "the chain this request's own pages went into"),
+]
+
+CHAIN_COLUMNS = [
+    ("id", "Chain", fmt_int), ("preview", "Preview", None), ("n_tokens", "Tokens", fmt_int),
+    ("pages_live", "Live pages", fmt_int), ("hits", "Hits", fmt_int),
+    ("first_page_depth", "First page", fmt_int), ("namespace", "Namespace", None),
+]
+
+
+def _cells(obj, columns) -> list[Cell]:
+    out = []
+    for col in columns:
+        name, fmt = col[0], col[2]
+        value = getattr(obj, name)
+        numeric = fmt is not None
+        text = fmt(value) if fmt else ("–" if value is None else str(value))
+        out.append(Cell(name, _num(value), text, numeric))
+    return out
+
+
+def _kv(pairs) -> list[tuple[str, str, str]]:
+    """(label, shown text, exact value) rows of a key-value table."""
+    return [(label, fmt_any(v) if not isinstance(v, str) else v, _num(v)) for label, v in pairs]
+
+
+def _context(report: Report, charts: list[Figure], page_map: Figure | None, for_pdf: bool) -> dict:
+    t, m, s = report.totals, report.model, report.settings
+    cards = [
+        ("hit_rate", "Hit rate", t.hit_rate, fmt_pct(t.hit_rate),
+         f"{t.hits} of {t.queries} attaches hit"),
+        ("prefill_saved", "Prefill tokens saved", t.prefill_saved, fmt_int(t.prefill_saved),
+         f"{fmt_int(t.prefill_computed)} computed"),
+        ("seconds_saved", "Seconds saved", t.seconds_saved, fmt_s(t.seconds_saved),
+         f"at {t.prefill_tok_s:.1f} prefill tok/s"),
+        ("requests", "Requests", t.requests, fmt_int(t.requests),
+         f"{fmt_int(t.generated_tokens)} tokens generated"),
+        ("decode_tok_s", "Decode tok/s", t.decode_tok_s, fmt_rate(t.decode_tok_s),
+         f"{fmt_rate(t.mean_request_decode_tok_s)} per stream"),
+    ]
+    cards = [{"key": k, "label": label, "value": _num(v), "text": text, "sub": sub}
+             for k, label, v, text, sub in cards]
+    totals = [{"key": key, "label": label, "value": _num(getattr(t, key)), "text": fmt(getattr(t, key))}
+              for key, label, fmt in (
+        ("requests", "requests", fmt_int), ("finished", "finished", fmt_int),
+        ("steps", "scheduler steps", fmt_int), ("wall_s", "wall time", fmt_s),
+        ("queries", "cache queries (attaches)", fmt_int), ("hits", "cache hits", fmt_int),
+        ("hit_pages", "hit pages", fmt_int), ("hit_rate", "hit rate", fmt_pct),
+        ("prefill_computed", "prefill tokens computed", fmt_int),
+        ("prefill_saved", "prefill tokens saved", fmt_int),
+        ("prefill_tok_s", "prefill tok/s (measured)", fmt_rate), ("seconds_saved", "seconds saved", fmt_s),
+        ("decode_tokens", "decode tokens", fmt_int), ("generated_tokens", "generated tokens", fmt_int),
+        ("decode_tok_s", "decode tok/s (all streams)", fmt_rate),
+        ("mean_request_decode_tok_s", "decode tok/s per stream (mean)", fmt_rate),
+        ("peak_pages_in_use", "peak pages in use", fmt_int),
+        ("peak_pages_sessions", "peak pages held by streams", fmt_int))]
+    sp = s.sampling
+    sampling = "greedy" if sp.temperature <= 0 else (
+        f"temperature {sp.temperature:g}, top-k {sp.top_k}, top-p {sp.top_p:g}, min-p {sp.min_p:g}")
+    if sp.repeat_penalty != 1.0:
+        sampling += f", repeat penalty {sp.repeat_penalty:g} over {sp.repeat_last_n}"
+    if sp.seed is not None and sp.temperature > 0:
+        sampling += f", seed {sp.seed}"
+    model_rows = _kv([("file", m.file_name), ("name", m.name), ("architecture", m.architecture),
+                      ("quantization", m.quantization), ("parameters", m.parameters),
+                      ("context length", m.context_length), ("layers", m.n_layers),
+                      ("file size", _fmt_bytes(m.file_size)), ("sha256", m.sha256)])
+    settings_rows = _kv([
+        ("page rows (positions per page)", s.page_rows),
+        ("pool pages", s.pool_pages if s.pool_pages is not None else f"grows (now {s.pool_capacity})"),
+        ("cache budget (pages)", s.cache_pages if s.cache_pages else "unbounded"),
+        ("prefix cache", "on" if s.cache_enabled else "off"), ("max streams", s.max_streams),
+        ("max queue", s.max_queue), ("chunk tokens", s.chunk_tokens),
+        ("namespace", s.namespace or "(none)"), ("sampling", sampling)])
+    machine = report.machine
+    machine_rows = _kv([("platform", machine.platform), ("CPUs", machine.cpu_count),
+                        ("python", f"{machine.python} ({machine.python_implementation})")])
+    version_rows = _kv([(k, v if v is not None else "not installed") for k, v in report.versions.items()])
+    requests = [{"id": r.id, "cells": _cells(r, REQUEST_COLUMNS), "text": r.text,
+                 "hit": r.n_cached > 0} for r in report.requests]
+    chains = [{"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)} for c in report.chains]
+    timeline_cols = list(report.timeline[0].to_dict()) if report.timeline else []
+    timeline = [[Cell(k, _num(v), fmt_any(v)) for k, v in r.to_dict().items()] for r in report.timeline]
+    page_counts = [(STATE_LABELS[st], report.pages.count(st), STATE_COLORS[st], key)
+                   for st, key in ((PAGE_PRIVATE, "private"), (PAGE_SHARED, "shared"),
+                                   (PAGE_CACHED, "cached"), (PAGE_FREE, "free"))]
+    return {
+        "report": report, "cards": cards, "totals": totals, "fmt_any": fmt_any, "num": _num,
+        "model_rows": model_rows, "settings_rows": settings_rows, "machine_rows": machine_rows,
+        "version_rows": version_rows, "request_columns": REQUEST_COLUMNS, "requests": requests,
+        "chain_columns": CHAIN_COLUMNS, "chains": chains, "timeline_columns": timeline_cols,
+        "timeline": timeline, "charts": charts, "page_map": page_map, "page_counts": page_counts,
+        "for_pdf": for_pdf, "colors": {"saved": SAVED_COLOR, "computed": COMPUTED_COLOR},
+        "sha_short": m.sha256[:12], "page_map_note": page_map.note if page_map else "",
+    }
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True,
+                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+
+
+def render_html(report: Report, charts: list[Figure] | None = None, page_map: Figure | None = None) -> str:
+    """The report as one self-contained HTML page (charts drawn now unless given)."""
+    if charts is None:
+        charts = chart_images(report)
+    if page_map is None:
+        page_map = page_map_image(report)
+    return _env().get_template("report.html").render(**_context(report, charts, page_map, for_pdf=False))
+
+
+# --- PDF ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PdfResult:
+    """A rendered PDF and how many pages it has."""
+
+    data: bytes
+    pages: int
+
+
+PDF_DPI = 96          # 1 CSS pixel = 1 device pixel, as on screen
+PDF_MARGIN_MM = 14
+_FOOTER_PX = 22
+
+
+def render_pdf(report: Report, charts: list[Figure] | None = None,
+               page_map: Figure | None = None) -> PdfResult:
+    """The report as an A4 PDF: QTextDocument laid out page by page onto a QPdfWriter."""
+    ensure_qt_app()
+    from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QMarginsF, QRectF, QSizeF, Qt, QUrl
+    from PySide6.QtGui import (
+        QColor,
+        QFont,
+        QImage,
+        QPageLayout,
+        QPageSize,
+        QPainter,
+        QPdfWriter,
+        QTextDocument,
+    )
+
+    if charts is None:
+        charts = chart_images(report)
+    if page_map is None:
+        page_map = page_map_image(report)
+    markup = _env().get_template("report_pdf.html").render(**_context(report, charts, page_map, for_pdf=True))
+
+    data = QByteArray()
+    buf = QBuffer(data)
+    buf.open(QIODevice.OpenModeFlag.WriteOnly)
+    writer = QPdfWriter(buf)
+    writer.setTitle(report.title)
+    writer.setCreator("PrefixLab")
+    writer.setResolution(PDF_DPI)
+    writer.setPageLayout(QPageLayout(QPageSize(QPageSize.PageSizeId.A4), QPageLayout.Orientation.Portrait,
+                                     QMarginsF(*[PDF_MARGIN_MM] * 4), QPageLayout.Unit.Millimeter))
+    body = writer.pageLayout().paintRectPixels(writer.resolution())
+    page_w, page_h = body.width(), body.height() - _FOOTER_PX
+
+    doc = QTextDocument()
+    doc.documentLayout().setPaintDevice(writer)
+    font = QFont("DejaVu Sans")
+    font.setStyleHint(QFont.StyleHint.SansSerif)
+    font.setPointSizeF(8.5)
+    doc.setDefaultFont(font)
+    doc.setDocumentMargin(0)
+    for fig in [*charts, *([page_map] if page_map else [])]:
+        doc.addResource(QTextDocument.ResourceType.ImageResource, QUrl(f"{fig.key}.png"),
+                        QImage.fromData(fig.png, "PNG"))
+    doc.setHtml(markup)
+    doc.setPageSize(QSizeF(page_w, page_h))
+    n_pages = doc.pageCount()
+
+    painter = QPainter(writer)
+    footer_font = QFont(font)
+    footer_font.setPointSizeF(7.5)
+    for i in range(n_pages):
+        if i:
+            writer.newPage()
+        painter.save()
+        painter.translate(0, -i * page_h)
+        doc.drawContents(painter, QRectF(0, i * page_h, page_w, page_h))
+        painter.restore()
+        painter.setFont(footer_font)
+        painter.setPen(QColor("#59636e"))
+        foot = QRectF(0, page_h + 4, page_w, _FOOTER_PX - 4)
+        painter.drawText(foot, int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter),
+                         _elide(report.title, 90))
+        painter.drawText(foot, int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter),
+                         f"page {i + 1} of {n_pages}")
+    painter.end()
+    buf.close()
+    return PdfResult(bytes(data), n_pages)
+
+
+def _elide(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+__all__ = [
+    "FORMATS", "Figure", "PdfResult", "ReportWriteError", "chart_images", "ensure_qt_app", "export_report",
+    "page_map_image", "render_html", "render_pdf", "write_html", "write_pdf",
+]

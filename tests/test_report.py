@@ -1,0 +1,410 @@
+"""Session reports: one real 4-prompt run on the bundled model, exported as JSON, CSV, HTML and PDF."""
+# ruff: noqa: E402  (Qt must see QT_QPA_PLATFORM before anything imports it)
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import base64
+import csv
+import dataclasses
+import hashlib
+import io
+import json
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import zipfile
+from html.parser import HTMLParser
+
+import pytest
+
+import engine
+from app.report_render import export_report, render_pdf
+from engine.report import (
+    SCHEMA,
+    Report,
+    ReportWriteError,
+    atomic_write,
+    build_report,
+    load_report,
+    report_to_dict,
+    snapshot_from_report,
+)
+from engine.sampler import SamplingParams
+from engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.model
+
+SYSTEM = ("You are Bolt, the assistant of Harbor Hardware, a store for tools, paint, screws, garden "
+          "supplies and plumbing parts. The store opens at 8am and closes at 6pm every day. Answer in one "
+          "short sentence and say so when you do not know.")
+EVIL = "<script>alert(1)</script> Is this safe?"
+QUESTIONS = ["What is a torx screw?", "Which paint is best for a bathroom?", EVIL, "Do you sell rakes?"]
+TITLE = "Report test <b>bold</b> & more"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run():
+    """A real run: 4 prompts sharing a ~60-token system prompt, 8 new tokens each."""
+    model = engine.load_model()
+    assert 50 <= len(engine.encode(model, SYSTEM)) <= 75
+    sch = Scheduler(model)
+    sampling = SamplingParams()
+    for q in QUESTIONS:
+        sch.submit(system=SYSTEM, user=q, sampling=sampling, max_new_tokens=8)
+    sch.run_until_done()
+    return sch, model, build_report(sch, model, SYSTEM, sampling, title=TITLE)
+
+
+@pytest.fixture(scope="module")
+def report(run) -> Report:
+    return run[2]
+
+
+@pytest.fixture(scope="module")
+def exported(report, tmp_path_factory) -> dict:
+    """The report in every format, and the PDF's page count as laid out."""
+    out = tmp_path_factory.mktemp("report")
+    paths = {}
+    for name in ("report.json", "report.html", "report.pdf", "report.zip", "report.csv"):
+        paths[name] = export_report(out / name, report)
+    return {"dir": out, "paths": paths, "json": json.loads((out / "report.json").read_text("utf-8")),
+            "pdf_pages": render_pdf(report).pages}
+
+
+class Parsed(HTMLParser):
+    """Tags (with attributes) and the text inside elements carrying data-field or data-metric."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict]] = []
+        self.text: list[str] = []
+        self.field_text: dict[tuple[str, str], str] = {}
+        self._row: str | None = None
+        self._field: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append((tag, a))
+        if tag == "tr":
+            self._row = a.get("data-request-id") or a.get("data-answer-for")
+        if tag == "td" and "data-field" in a:
+            self._field = a["data-field"]
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self._field = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self._field and self._row:
+            key = (self._row, self._field)
+            self.field_text[key] = self.field_text.get(key, "") + data
+
+
+def parse_html(path) -> Parsed:
+    p = Parsed()
+    p.feed(path.read_text("utf-8"))
+    p.close()
+    return p
+
+
+def same(cell: str, value) -> bool:
+    """A machine-readable cell (HTML data-value or CSV) equals a JSON value exactly."""
+    if value is None:
+        return cell == ""
+    if isinstance(value, bool):
+        return cell == ("true" if value else "false")
+    if isinstance(value, float):
+        return float(cell) == value
+    if isinstance(value, int):
+        return int(cell) == value
+    return cell == value
+
+
+# --- the data model ---------------------------------------------------------------------------
+
+
+def test_report_holds_the_run(run):
+    sch, model, rep = run
+    assert rep.schema == SCHEMA == "prefixlab.report/1"
+    assert len(rep.requests) == 4 and all(r.finish_reason for r in rep.requests)
+    assert [r.preview for r in rep.requests] == QUESTIONS
+    assert all(r.text for r in rep.requests)
+    t = rep.totals
+    assert t.prefill_saved == sum(r.n_cached for r in rep.requests) > 0
+    assert t.prefill_computed == sum(r.n_prefilled for r in rep.requests)
+    assert t.hit_rate == pytest.approx(t.prefill_saved / (t.prefill_saved + t.prefill_computed))
+    assert t.seconds_saved == sch.seconds_saved() > 0
+    assert t.generated_tokens == sum(r.n_gen for r in rep.requests)
+    assert t.decode_tok_s > 0 and t.peak_pages_in_use >= t.peak_pages_sessions > 0
+    assert t.steps == len(rep.timeline) == len(sch.timeline)
+    assert rep.timeline[-1] == sch.timeline.rows[-1]
+    assert [c.id for c in rep.chains] == [c.id for c in engine.prefix_chain_list(sch.cache)]
+    assert rep.pages.states == sch.page_states().tolist() and len(rep.pages.states) == rep.pages.capacity
+    with open(model.path, "rb") as fh:
+        assert rep.model.sha256 == hashlib.sha256(fh.read()).hexdigest()
+    assert (rep.model.architecture, rep.model.quantization) == ("llama", "Q4_1")
+    assert rep.model.context_length == model.config.context_length and rep.model.parameters > 1e8
+    assert rep.settings.page_rows == 16 and rep.settings.cache_enabled
+    assert rep.settings.sampling == SamplingParams()
+    assert rep.system_prompt == SYSTEM and rep.title == TITLE
+    assert rep.versions["numpy"] and rep.versions["prefixlab"] and rep.machine.python
+    snap = snapshot_from_report(rep)  # what File -> Open report feeds the GUI's panels
+    assert snap.page_states.tolist() == rep.pages.states and snap.timeline == rep.timeline
+    assert {p for p, info in snap.pages.items() if info.chain_id is not None} == set(sch.cache.by_page)
+
+
+def test_engine_report_imports_no_qt():
+    code = ("import sys, engine.report; "
+            "sys.exit(any(m.startswith(('PySide6', 'pyqtgraph')) for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# --- JSON -------------------------------------------------------------------------------------
+
+
+def test_json_round_trips(exported, report):
+    path = exported["dir"] / "report.json"
+    data = exported["json"]
+    assert next(iter(data)) == "schema" and data["schema"] == SCHEMA
+    assert data == report_to_dict(report)
+    loaded = load_report(path)
+    assert loaded == report
+    assert dataclasses.asdict(loaded) == dataclasses.asdict(report)
+
+
+def _bad(tmp_path, data, name="bad.json"):
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else json.dumps(data), "utf-8")
+    with pytest.raises(ValueError) as e:
+        load_report(p)
+    assert str(p) in str(e.value)
+    return str(e.value)
+
+
+def test_load_report_rejects_bad_input(exported, tmp_path):
+    good = exported["json"]
+    assert "not valid JSON" in _bad(tmp_path, "{not json")
+    assert "top level" in _bad(tmp_path, [1, 2])
+    assert "'schema' is missing" in _bad(tmp_path, {k: v for k, v in good.items() if k != "schema"})
+    assert "not a PrefixLab report" in _bad(tmp_path, {**good, "schema": "other.report/1"})
+    assert "version 2 is not supported" in _bad(tmp_path, {**good, "schema": "prefixlab.report/2"})
+    bad = json.loads(json.dumps(good))
+    bad["requests"][1]["n_prompt"] = "many"
+    msg = _bad(tmp_path, bad)
+    assert "requests[1].n_prompt" in msg and "integer" in msg
+    bad = json.loads(json.dumps(good))
+    del bad["totals"]["hit_rate"]
+    assert "'totals.hit_rate' is missing" in _bad(tmp_path, bad)
+    bad = json.loads(json.dumps(good))
+    bad["pages"]["refcounts"] = bad["pages"]["refcounts"][:-1]
+    assert "pages.refcounts" in _bad(tmp_path, bad)
+    with pytest.raises(ValueError, match="cannot read report"):
+        load_report(tmp_path / "missing.json")
+
+
+# --- HTML -------------------------------------------------------------------------------------
+
+
+def test_html_numbers_equal_the_json(exported):
+    data = exported["json"]
+    page = parse_html(exported["dir"] / "report.html")
+    cards = {a["data-metric"]: a["data-value"] for t, a in page.tags if "data-metric" in a}
+    assert set(cards) == {"hit_rate", "prefill_saved", "seconds_saved", "requests", "decode_tok_s"}
+    for key, cell in cards.items():
+        assert same(cell, data["totals"][key]), key
+    totals = {}
+    rows = {}
+    chains = {}
+    steps = []
+    current = None
+    for tag, a in page.tags:
+        if tag == "tr":
+            current = a
+            if "data-step" in a:
+                steps.append({})
+        elif tag == "td" and "data-value" in a and current is not None:
+            if "data-total" in current:
+                totals[current["data-total"]] = a["data-value"]
+            elif "data-request-id" in current:
+                rows.setdefault(int(current["data-request-id"]), {})[a["data-field"]] = a["data-value"]
+            elif "data-chain-id" in current:
+                chains.setdefault(int(current["data-chain-id"]), {})[a["data-field"]] = a["data-value"]
+            elif "data-step" in current:
+                steps[-1][a["data-field"]] = a["data-value"]
+    assert set(totals) == set(data["totals"])
+    for key, cell in totals.items():
+        assert same(cell, data["totals"][key]), key
+    assert sorted(rows) == [r["id"] for r in data["requests"]]
+    numeric = ["n_prompt", "n_cached", "n_prefilled", "n_gen", "queue_wait_s", "ttft_s", "decode_tps",
+               "finish_reason", "chain_hit", "chain_donated"]
+    for r in data["requests"]:
+        for key in numeric:
+            assert same(rows[r["id"]][key], r[key]), (r["id"], key)
+        assert page.field_text[(str(r["id"]), "preview")] == r["preview"]
+        assert page.field_text[(str(r["id"]), "text")] == r["text"]
+    assert sorted(chains) == [c["id"] for c in data["chains"]]
+    for c in data["chains"]:
+        for key in ("n_tokens", "pages_live", "hits", "first_page_depth"):
+            assert same(chains[c["id"]][key], c[key])
+    assert len(steps) == len(data["timeline"])
+    for cells, row in zip(steps, data["timeline"], strict=True):
+        assert cells.keys() == row.keys()
+        assert all(same(cells[k], row[k]) for k in row)
+    counts = {a["data-pages"]: int(a["data-value"]) for t, a in page.tags if "data-pages" in a}
+    states = data["pages"]["states"]
+    assert counts == {"free": states.count(0), "private": states.count(1), "shared": states.count(2),
+                      "cached": states.count(3)}
+
+
+def test_html_shows_prompts_as_text_only(exported):
+    raw = (exported["dir"] / "report.html").read_text("utf-8")
+    page = parse_html(exported["dir"] / "report.html")
+    assert "script" not in [t for t, _ in page.tags]
+    assert "&lt;b&gt;bold&lt;/b&gt; &amp; more" in raw
+    assert EVIL in "".join(page.text)
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in raw
+    assert TITLE in "".join(page.text)
+    values = [v for _, a in page.tags for v in a.values() if v]
+    assert not any(v.lstrip().lower().startswith("javascript:") for v in values)
+
+
+def test_html_is_self_contained_with_charts(exported):
+    page = parse_html(exported["dir"] / "report.html")
+    for tag, a in page.tags:
+        for attr in ("src", "href"):
+            if attr in a:
+                assert a[attr].startswith("data:image/png;base64,"), (tag, a[attr][:40])
+    figures = [a["data-chart"] for t, a in page.tags if t == "figure"]
+    assert len(figures) >= 4 and "page_map" in figures
+    images = [a["src"] for t, a in page.tags if t == "img"]
+    assert len(images) == len(figures)
+    for src in images:
+        png = base64.b64decode(src.split(",", 1)[1])
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000
+
+
+# --- CSV --------------------------------------------------------------------------------------
+
+
+def _rows(text: str) -> list[dict]:
+    return list(csv.DictReader(io.StringIO(text, newline="")))
+
+
+def test_csv_equals_the_json(exported):
+    data = exported["json"]
+    with zipfile.ZipFile(exported["dir"] / "report.zip") as z:
+        assert sorted(z.namelist()) == ["requests.csv", "timeline.csv"]
+        req_text, tl_text = z.read("requests.csv").decode(), z.read("timeline.csv").decode()
+    assert exported["paths"]["report.csv"] == [str(exported["dir"] / "report-requests.csv"),
+                                               str(exported["dir"] / "report-timeline.csv")]
+    assert not (exported["dir"] / "report.csv").exists()
+    assert (exported["dir"] / "report-requests.csv").read_bytes().decode() == req_text
+    assert (exported["dir"] / "report-timeline.csv").read_bytes().decode() == tl_text
+    requests = _rows(req_text)
+    assert len(requests) == len(data["requests"])
+    for cells, r in zip(requests, data["requests"], strict=True):
+        assert cells.keys() == r.keys()
+        for key, value in r.items():
+            assert same(cells[key], value) if not isinstance(value, str) else cells[key] == value, key
+    timeline = _rows(tl_text)
+    assert len(timeline) == len(data["timeline"])
+    for cells, row in zip(timeline, data["timeline"], strict=True):
+        assert cells.keys() == row.keys() and all(same(cells[k], row[k]) for k in row)
+
+
+# --- PDF --------------------------------------------------------------------------------------
+
+
+def _pdf_title(pdf: bytes) -> str:
+    m = re.search(rb"/Title \((.*?)\)\n", pdf, re.S)
+    raw = re.sub(rb"\\(.)", rb"\1", m.group(1))
+    return raw[2:].decode("utf-16-be") if raw.startswith(b"\xfe\xff") else raw.decode("latin-1")
+
+
+def test_pdf_pages_title_and_images(exported, report):
+    pdf = (exported["dir"] / "report.pdf").read_bytes()
+    assert pdf.startswith(b"%PDF-") and pdf.rstrip().endswith(b"%%EOF")
+    pages = len(re.findall(rb"/Type\s*/Page(?![a-zA-Z])", pdf))
+    assert pages == exported["pdf_pages"] >= 3  # summary + requests, charts, page map and tables
+    assert re.search(rb"/MediaBox \[0 0 595(\.0+)? 842(\.0+)?\]", pdf)  # A4 in points
+    assert _pdf_title(pdf) == TITLE
+    assert len(re.findall(rb"/Subtype /Image", pdf)) >= 5  # the charts and the page map
+    if shutil.which("pdftotext"):  # poppler, when installed: the title is on page 1
+        first = subprocess.run(["pdftotext", "-f", "1", "-l", "1", "-layout",
+                                str(exported["dir"] / "report.pdf"), "-"], capture_output=True, text=True)
+        assert TITLE in first.stdout and "Requests" in first.stdout
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def _unwritable_dir(tmp_path):
+    """A folder no report can be written into: read-only, or (as root) a path under a regular file."""
+    ro = tmp_path / "readonly"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+    probe = ro / "probe"
+    try:
+        probe.write_bytes(b"")
+    except OSError:
+        return ro, ro
+    probe.unlink()  # root ignores the mode bits: a regular file as the "folder" fails for anyone
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    return blocker, tmp_path
+
+
+@pytest.mark.parametrize("name", ["r.json", "r.html", "r.pdf", "r.zip", "r.csv"])
+def test_unwritable_path_fails_clearly_and_leaves_nothing(report, tmp_path, name):
+    folder, watch = _unwritable_dir(tmp_path)
+    before = sorted(os.listdir(watch))
+    target = folder / name
+    with pytest.raises(ReportWriteError) as e:
+        export_report(target, report)
+    # The message names the file (for .csv, the <stem>-requests.csv it would have written).
+    assert os.path.splitext(str(target))[0] in str(e.value) and isinstance(e.value, OSError)
+    assert sorted(os.listdir(watch)) == before
+    if folder.is_dir():
+        folder.chmod(0o755)
+
+
+def test_failed_write_keeps_the_old_file(tmp_path):
+    target = tmp_path / "keep.json"
+    target.write_text("old")
+
+    def boom(fh):
+        fh.write(b"half a rep")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(ReportWriteError, match="No space left"):
+        atomic_write(target, boom)
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["keep.json"]
+    with pytest.raises(ReportWriteError, match="does not exist"):
+        atomic_write(tmp_path / "nope" / "x.json", boom)
+
+
+def test_unknown_extension_is_refused(report, tmp_path):
+    with pytest.raises(ValueError, match=r"'\.txt'"):
+        export_report(tmp_path / "report.txt", report)
+    with pytest.raises(ValueError, match="none"):
+        export_report(tmp_path / "report", report)
+    assert os.listdir(tmp_path) == []
+
+
+def test_html_without_charts_and_the_plain_page_map(report):
+    from app.report_render import Figure, _draw_page_map, render_html
+    png = _draw_page_map(report, 600)
+    assert png.startswith(b"\x89PNG") and Figure("page_map", "", png).size[0] == 600
+    page = Parsed()
+    page.feed(render_html(report, charts=[], page_map=Figure("page_map", "map", png)))
+    assert "No charts" in "".join(page.text) and "script" not in [t for t, _ in page.tags]
+    assert [a["data-chart"] for t, a in page.tags if t == "figure"] == ["page_map"]
