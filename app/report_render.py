@@ -38,7 +38,6 @@ FORMATS = {".html": "html", ".htm": "html", ".pdf": "pdf", ".json": "json", ".cs
 STATE_COLORS = {PAGE_PRIVATE: "#3d85c6", PAGE_SHARED: "#1fa774", PAGE_CACHED: "#e69f00", PAGE_FREE: "#d9dee5"}
 STATE_LABELS = {PAGE_PRIVATE: "private to streams", PAGE_SHARED: "shared (cache + streams)",
                 PAGE_CACHED: "held only by the cache", PAGE_FREE: "free"}
-SAVED_COLOR, COMPUTED_COLOR = "#1fa774", "#d55e00"
 
 _app = None  # the offscreen application this module made, kept alive
 
@@ -213,11 +212,13 @@ def _their_page_map_height(capacity: int, width: int) -> int:
 
 
 def _grid(capacity: int, width: int) -> tuple[int, int, int]:
-    """Columns, rows and cell size of a page grid `width` pixels wide."""
-    cols = max(1, min(16 if capacity <= 64 else 32, capacity))
-    cell = max(6, min(40, (width - 20) // cols))
-    rows = math.ceil(capacity / cols)
-    return cols, rows, cell
+    """Columns, rows and cell size of a page grid `width` pixels wide, at most ~480 pixels tall."""
+    for cols in (16, 32, 64, 128, 256):
+        cell = max(3, min(40, (width - 20) // cols))
+        if math.ceil(capacity / cols) * cell <= 480 or cell == 3:
+            break
+    cols = max(1, min(cols, capacity))
+    return cols, math.ceil(capacity / cols), cell
 
 
 _LEGEND_H = 34
@@ -364,7 +365,8 @@ def _kv(pairs) -> list[tuple[str, str, str]]:
     return [(label, fmt_any(v) if not isinstance(v, str) else v, _num(v)) for label, v in pairs]
 
 
-def _context(report: Report, charts: list[Figure], page_map: Figure | None, for_pdf: bool) -> dict:
+def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> dict:
+    """What the HTML and PDF templates show, formatted, with exact values beside the text."""
     t, m, s = report.totals, report.model, report.settings
     cards = [
         ("hit_rate", "Hit rate", t.hit_rate, fmt_pct(t.hit_rate),
@@ -425,12 +427,11 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None, for_
                    for st, key in ((PAGE_PRIVATE, "private"), (PAGE_SHARED, "shared"),
                                    (PAGE_CACHED, "cached"), (PAGE_FREE, "free"))]
     return {
-        "report": report, "cards": cards, "totals": totals, "fmt_any": fmt_any, "num": _num,
+        "report": report, "cards": cards, "totals": totals, "fmt_any": fmt_any,
         "model_rows": model_rows, "settings_rows": settings_rows, "machine_rows": machine_rows,
         "version_rows": version_rows, "request_columns": REQUEST_COLUMNS, "requests": requests,
         "chain_columns": CHAIN_COLUMNS, "chains": chains, "timeline_columns": timeline_cols,
         "timeline": timeline, "charts": charts, "page_map": page_map, "page_counts": page_counts,
-        "for_pdf": for_pdf, "colors": {"saved": SAVED_COLOR, "computed": COMPUTED_COLOR},
         "sha_short": m.sha256[:12], "page_map_note": page_map.note if page_map else "",
     }
 
@@ -446,7 +447,7 @@ def render_html(report: Report, charts: list[Figure] | None = None, page_map: Fi
         charts = chart_images(report)
     if page_map is None:
         page_map = page_map_image(report)
-    return _env().get_template("report.html").render(**_context(report, charts, page_map, for_pdf=False))
+    return _env().get_template("report.html").render(**_context(report, charts, page_map))
 
 
 # --- PDF ----------------------------------------------------------------------------------
@@ -485,7 +486,7 @@ def render_pdf(report: Report, charts: list[Figure] | None = None,
         charts = chart_images(report)
     if page_map is None:
         page_map = page_map_image(report)
-    markup = _env().get_template("report_pdf.html").render(**_context(report, charts, page_map, for_pdf=True))
+    markup = _env().get_template("report_pdf.html").render(**_context(report, charts, page_map))
 
     data = QByteArray()
     buf = QBuffer(data)
@@ -521,7 +522,9 @@ def render_pdf(report: Report, charts: list[Figure] | None = None,
             writer.newPage()
         painter.save()
         painter.translate(0, -i * page_h)
-        doc.drawContents(painter, QRectF(0, i * page_h, page_w, page_h))
+        page = QRectF(0, i * page_h, page_w, page_h)
+        painter.setClipRect(page)  # the next page's first line must not show above this footer
+        doc.drawContents(painter, page)
         painter.restore()
         painter.setFont(footer_font)
         painter.setPen(QColor("#59636e"))

@@ -394,8 +394,12 @@ class _Bad(ValueError):
     """A validation failure at a field path; load_report adds the file name."""
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               type(None): "null"}
+
+
 def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    return _TYPE_WORDS.get(tp) or getattr(tp, "__name__", None) or str(tp)
 
 
 def _convert(tp, value, where: str):
@@ -405,14 +409,13 @@ def _convert(tp, value, where: str):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(arg, value, where)
-            except _Bad as e:
-                errors.append(e)
+            except _Bad:
+                continue
         raise _Bad(f"field '{where}': expected {' or '.join(_type_name(a) for a in args)}, "
                    f"got {_json_type(value)}")
     if origin is list:
