@@ -66,9 +66,15 @@ def column(rows, name):
     return np.array([getattr(r, name) for r in rows], dtype=np.float64)
 
 
-def n_points(curve) -> int:
+def last_x(curve) -> float | None:
     x = curve.getData()[0]
-    return 0 if x is None else len(x)
+    return None if x is None or not len(x) else float(x[-1])
+
+
+def drawn(curve, xs) -> np.ndarray:
+    """The value a step curve shows at each x (curves keep only the rows where a value changes)."""
+    cx, cy = curve.getData()
+    return cy[np.searchsorted(cx, xs, side="right") - 1]
 
 
 TIMELINE_NAMES = ("pages_private", "pages_shared", "pages_cached", "pages_free", "chains", "cached_pages",
@@ -92,13 +98,17 @@ def test_series_equal_timeline_after_append_and_timer(run, panel, qtbot):
         np.testing.assert_allclose(y, column(run.rows, name), err_msg=name)
     # The timer pushes the buffers to the curves (stacked for the pool chart).
     curves = panel._charts.curves
-    qtbot.waitUntil(lambda: n_points(curves["hits"]) == len(run.rows), timeout=2000)
-    assert not panel._timer.isActive() or panel._dirty is False
+    xs = column(run.rows, "wall_s")
+    qtbot.waitUntil(lambda: last_x(curves["hits"]) == xs[-1], timeout=2000)
+    assert panel._dirty is False
     for name in ("hits", "prefill_saved", "prefill_computed", "chains", "cached_pages"):
-        np.testing.assert_allclose(curves[name].getData()[1], column(run.rows, name), err_msg=name)
-    np.testing.assert_allclose(curves["hit_rate"].getData()[1], 100 * column(run.rows, "hit_rate"))
-    top = curves["pages_free"].getData()[1]
-    np.testing.assert_allclose(top, column(run.rows, "capacity"))  # the stack sums to the pool
+        np.testing.assert_allclose(drawn(curves[name], xs), column(run.rows, name), err_msg=name)
+    np.testing.assert_allclose(drawn(curves["hit_rate"], xs), 100 * column(run.rows, "hit_rate"))
+    level = np.zeros(len(xs))
+    for name in ("pages_private", "pages_shared", "pages_cached", "pages_free"):  # stacked
+        level += column(run.rows, name)
+        np.testing.assert_allclose(drawn(curves[name], xs), level, err_msg=name)
+    np.testing.assert_allclose(level, column(run.rows, "capacity"))  # the stack sums to the pool
     for name in TIMELINE_NAMES:  # and the series still equal the timeline after the refresh
         np.testing.assert_allclose(panel.series(name)[1], column(run.rows, name))
 
@@ -137,7 +147,7 @@ def test_records_replace_and_set_data_and_clear(run, panel):
     assert len(panel.series("ttft_hit")[0]) + len(panel.series("ttft_miss")[0]) == 1
     panel.set_data(run.rows[:3], run.records)
     np.testing.assert_allclose(panel.series("prefill_saved")[1], column(run.rows[:3], "prefill_saved"))
-    np.testing.assert_allclose(panel._charts.curves["prefill_saved"].getData()[1],
+    np.testing.assert_allclose(drawn(panel._charts.curves["prefill_saved"], column(run.rows[:3], "wall_s")),
                                column(run.rows[:3], "prefill_saved"))  # set_data redraws at once
     panel.clear()
     for name in ("hits", "ttft_hit", "ttft_miss"):
@@ -154,6 +164,15 @@ def test_buffer_grows_past_its_capacity(run, panel):
     assert len(x) == len(rows) > 256
     np.testing.assert_allclose(y, column(rows, "pages_free"))
     panel.refresh()
+
+
+def test_step_changes_keeps_the_picture():
+    from ui.charts import step_changes
+    x = np.arange(8.0)
+    y = np.array([0, 0, 0, 2, 2, 3, 3, 3.0])
+    cx, cy = step_changes(x, y)
+    np.testing.assert_array_equal(cx, [0, 3, 5, 7])
+    np.testing.assert_array_equal(cy[np.searchsorted(cx, x, side="right") - 1], y)
 
 
 def test_render_images_offscreen(run, panel):

@@ -3,15 +3,19 @@
 `append` only copies rows into growable NumPy columns and marks the panel dirty;
 a QTimer pushes the columns to the curves at most REFRESH_HZ times a second and
 stops itself when nothing changed, so a burst of tokens never redraws per token.
+When painting gets slow (a long session on a busy machine) the timer backs off so
+the charts take at most about a third of the UI thread.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, QRectF, Qt, QTimer
-from PySide6.QtGui import QFont, QPainter, QPen
-from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtGui import QColor, QFont, QPainter, QPen
+from PySide6.QtWidgets import QApplication, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine.metrics import RequestRecord, TimelineRow
 
@@ -21,6 +25,8 @@ from .page_map import png_bytes
 pg.setConfigOptions(antialias=True)
 
 REFRESH_HZ = 15
+MAX_REFRESH_MS = 1000    # the slowest the charts back off to
+PAINT_SHARE = 3          # interval >= PAINT_SHARE x the time the last frame took to paint
 # Raw timeline columns kept per row; hit_rate is derived from two of them.
 COLUMNS = ("step", "wall_s", "capacity", "pages_private", "pages_shared", "pages_cached", "pages_free",
            "chains", "cached_pages", "queries", "hits", "hit_pages", "prefill_computed", "prefill_saved",
@@ -86,6 +92,24 @@ class TimelineBuffer:
 _CLEAR = pg.mkPen((0, 0, 0, 0))
 
 
+def step_changes(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows where a step curve changes value, plus the last: the same picture, far fewer
+    points (most counts stay flat for many steps)."""
+    if len(y) < 3:
+        return x, y
+    keep = np.empty(len(y), dtype=bool)
+    keep[0] = keep[-1] = True
+    np.not_equal(y[1:-1], y[:-2], out=keep[1:-1])
+    return x[keep], y[keep]
+
+
+def _mix(color: QColor, background: QColor, amount: float) -> QColor:
+    """color over background at `amount` opacity, as an opaque colour."""
+    return QColor(*(round(amount * a + (1 - amount) * b) for a, b in
+                    ((color.red(), background.red()), (color.green(), background.green()),
+                     (color.blue(), background.blue()))))
+
+
 class _Swatch(pg.ItemSample):
     """Legend sample: a filled square for areas and bars, a thick line for curves."""
 
@@ -93,8 +117,9 @@ class _Swatch(pg.ItemSample):
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
         item = self.item
         alpha = 255 if item.isVisible() else 60
-        if isinstance(item, pg.FillBetweenItem | pg.BarGraphItem):
-            brush = item.brush() if isinstance(item, pg.FillBetweenItem) else pg.mkBrush(item.opts["brush"])
+        area = isinstance(item, pg.PlotDataItem) and item.opts.get("fillLevel") is not None
+        if area or isinstance(item, pg.BarGraphItem):
+            brush = pg.mkBrush(item.opts["fillBrush"] if area else item.opts["brush"])
             p.setPen(Qt.PenStyle.NoPen)
             p.setBrush(with_alpha(brush.color(), alpha))
             p.drawRoundedRect(QRectF(3, 4, 14, 12), 3, 3)
@@ -105,6 +130,17 @@ class _Swatch(pg.ItemSample):
         pen.setCapStyle(Qt.PenCapStyle.RoundCap)
         p.setPen(pen)
         p.drawLine(3, 10, 17, 10)
+
+
+class _PlotWidget(pg.PlotWidget):
+    """A PlotWidget that remembers how long its last paint took (the refresh timer backs off)."""
+
+    paint_s = 0.0
+
+    def paintEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+        t0 = time.perf_counter()
+        super().paintEvent(ev)
+        self.paint_s = time.perf_counter() - t0
 
 
 class _IntAxis(pg.AxisItem):
@@ -128,22 +164,22 @@ class _ChartSet:
         self.widgets: dict[str, pg.PlotWidget] = {}
         self.curves: dict[str, pg.PlotDataItem] = {}   # timeline series -> its (top) curve
         self.bars: dict[str, pg.BarGraphItem] = {}
-        self.fills: dict[str, pg.FillBetweenItem] = {}
+        self.areas: dict[str, pg.PlotDataItem] = {}    # fill-only twins of some curves
         self.legends: dict[str, pg.LegendItem] = {}
-        self._zeros: list[pg.PlotDataItem] = []  # the lower edges of filled areas
         for name in CHARTS:
-            axis = {"bottom": _IntAxis("bottom")} if name == "ttft" else None
-            pw = pg.PlotWidget(parent, axisItems=axis)
+            axis = {"bottom": _IntAxis("bottom")} if name == "ttft" else \
+                {"left": _IntAxis("left")} if name in ("pool", "cache", "hits") else None  # counts
+            pw = _PlotWidget(parent, axisItems=axis)
             pw.setMinimumSize(280, 170)
             pw.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
             pw.setMenuEnabled(False)
             item = pw.getPlotItem()
             item.setDownsampling(auto=True, mode="peak")
             item.setClipToView(True)
-            item.hideButtons()
             item.layout.setContentsMargins(4, 2, 8, 2)
             vb = item.getViewBox()
-            vb.setMouseEnabled(x=True, y=False)
+            vb.setMouseEnabled(x=True, y=False)  # zoom time only; the "A" button restores follow
+            vb.setAutoVisible(y=True)             # y fits what is in view after a zoom
             vb.setLimits(yMin=0)
             self.widgets[name] = pw
             self.legends[name] = self._legend(item)
@@ -167,31 +203,41 @@ class _ChartSet:
                fill: bool = False) -> pg.PlotDataItem:
         color = series_color(name)
         pen = pg.mkPen(color, width=width, style=style)
-        curve = pg.PlotDataItem(pen=pen, stepMode=STEP)
+        curve = self._lean(pg.PlotDataItem(pen=pen, stepMode=STEP))
         self.widgets[chart].addItem(curve)
         if fill:
-            # Fill down to a zero curve: a fillLevel would also stroke the area's vertical ends.
-            base = pg.PlotDataItem(pen=_CLEAR, stepMode=STEP)
-            self.widgets[chart].addItem(base)
-            self.widgets[chart].addItem(pg.FillBetweenItem(base, curve, brush=with_alpha(color, 40)))
-            self._zeros.append(base)
+            self._area(chart, name, with_alpha(color, 40), z=-10)
         self.legends[chart].addItem(curve, LABELS[name])
         self.curves[name] = curve
         return curve
 
+    @staticmethod
+    def _lean(item: pg.PlotDataItem) -> pg.PlotDataItem:
+        # pyqtgraph's default keeps ~5 samples per pixel; 'peak' of one per pixel keeps
+        # every spike and draws 5x fewer vertices (antialiased paths dominate the cost).
+        item.opts["autoDownsampleFactor"] = 1.0
+        return item
+
+    def _area(self, chart: str, name: str, brush, z: float) -> pg.PlotDataItem:
+        """A fill-only curve down to 0. Its own item, so the line's pen never strokes the
+        fill's vertical ends; pyqtgraph downsamples it like any curve (FillBetweenItem
+        rebuilds full-resolution polygons on every change: seconds for 20k rows)."""
+        area = self._lean(pg.PlotDataItem(pen=_CLEAR, stepMode=STEP, fillLevel=0, fillBrush=brush))
+        area.setZValue(z)
+        self.widgets[chart].addItem(area)
+        self.areas[name] = area
+        return area
+
     def _build_pool(self) -> None:
         item = self.widgets["pool"].getPlotItem()
-        below = pg.PlotDataItem(pen=_CLEAR, stepMode=STEP)
-        item.addItem(below)
-        self._zeros.append(below)
-        for name in STACK:
-            top = pg.PlotDataItem(pen=pg.mkPen(series_color(name), width=1.2), stepMode=STEP)
+        # Stacked areas: each band is its cumulative level filled down to 0, opaque, the
+        # higher levels behind the lower ones.
+        for i, name in enumerate(STACK):
+            area = self._area("pool", name, series_color(name), z=-10 - i)
+            top = self._lean(pg.PlotDataItem(pen=pg.mkPen(series_color(name), width=1.2), stepMode=STEP))
             item.addItem(top)
-            fill = pg.FillBetweenItem(below, top, brush=with_alpha(series_color(name), 190))
-            item.addItem(fill)
-            self.legends["pool"].addItem(fill, LABELS[name])
-            self.curves[name], self.fills[name] = top, fill
-            below = top
+            self.legends["pool"].addItem(area, LABELS[name])
+            self.curves[name] = top
         item.setLabel("left", "pages")
         item.setLabel("bottom", "wall time (s)")
 
@@ -214,8 +260,11 @@ class _ChartSet:
         rate_vb.setXLink(item)
         rate_vb.setYRange(0, 100, padding=0.02)
         rate_vb.enableAutoRange(axis=pg.ViewBox.YAxis, enable=False)
-        rate = pg.PlotDataItem(pen=pg.mkPen(series_color("hit_rate"), width=2.0,
-                                            style=Qt.PenStyle.DashLine), stepMode=STEP)
+        rate = self._lean(pg.PlotDataItem(pen=pg.mkPen(series_color("hit_rate"), width=2.0,
+                                                       style=Qt.PenStyle.DashLine), stepMode=STEP))
+        # Its ViewBox is not the PlotItem's, so set what PlotItem.addItem would; no clipToView:
+        # that clips to this ViewBox's range, stale until the plot is first laid out.
+        rate.setDownsampling(auto=True, method="peak")
         rate_vb.addItem(rate)
         self.legends["hits"].addItem(rate, LABELS["hit_rate"])
         self.curves["hit_rate"] = rate
@@ -277,7 +326,10 @@ class _ChartSet:
                 label.setText(label.text)  # LabelItem applies a new colour only on setText
         # Free pages are the only theme-dependent series colour.
         free = series_color("pages_free", theme)
-        self.fills["pages_free"].setBrush(with_alpha(free, 255))
+        bg = QColor(theme.background)
+        for name in STACK:  # opaque, toned towards the background: stacked bands must not blend
+            amount = 1.0 if name == "pages_free" else 0.8
+            self.areas[name].setFillBrush(_mix(series_color(name, theme), bg, amount))
         self.curves["pages_free"].setPen(pg.mkPen(free.darker(115) if not theme.dark else free.lighter(125),
                                                   width=1.2))
         for pw in self.widgets.values():
@@ -287,20 +339,24 @@ class _ChartSet:
     def refresh(self, buf: TimelineBuffer, ttft: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         x = buf.column("wall_s")
         level = np.zeros(buf.n)
-        for base in self._zeros:
-            base.setData(x, level)
         for name in STACK:
             level = level + buf.column(name)
-            self.curves[name].setData(x, level)
+            self._set_step(name, x, level)
         for name in ("chains", "cached_pages", "hits", "prefill_computed", "prefill_saved"):
-            self.curves[name].setData(x, buf.column(name))
-        self.curves["hit_rate"].setData(x, 100.0 * buf.column("hit_rate"))
+            self._set_step(name, x, buf.column(name))
+        self._set_step("hit_rate", x, 100.0 * buf.column("hit_rate"))
         for name, (ids, secs) in ttft.items():
             self.bars[name].setOpts(x=ids, height=secs)
         if buf.n:
             cap = float(buf.column("capacity").max())
             self.widgets["pool"].getPlotItem().vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)
         self._sync_rate()
+
+    def _set_step(self, name: str, x: np.ndarray, y: np.ndarray) -> None:
+        xs, ys = step_changes(x, y)
+        self.curves[name].setData(xs, ys)
+        if name in self.areas:
+            self.areas[name].setData(xs, ys)
 
     def close(self) -> None:
         for pw in self.widgets.values():
@@ -383,12 +439,19 @@ class ChartsPanel(QWidget):
         self._flush()
         charts = _ChartSet(None)
         try:
+            for pw in charts.widgets.values():
+                # Laid out for real but never on screen: the curves downsample to the
+                # view's width only once the view has one (else 20k rows draw in seconds).
+                pw.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
+                pw.resize(int(width), int(height))
+                pw.show()
             charts.apply_theme(theme_for(theme) if theme else self._current_theme())
             charts.refresh(self._buf, self._ttft)
+            # Only layout requests: posted queued signals must not run inside an export.
+            QApplication.sendPostedEvents(None, QEvent.Type.LayoutRequest)
             out = {}
             for name, pw in charts.widgets.items():
-                pw.resize(int(width), int(height))
-                charts.widgets[name].getPlotItem().vb.autoRange(padding=0.04)
+                pw.getPlotItem().vb.autoRange(padding=0.04)
                 charts._sync_rate()
                 out[name] = png_bytes(pw.grab())
             return out
@@ -427,6 +490,9 @@ class ChartsPanel(QWidget):
 
     def _on_tick(self) -> None:
         if self._dirty:
+            painted = sum(pw.paint_s for pw in self._charts.widgets.values())
+            self._timer.setInterval(int(min(MAX_REFRESH_MS, max(1000 // REFRESH_HZ,
+                                                                PAINT_SHARE * 1000 * painted))))
             self.refresh()
         else:
             self._timer.stop()  # idle: no wake-ups until the next append
