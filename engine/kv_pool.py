@@ -110,10 +110,12 @@ class KVPool:
         if len(free) != len(self._free):
             raise AssertionError("free list holds a page twice")
         if (self.refcount < 0).any():
-            raise AssertionError(f"negative reference count on pages {np.flatnonzero(self.refcount < 0)}")
+            bad = np.flatnonzero(self.refcount < 0)
+            raise AssertionError(f"negative reference count on pages {bad}")
         zero = set(np.flatnonzero(self.refcount == 0).tolist())
         if zero != free:
-            raise AssertionError(f"free list {sorted(free)[:8]} differs from unreferenced pages {sorted(zero)[:8]}")
+            raise AssertionError(f"free list {sorted(free)[:8]} differs from unreferenced pages "
+                                 f"{sorted(zero)[:8]}")
         if self.num_free_pages + self.num_used_pages != self.capacity:
             raise AssertionError("free + in use != capacity")
 

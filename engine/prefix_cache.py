@@ -70,6 +70,17 @@ class CacheCounters:
     tokens_saved: int = 0
 
 
+class _Trie:
+    """The tokens of sibling pages (one parent), so a probe finds the nearest in O(page_rows)."""
+
+    __slots__ = ("n", "next", "key")
+
+    def __init__(self):
+        self.n = 0                        # sibling pages whose tokens pass through this node
+        self.next: dict[int, _Trie] = {}
+        self.key: int | None = None       # the page whose tokens end here
+
+
 @dataclass
 class ProbeResult:
     """How far a prompt would match, and why it stops (see `prefix_probe`)."""
@@ -99,20 +110,37 @@ class PrefixCache:
         self._chain_ids = itertools.count(1)
         self._leaf_heap: list[tuple[int, int]] = []  # (last_used, key), stale entries skipped
         self.by_page: dict[int, int] = {}            # pool page -> key
+        self.siblings: dict[tuple[str, int | None], _Trie] = {}  # (namespace, parent) -> tokens
 
     # keys -------------------------------------------------------------
     def page_key(self, parent: int | None, tokens, namespace: str) -> int:
-        salt = (b"ns:" + namespace.encode("utf-8") + b"\0") if parent is None else parent.to_bytes(8, "little")
+        if parent is None:
+            salt = b"ns:" + namespace.encode("utf-8") + b"\0"
+        else:
+            salt = parent.to_bytes(8, "little")
         return self.hash_fn(salt + np.asarray(tokens, dtype=np.int64).tobytes())
 
     def verify(self, entry: CachedPage, parent: int | None, tokens, namespace: str) -> bool:
-        return entry.parent == parent and entry.namespace == namespace and entry.tokens == tuple(tokens)
+        return (entry.parent == parent and entry.namespace == namespace
+                and entry.tokens == tuple(tokens))
 
     # recency ----------------------------------------------------------
     def touch(self, entry: CachedPage) -> None:
         entry.last_used = next(self._clock)
         if not entry.children:
-            heapq.heappush(self._leaf_heap, (entry.last_used, entry.key))
+            self._push_leaf(entry)
+
+    def _current(self, stamp: int, key: int) -> bool:
+        entry = self.pages.get(key)
+        return entry is not None and entry.last_used == stamp and not entry.children
+
+    def _push_leaf(self, entry: CachedPage) -> None:
+        heapq.heappush(self._leaf_heap, (entry.last_used, entry.key))
+        if len(self._leaf_heap) > 2 * len(self.pages) + 64:
+            # Every re-touch of a leaf leaves a stale entry; without eviction they would
+            # pile up forever. Dropping them is O(heap) once per O(cache) pushes.
+            self._leaf_heap = [item for item in self._leaf_heap if self._current(*item)]
+            heapq.heapify(self._leaf_heap)
 
     def bind(self, pool: KVPool) -> None:
         if self.pool is None:
@@ -130,9 +158,9 @@ class PrefixCache:
         evicted, held = 0, []
         while evicted < n and self._leaf_heap:
             stamp, key = heapq.heappop(self._leaf_heap)
-            entry = self.pages.get(key)
-            if entry is None or entry.last_used != stamp or entry.children:
+            if not self._current(stamp, key):
                 continue  # stale heap entry
+            entry = self.pages[key]
             if not self._evictable(entry):
                 held.append((stamp, key))
                 continue
@@ -145,16 +173,45 @@ class PrefixCache:
     def evict_for_pool(self, pool: KVPool, n: int) -> int:
         return self.evict(n) if pool is self.pool else 0
 
+    def link(self, entry: CachedPage) -> None:
+        """Add a new page to the tree: its parent's children (or the roots) and the sibling trie."""
+        if entry.parent is None:
+            self.roots.setdefault(entry.namespace, set()).add(entry.key)
+        else:
+            self.pages[entry.parent].children.add(entry.key)
+        node = self.siblings.setdefault((entry.namespace, entry.parent), _Trie())
+        node.n += 1
+        for t in entry.tokens:
+            node = node.next.setdefault(t, _Trie())
+            node.n += 1
+        node.key = entry.key
+
+    def _unindex(self, entry: CachedPage) -> None:
+        slot = (entry.namespace, entry.parent)
+        node = self.siblings[slot]
+        node.n -= 1
+        if node.n == 0:
+            del self.siblings[slot]
+            return
+        for t in entry.tokens:
+            child = node.next[t]
+            child.n -= 1
+            if child.n == 0:
+                del node.next[t]
+                return
+            node = child
+
     def _remove(self, entry: CachedPage) -> None:
         del self.pages[entry.key]
         del self.by_page[entry.page]
+        self._unindex(entry)
         if entry.parent is None:
             self.roots[entry.namespace].discard(entry.key)
         else:
             parent = self.pages[entry.parent]
             parent.children.discard(entry.key)
             if not parent.children:
-                heapq.heappush(self._leaf_heap, (parent.last_used, parent.key))
+                self._push_leaf(parent)
         chain = self.chains[entry.chain_id]
         chain.pages_live -= 1
         if chain.pages_live == 0:
@@ -183,18 +240,18 @@ class PrefixCache:
 
     def nearest(self, parent: int | None, namespace: str, toks) -> tuple[int, int | None]:
         """Longest common prefix of `toks` with any cached child of `parent`, and its chain."""
-        keys = self.roots.get(namespace, set()) if parent is None else self.pages[parent].children
-        best, chain = 0, None
-        for key in keys:
-            entry = self.pages[key]
-            n = 0
-            for a, b in zip(entry.tokens, toks):
-                if a != b:
-                    break
-                n += 1
-            if chain is None or n > best:
-                best, chain = n, entry.chain_id
-        return best, chain
+        node = self.siblings.get((namespace, parent))
+        if node is None:
+            return 0, None
+        n = 0
+        for t in toks:
+            child = node.next.get(int(t))
+            if child is None:
+                break
+            node, n = child, n + 1
+        while node.key is None:  # any page below this node shares those n tokens
+            node = next(iter(node.next.values()))
+        return n, self.pages[node.key].chain_id
 
 
 def create_prefix_cache(max_pages: int = 0, hash_fn: HashFn | None = None) -> PrefixCache:
@@ -221,11 +278,14 @@ def prefix_insert(cache: PrefixCache, pool: KVPool, s: Session, tokens, preview:
     rows = pool.page_rows
     covered = min(len(tokens), s.n_past)
     if list(tokens[:covered]) != s.tokens[:covered]:
-        first = next(i for i, (a, b) in enumerate(zip(tokens, s.tokens)) if a != b)
-        raise ValueError(f"tokens differ from what session {s.id} evaluated, first at position {first}")
+        first = next((i for i, (a, b) in enumerate(zip(tokens, s.tokens, strict=False)) if a != b),
+                     min(len(s.tokens), covered))
+        raise ValueError(
+            f"tokens differ from what session {s.id} evaluated, first at position {first}")
     chain: ChainRecord | None = cache.chains.get(chain_id) if chain_id is not None else None
     parent: int | None = None
     added = 0
+    path: list[CachedPage] = []
     for i in range(covered // rows):
         toks = tuple(int(t) for t in tokens[i * rows:(i + 1) * rows])
         key = cache.page_key(parent, toks, namespace)
@@ -233,46 +293,47 @@ def prefix_insert(cache: PrefixCache, pool: KVPool, s: Session, tokens, preview:
         if entry is not None:
             if not cache.verify(entry, parent, toks, namespace):
                 break  # a hash collision: never store under another prefix's key
-            cache.touch(entry)
+            path.append(entry)
             parent = key
             continue
+        page = s.page_table[i]
+        if page in cache.by_page:
+            break  # this pool page already caches another prefix (e.g. another namespace)
         if chain is None:
             chain = ChainRecord(id=next(cache._chain_ids), n_tokens=0, pages_live=0, hits=0,
                                 preview=preview, created_at=time.time(), namespace=namespace,
                                 first_page_depth=i)
             cache.chains[chain.id] = chain
-        page = s.page_table[i]
-        if page in cache.by_page:
-            break  # this pool page already caches another prefix (cannot happen via attach)
         pool.retain(page)
         entry = CachedPage(key=key, page=page, tokens=toks, parent=parent, namespace=namespace,
                            depth=i, chain_id=chain.id, last_used=0)
         cache.pages[key] = entry
         cache.by_page[page] = key
-        if parent is None:
-            cache.roots.setdefault(namespace, set()).add(key)
-        else:
-            cache.pages[parent].children.add(key)
-        cache.touch(entry)
+        cache.link(entry)
+        path.append(entry)
         chain.n_tokens += rows
         chain.pages_live += 1
         added += 1
         parent = key
+    # Touch root to leaf once the links exist: parents stay older than their children
+    # and only the path's leaf enters the LRU heap (no stale entry per inner page).
+    for entry in path:
+        cache.touch(entry)
     cache.counters.inserted_pages += added
     cache.enforce_budget()
     return added
 
 
 def prefix_attach(cache: PrefixCache, pool: KVPool, s: Session, prompt, namespace: str = "") -> int:
-    """Attach the cached pages matching the prompt's start to a fresh session; return tokens matched."""
+    """Attach cached pages matching the prompt's start to a fresh session; return tokens matched."""
     _check_session(pool, s)
     if s.n_past != 0 or s.page_table:
         raise ValueError(
             f"prefix_attach needs a fresh session (n_past 0, no pages); session {s.id} has "
             f"n_past {s.n_past} and {len(s.page_table)} pages")
-    cache.counters.queries += 1
     if cache.pool is not None and cache.pool is not pool:
         raise ValueError("this prefix cache belongs to another KV pool")
+    cache.counters.queries += 1
     if cache.pool is None:
         return 0
     rows = pool.page_rows
@@ -300,9 +361,19 @@ def prefix_attach(cache: PrefixCache, pool: KVPool, s: Session, prompt, namespac
 
 
 def prefix_probe(cache: PrefixCache, prompt, namespace: str = "") -> ProbeResult:
-    """Read-only: how far `prompt` would match and why it stops; counts nothing."""
-    if cache.pool is None or len(prompt) == 0:
+    """Read-only: how far `prompt` would match and why it stops; counts and touches nothing.
+
+    stop_reason: "cap" (the next page is cached, but attach keeps the last token for the
+    model), "miss" (no cached page under the next page's key), "token_mismatch" (the key is
+    cached but its tokens or parent differ: a hash collision, never attached), "end" (no
+    full page left). first_diff_index is the first prompt position not found along the
+    cached path (None when every prompt token is); nearest_chain_id is the chain of the
+    cached page closest to the prompt there.
+    """
+    if len(prompt) == 0:
         return ProbeResult(0, 0, "end", None, None)
+    if cache.pool is None:
+        return ProbeResult(0, 0, "miss", 0, None)  # nothing was ever cached
     rows = cache.page_rows
     cap = max(0, (len(prompt) - 1) // rows)
     n_full = len(prompt) // rows
@@ -317,10 +388,10 @@ def prefix_probe(cache: PrefixCache, prompt, namespace: str = "") -> ProbeResult
         lcp, chain = cache.nearest(parent, namespace, toks)
         reason = "token_mismatch" if entry is not None else "miss"
         return ProbeResult(matched * rows, matched, reason, i * rows + lcp, chain or last_chain)
-    # Out of full pages: the rest of the prompt is a partial page.
+    # Out of full pages: the rest of the prompt is a partial page (never attached).
     tail = [int(t) for t in prompt[matched * rows:]]
     lcp, chain = cache.nearest(parent, namespace, tail)
-    diff = matched * rows + lcp if chain is not None else None
+    diff = None if lcp == len(tail) else matched * rows + lcp
     return ProbeResult(matched * rows, matched, "end", diff, chain or last_chain)
 
 
@@ -344,6 +415,7 @@ def prefix_release(cache: PrefixCache, pool: KVPool) -> int:
     cache.pages.clear()
     cache.by_page.clear()
     cache.roots.clear()
+    cache.siblings.clear()
     cache.chains.clear()
     cache._leaf_heap.clear()
     return n
