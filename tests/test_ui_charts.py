@@ -210,12 +210,13 @@ def test_screenshot(run, panel, qtbot):
 
 
 def test_many_redraws_keep_the_interpreter_alive(run, panel, qtbot):
-    """PySide6 6.12 drops a reference to None per graphics-item paint; on 3.11 that used to abort."""
+    """PySide6 6.12.0 drops references to None on every paint (3.11 aborts): the pin keeps it out."""
     import sys
     panel.show()
     qtbot.waitExposed(panel)
+    before = sys.getrefcount(None)
     for i in range(60):
         panel.append([run.rows[i % len(run.rows)]], run.records)
         panel.refresh()
         panel.repaint()
-    assert sys.getrefcount(None) > 10**6
+    assert sys.getrefcount(None) >= before - 500

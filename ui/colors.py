@@ -2,40 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
 from PySide6.QtWidgets import QWidget
 
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED, PAGE_STATE_NAMES
-
-_PINNED = 1 << 40
-
-
-def pin_singletons() -> bool:
-    """Make None, True and False immortal on CPython < 3.12; True when it did.
-
-    The PySide6 6.12 wheels drop one reference to None (and True) too many in many
-    calls: QGraphicsScene.render, every QGraphicsItem.paint override, QPainter calls.
-    On Python 3.11 these objects are not immortal yet (PEP 683 made them so in 3.12),
-    so a live pyqtgraph chart drives None's count to zero within seconds and CPython
-    aborts ("none_dealloc"). Adding 2**40 to the counts does what 3.12 does by design.
-    Every ui module of the panels imports this one, so the fix is in place before any
-    widget paints (app/qt_compat.py does the same for the app; both together are harmless).
-    """
-    if sys.version_info >= (3, 12) or sys.implementation.name != "cpython" or \
-            hasattr(sys, "gettotalrefcount"):  # 3.12+: already immortal; debug builds: another layout
-        return False
-    import ctypes
-    for obj in (None, True, False):
-        count = ctypes.c_ssize_t.from_address(id(obj))  # ob_refcnt: the first field of PyObject
-        if count.value < _PINNED:
-            count.value += _PINNED
-    return True
-
-
-pin_singletons()
 
 # Stacking order of the pool chart (bottom to top) and the page-map legend.
 STATE_ORDER = (PAGE_PRIVATE, PAGE_SHARED, PAGE_CACHED, PAGE_FREE)
