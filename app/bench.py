@@ -1,0 +1,213 @@
+"""`prefixlab bench`: measure the engine, the prefix cache, the scheduler and the UI thread.
+
+Everything runs in one process (load/RSS and the UI figure in child processes) and every
+ratio divides two numbers of the same run. The table shows each figure with its target;
+--json writes every figure, the raw measurements and the machine to a file.
+
+Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
+cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), and blas: a diagnostic
+of decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "blas")
+ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
+QUICK_SKIPS = ("blas",)  # diagnostics --quick leaves out unless --only names them
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure speed, memory and cache figures against their targets",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=argparse.SUPPRESS,
+                   help="GGUF model file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--json", metavar="OUT.json", help="write every figure and the machine to this file")
+    p.add_argument("--quick", action="store_true", help="small sizes (seconds, for tests); not for targets")
+    p.add_argument("--only", metavar="NAME,...",
+                   help=f"run only these sections: {', '.join(SECTIONS)} (or engine, all)")
+
+
+def parse_only(text: str | None, quick: bool = False) -> list[str]:
+    """Section names from --only, in the bench's order; ValueError names an unknown one."""
+    if not text:
+        return [s for s in SECTIONS if not (quick and s in QUICK_SKIPS)]
+    chosen: set[str] = set()
+    for name in (n.strip().lower() for n in text.split(",") if n.strip()):
+        if name in ALIASES:
+            chosen.update(ALIASES[name])
+        elif name in SECTIONS:
+            chosen.add(name)
+        else:
+            raise ValueError(
+                f"unknown bench section '{name}'; choose from {', '.join(SECTIONS)}, engine, all")
+    if not chosen:
+        raise ValueError("--only names no section")
+    return [s for s in SECTIONS if s in chosen]
+
+
+def run(args) -> int:
+    try:
+        sections = parse_only(args.only, args.quick)
+    except ValueError as e:
+        raise SystemExit(f"prefixlab bench: {e}") from None
+    results = run_bench(getattr(args, "model", None), quick=args.quick, sections=sections,
+                        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_table(results))
+    if args.json:
+        write_json(results, args.json)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTIONS, log=None) -> dict:
+    """Run the chosen sections; return the whole result (what --json writes)."""
+    import engine as dl
+
+    from . import bench_cache, bench_engine, bench_sched, bench_ui
+    from .bench_common import machine_info
+
+    log = log or (lambda msg: None)
+    sections = list(sections)
+    path = os.path.abspath(model_path) if model_path else dl.default_model_path()
+    t_start = time.perf_counter()
+    result: dict = {"schema": 1, "quick": quick, "sections_run": sections, "machine": machine_info(),
+                    "model": {"path": path}, "figures": {}, "details": {}, "errors": {}}
+    tmp_cache = bench_engine.temp_cache_dir()
+    image_ready = False
+
+    def section(name: str, fn) -> None:
+        log(f"bench: {name} ...")
+        t0 = time.perf_counter()
+        try:
+            figures, details = fn()
+        except Exception as e:  # noqa: BLE001 - one broken section must not lose the others
+            result["errors"][name] = f"{type(e).__name__}: {e}"
+            log(f"bench: {name} FAILED: {e}")
+            return
+        result["figures"].update(figures)
+        result["details"][name] = {**details, "section_s": time.perf_counter() - t0}
+
+    try:
+        if "load" in sections:
+            section("load", lambda: bench_engine.load_figures(path, tmp_cache, quick))
+            image_ready = "load" not in result["errors"]
+        needs_model = {"prefill", "decode", "batch", "scheduler", "blas"} & set(sections)
+        if needs_model:
+            log("bench: loading the model ...")
+            if image_ready:  # the load children just wrote a fresh weight image there
+                saved = os.environ.get("PREFIXLAB_CACHE_DIR")
+                os.environ["PREFIXLAB_CACHE_DIR"] = tmp_cache
+                try:
+                    m = dl.load_model(path)
+                finally:
+                    if saved is None:
+                        os.environ.pop("PREFIXLAB_CACHE_DIR", None)
+                    else:
+                        os.environ["PREFIXLAB_CACHE_DIR"] = saved
+            else:
+                m = dl.load_model(path)
+            result["model"].update({
+                "name": m.name, "arch": m.arch, "quant": m.quant, "n_params": m.n_params,
+                "file_size": m.file_size, "matmul_bytes": m.weights.matmul_bytes(),
+                "from_image": m.from_image, "config": dict(m.config.__dict__)})
+            if "prefill" in sections:
+                section("prefill", lambda: bench_engine.prefill_figures(m, quick))
+            if "decode" in sections or "batch" in sections:  # the batch speedup needs single-stream
+                batch = "batch" in sections
+                section("decode", lambda: bench_engine.decode_figures(m, quick, run_batch=batch))
+            if "blas" in sections:
+                section("blas", lambda: bench_engine.blas_thread_figures(m, quick))
+        if "cache" in sections:
+            section("cache", lambda: bench_cache.cache_figures(quick))
+        if "scheduler" in sections:
+            section("scheduler", lambda: bench_sched.scheduler_figures(m, quick))
+        if "ui" in sections:
+            section("ui", lambda: bench_ui.ui_figures(path, quick, tmp_cache if image_ready else None))
+    finally:
+        shutil.rmtree(tmp_cache, ignore_errors=True)
+    result["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    result["total_s"] = time.perf_counter() - t_start
+    result["targets"] = target_summary(result["figures"])
+    return result
+
+
+def target_summary(figures: dict) -> dict:
+    """Figures with a target: how many pass, and the names of those that miss."""
+    with_target = {k: f for k, f in figures.items() if f.get("target") is not None}
+    missed = [k for k, f in with_target.items() if f["pass"] is False]
+    return {"checked": len(with_target), "passed": len(with_target) - len(missed), "missed": missed}
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    a = abs(v)
+    if a == 0 or 0.01 <= a < 1e6:
+        return f"{v:.3g}" if a < 100 else f"{v:,.0f}"
+    return f"{v:.3e}"
+
+
+def format_table(result: dict) -> str:
+    """The figures as a readable table, grouped by issue, with target and pass/fail."""
+    rows = [("issue", "figure", "value", "unit", "target", "result")]
+    for name, f in result["figures"].items():
+        target = f"{f['op']} {_fmt(f['target'])}" if f.get("target") is not None else ""
+        verdict = {True: "pass", False: "MISS", None: ""}[f.get("pass")]
+        rows.append((f["issue"], name, _fmt(f["value"]), f["unit"], target, verdict))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for i, r in enumerate(rows):
+        cells = (c.rjust(w) if j == 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    m = result["machine"]
+    t = result["targets"]
+    head = (f"prefixlab bench{' --quick' if result['quick'] else ''}: {m['cpu_model']}, "
+            f"{m['cpus_usable']} CPUs, numpy {m['numpy']} "
+            f"({m['blas'].get('name', '?')} {m['blas'].get('version', '')}), {m['timestamp']}")
+    tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
+                                                            if t["missed"] else "")]
+    ui = result["details"].get("ui")
+    if ui is not None and not ui.get("available"):
+        tail.append(f"ui: not measured ({ui.get('reason')})")
+    for name, err in result["errors"].items():
+        tail.append(f"{name}: FAILED: {err}")
+    if result["quick"]:
+        tail.append("(--quick: small sizes; the figures are not comparable with the targets)")
+    return "\n".join([head, ""] + lines + [""] + tail)
+
+
+def write_json(result: dict, path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1, allow_nan=False)
+        fh.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m app.bench`: the same command without the rest of the CLI."""
+    p = argparse.ArgumentParser(prog="prefixlab bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Bench section "Scheduler": the eight-question scenario with cache and batching vs without.
+
+Both runs submit the same chat-template token prompts and generate exactly `new_tokens`
+greedy tokens each (stop_ids=[]), so they do the same decode work and differ only in
+prefix reuse and batching.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from engine.scheduler import Scheduler
+
+from .bench_common import figure, ratio
+from .scenario import SCENARIO_DIR, load_scenario
+
+ISSUE = "Scheduler"
+SCENARIO = os.path.join(SCENARIO_DIR, "eight_questions.json")
+
+
+def scenario_prompts(m, n_prompts: int | None = None,
+                     system_sentences: int | None = None) -> tuple[list[list[int]], list[str], int]:
+    """Token prompts of the eight-question scenario (system + each question, chat template);
+    --quick keeps fewer questions and the system prompt's first sentences only."""
+    sc = load_scenario(SCENARIO)
+    tok = m.tokenizer
+    questions = sc.prompts[:n_prompts] if n_prompts else sc.prompts
+    system = sc.system
+    if system_sentences:
+        system = ". ".join(system.split(". ")[:system_sentences]) + "."
+    prompts = [tok.encode(tok.render_chat([{"role": "system", "content": system},
+                                           {"role": "user", "content": q}], add_generation_prompt=True))
+               for q in questions]
+    return prompts, questions, sc.max_new_tokens
+
+
+def run_scenario(m, prompts: list[list[int]], previews: list[str], new_tokens: int, **settings) -> dict:
+    """Submit every prompt at once and step until done; wall time and every request record."""
+    sched = Scheduler(m, **settings)
+    t0 = time.perf_counter()
+    for p, q in zip(prompts, previews, strict=True):
+        sched.submit(p, max_new_tokens=new_tokens, stop_ids=[], preview=q)
+    sched.run_until_done()
+    wall = time.perf_counter() - t0
+    records = [r.to_dict() for r in sched.records.values()]
+    for r in records:
+        r.pop("text", None)
+    bad = [r for r in records if r["n_gen"] != new_tokens]
+    if bad:
+        raise RuntimeError(f"scheduler bench: request {bad[0]['id']} generated {bad[0]['n_gen']} tokens, "
+                           f"expected {new_tokens}")
+    hits = [r for r in records if r["n_cached"] > 0]
+    misses = [r for r in records if r["n_cached"] == 0]
+    waits = [r["queue_wait_s"] for r in records]
+
+    def mean_ttft(rs):
+        return float(np.mean([r["ttft_s"] for r in rs])) if rs else None
+
+    return {
+        "settings": sched.settings.to_dict(), "wall_s": wall, "steps": len(sched.timeline),
+        "n_requests": len(records), "n_hits": len(hits), "n_misses": len(misses),
+        "ttft_hit_mean_s": mean_ttft(hits), "ttft_miss_mean_s": mean_ttft(misses),
+        "ttft_mean_s": mean_ttft(records),
+        "queue_wait_mean_s": float(np.mean(waits)), "queue_wait_max_s": float(np.max(waits)),
+        "prefill_computed": sched.prefill_computed, "prefill_saved": sched.prefill_saved,
+        "decode_tokens": sched.decode_tokens, "records": records,
+    }
+
+
+def scheduler_figures(m, quick: bool) -> tuple[dict, dict]:
+    prompts, previews, scenario_new = scenario_prompts(m, *((2, 3) if quick else (None, None)))
+    new_tokens = 2 if quick else scenario_new
+    cached = run_scenario(m, prompts, previews, new_tokens)  # Scheduler defaults: 4 streams, cache on
+    plain = run_scenario(m, prompts, previews, new_tokens, max_streams=1, cache_enabled=False)
+    figures = {
+        "sched_wall_cached_s": figure(cached["wall_s"], "s", ISSUE,
+                                      note=f"{len(prompts)} requests x {new_tokens} tokens, "
+                                           f"max_streams {cached['settings']['max_streams']}, cache on"),
+        "sched_wall_plain_s": figure(plain["wall_s"], "s", ISSUE, note="max_streams 1, cache off"),
+        "sched_wall_ratio": figure(ratio(cached["wall_s"], plain["wall_s"]), "ratio", ISSUE, 0.45, "<=",
+                                   note="cached+batched wall / plain wall"),
+        "ttft_hit_mean_s": figure(cached["ttft_hit_mean_s"], "s", ISSUE,
+                                  note=f"{cached['n_hits']} hits, TTFT from admission"),
+        "ttft_miss_mean_s": figure(cached["ttft_miss_mean_s"], "s", ISSUE,
+                                   note=f"{cached['n_misses']} misses"),
+        "ttft_hit_miss_ratio": figure(ratio(cached["ttft_hit_mean_s"], cached["ttft_miss_mean_s"]), "ratio",
+                                      ISSUE, 0.3, "<=", note="cached run"),
+        "queue_wait_mean_s": figure(cached["queue_wait_mean_s"], "s", ISSUE, note="cached run"),
+        "queue_wait_max_s": figure(cached["queue_wait_max_s"], "s", ISSUE, note="cached run"),
+        "plain_queue_wait_mean_s": figure(plain["queue_wait_mean_s"], "s", ISSUE, note="plain run"),
+    }
+    details = {"scenario": SCENARIO, "new_tokens": new_tokens, "prompt_tokens": [len(p) for p in prompts],
+               "submitted_as": "chat-template token prompts, all at once, greedy, stop_ids=[]",
+               "cached": cached, "plain": plain}
+    return figures, details

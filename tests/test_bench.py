@@ -1,0 +1,175 @@
+"""`prefixlab bench --quick --json`: every figure present, finite and self-consistent.
+
+No timing assertions: the machine is shared and noisy. The checks are that each figure is
+there with a sane value, that every ratio is the quotient of the same run's numbers, and
+that each pass/fail agrees with its value and target.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from app import bench
+from app.bench_cache import cache_figures
+from app.bench_common import figure, ratio
+from app.bench_engine import prefill_flops
+
+ENGINE = ["prefill_tok_s", "prefill_gflop_s", "matmul_ref_gflop_s", "prefill_flops_fraction",
+          "decode_tok_s", "decode_weight_gb_s", "mem_read_gb_s", "decode_bw_fraction",
+          "batch_decode_tok_s", "batch_speedup", "cold_load_s", "warm_load_s", "peak_rss_gb",
+          "peak_rss_warm_gb", "peak_rss_cold_gb"]
+CACHE = ["attach_us_per_page", "insert_us_per_page", "evict_us_per_page"]
+SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_hit_mean_s",
+         "ttft_miss_mean_s", "ttft_hit_miss_ratio", "queue_wait_mean_s", "queue_wait_max_s",
+         "plain_queue_wait_mean_s"]
+TARGETS = {"prefill_flops_fraction": (">=", 0.55), "decode_bw_fraction": (">=", 0.8),
+           "batch_speedup": (">=", 2.5), "warm_load_s": ("<=", 1.5), "peak_rss_gb": ("<=", 1.2),
+           "sched_wall_ratio": ("<=", 0.45), "ttft_hit_miss_ratio": ("<=", 0.3)}
+QUEUE_WAITS = {"queue_wait_mean_s", "queue_wait_max_s", "plain_queue_wait_mean_s"}
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One `bench --quick --json` run through the real CLI, in this process."""
+    try:
+        import engine
+        engine.default_model_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"the bundled model is not installed: {e}")
+    from app import cli
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    assert cli.main(["bench", "--quick", "--json", str(out)]) == 0
+    with open(out, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+# cheap unit tests -----------------------------------------------------------------------------
+def test_parse_only_sections_and_aliases():
+    assert bench.parse_only(None) == list(bench.SECTIONS)
+    assert "blas" not in bench.parse_only(None, quick=True)
+    assert bench.parse_only("cache, prefill") == ["prefill", "cache"]
+    assert bench.parse_only("engine") == ["prefill", "decode", "batch", "load"]
+    assert bench.parse_only("blas", quick=True) == ["blas"]
+    with pytest.raises(ValueError, match="unknown bench section 'nope'"):
+        bench.parse_only("cache,nope")
+
+
+def test_figure_pass_follows_target_and_ratio_guards():
+    assert figure(0.6, "ratio", "x", 0.55, ">=")["pass"] is True
+    assert figure(0.5, "ratio", "x", 0.55, ">=")["pass"] is False
+    assert figure(2.0, "s", "x", 1.5, "<=")["pass"] is False
+    assert figure(1.0, "s", "x")["pass"] is None
+    assert figure(None, "s", "x", 1.0, "<=")["pass"] is None
+    assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None and ratio(3.0, 2.0) == 1.5
+
+
+def test_prefill_flops_counts_matmuls_causal_attention_and_one_logits_row(tiny_model):
+    cfg, w = tiny_model.config, tiny_model.weights
+    n = 5
+    per_layer = (w.wqkv[0].size + w.wo[0].size + w.w_gate_up[0].size + w.w_down[0].size)
+    f = prefill_flops(tiny_model, n)
+    assert f["matmul"] == 2 * n * cfg.n_layers * per_layer
+    # QK^T and PV over the causal triangle: query i sees i + 1 keys.
+    causal_pairs = sum(i + 1 for i in range(n))
+    assert f["attention"] == cfg.n_layers * 2 * 2 * cfg.n_heads * cfg.head_dim * causal_pairs
+    assert f["logits"] == 2 * cfg.vocab_size * cfg.d_model
+    assert f["total"] == f["matmul"] + f["attention"] + f["logits"]
+
+
+def test_cache_section_alone_on_a_tiny_pool():
+    figures, details = cache_figures(quick=True)
+    assert details["cached_pages"] >= 10_000
+    for name in CACHE:
+        assert figures[name]["value"] > 0 and math.isfinite(figures[name]["value"])
+
+
+# the quick run ----------------------------------------------------------------------------
+@pytest.mark.model
+def test_quick_bench_has_every_figure_finite_and_positive(quick_run):
+    assert quick_run["errors"] == {}
+    assert quick_run["quick"] is True
+    figs = quick_run["figures"]
+    for name in ENGINE + CACHE + SCHED:
+        assert name in figs, f"missing figure {name}"
+        v = figs[name]["value"]
+        assert isinstance(v, float) and math.isfinite(v), f"{name} = {v!r}"
+        assert v >= 0 if name in QUEUE_WAITS else v > 0, f"{name} = {v!r}"
+        assert figs[name]["unit"] and figs[name]["issue"]
+
+
+@pytest.mark.model
+def test_quick_bench_ratios_come_from_the_same_run(quick_run):
+    f = {k: v["value"] for k, v in quick_run["figures"].items()}
+    d = quick_run["details"]
+    assert close(f["prefill_flops_fraction"], f["prefill_gflop_s"] / f["matmul_ref_gflop_s"])
+    n = d["prefill"]["prompt_tokens"]
+    assert close(f["prefill_gflop_s"], d["prefill"]["model_flops"]["total"] * f["prefill_tok_s"] / n / 1e9)
+    assert close(f["prefill_tok_s"], n / min(d["prefill"]["prefill_s"]))
+    assert close(f["decode_bw_fraction"], f["decode_weight_gb_s"] / f["mem_read_gb_s"])
+    assert close(f["decode_weight_gb_s"], f["decode_tok_s"] * quick_run["model"]["matmul_bytes"] / 1e9)
+    assert d["decode"]["bandwidth_bytes"] >= 512 * 1024 ** 2
+    assert close(f["batch_speedup"], f["batch_decode_tok_s"] / f["decode_tok_s"])
+    assert close(f["sched_wall_ratio"], f["sched_wall_cached_s"] / f["sched_wall_plain_s"])
+    assert close(f["ttft_hit_miss_ratio"], f["ttft_hit_mean_s"] / f["ttft_miss_mean_s"])
+    assert close(f["peak_rss_gb"], max(f["peak_rss_warm_gb"], f["peak_rss_cold_gb"]))
+
+
+@pytest.mark.model
+def test_quick_bench_targets_and_verdicts_agree(quick_run):
+    figs = quick_run["figures"]
+    for name, (op, target) in TARGETS.items():
+        fig = figs[name]
+        assert (fig["op"], fig["target"]) == (op, target), name
+        expected = fig["value"] <= target if op == "<=" else fig["value"] >= target
+        assert fig["pass"] is expected, name
+    summary = quick_run["targets"]
+    assert summary["missed"] == [k for k, v in figs.items() if v["pass"] is False]
+    assert summary["checked"] == sum(1 for v in figs.values() if v["target"] is not None)
+
+
+@pytest.mark.model
+def test_quick_bench_runs_are_comparable(quick_run):
+    sched = quick_run["details"]["scheduler"]
+    for run in ("cached", "plain"):
+        assert all(r["n_gen"] == sched["new_tokens"] for r in sched[run]["records"]), run
+    assert sched["cached"]["n_hits"] > 0 and sched["cached"]["n_misses"] > 0
+    assert sched["plain"]["n_hits"] == 0 and sched["plain"]["settings"]["max_streams"] == 1
+    load = quick_run["details"]["load"]
+    assert load["cold"]["from_image"] is False and load["warm"]["from_image"] is True
+
+
+@pytest.mark.model
+def test_quick_bench_records_the_machine(quick_run):
+    m = quick_run["machine"]
+    for key in ("timestamp", "cpu_model", "cpu_count", "numpy", "blas", "python", "versions"):
+        assert m.get(key), key
+    assert m["cpu_count"] >= 1 and m["blas"].get("name")
+    assert quick_run["model"]["n_params"] > 0 and quick_run["model"]["matmul_bytes"] > 0
+
+
+@pytest.mark.model
+def test_quick_bench_ui_figure_when_the_worker_exists(quick_run):
+    ui = quick_run["details"]["ui"]
+    if importlib.util.find_spec("app.worker") is None:
+        assert ui["available"] is False and "worker" in ui["reason"]
+        return
+    assert ui["available"], ui.get("reason")
+    gap = quick_run["figures"]["ui_max_gap_ms"]
+    assert gap["value"] > 0 and math.isfinite(gap["value"]) and gap["target"] == 100.0
+    assert ui["finished"] == ui["streams"]
+
+
+@pytest.mark.model
+def test_quick_bench_table_lists_every_figure(quick_run):
+    table = bench.format_table(quick_run)
+    for name in quick_run["figures"]:
+        assert name in table
+    assert "targets:" in table
