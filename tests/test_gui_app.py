@@ -118,6 +118,13 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     qtbot.waitUntil(lambda: bool(w.last_report_paths or w.last_error), timeout=60_000)
     assert w.last_error is None, w.last_error
     assert path.is_file() and path.stat().st_size > 0
+    assert w.open_report_path(str(path))
+    assert w.charts.row_count == len(w.opened_report.timeline) == len(sched.timeline.rows)
+
+    # Flush cache gives back every cached page (no stream holds one now).
+    w.flush_cache()
+    qtbot.waitUntil(lambda: w.cache_panel.page_map.counts_by_state()["cached"] == 0, timeout=30_000)
+    assert w.client.worker.scheduler is sched and not sched.cache.pages
     assert w.last_error is None
 
 
@@ -149,7 +156,19 @@ def test_stop_one_stop_all_then_close_mid_generation(window, qtbot, tmp_path, mo
         assert card.turns[-1].reason == "cancelled"
         assert card.answer_text().startswith(before)
 
-    # Run one prompt again (a new conversation) and close the window while it generates.
+    # Run one prompt again (a new conversation); switching models now, with "yes", stops it
+    # and, as the file is no model, keeps the old one.
+    cards[2].run_button.click()
+    qtbot.waitUntil(lambda: len(cards[2].turns) == 2 and bool(cards[2].answer_text()), timeout=RUN_TIMEOUT_MS)
+    monkeypatch.setattr(w, "confirm", lambda title, text: True)
+    before = dict(w.model_info)
+    assert w.open_model_path(str(tmp_path / "other.gguf")) is True
+    qtbot.waitUntil(lambda: w.last_error is not None and not w.model_bar.loading, timeout=60_000)
+    assert cards[2].turns[-1].reason == "cancelled" and cards[2].answer_text()
+    assert "other.gguf" in w.last_error and w.model_info == before
+    w.last_error = None
+
+    # Run another prompt again and close the window while it generates.
     cards[1].run_button.click()
     qtbot.waitUntil(lambda: cards[1].running and len(cards[1].turns) == 2 and bool(cards[1].answer_text()),
                     timeout=RUN_TIMEOUT_MS)
@@ -183,6 +202,13 @@ def test_broken_gguf_drop_shows_the_error_and_keeps_the_model(window, qtbot, tmp
     qtbot.waitUntil(lambda: w.last_error is not None, timeout=30_000)
     assert "no_such_knob" in w.last_error
     assert w.client.thread.isRunning()
+    # New pool settings make a new Scheduler (the worker is idle); the charts start over.
+    old = w.client.worker.scheduler
+    set_settings(w, page_rows=8, pool_pages=300)
+    qtbot.waitUntil(lambda: w.client.worker.scheduler is not old, timeout=30_000)
+    qtbot.waitUntil(lambda: w.snapshot is not None and len(w.snapshot.page_states) == 300, timeout=30_000)
+    assert w.client.worker.scheduler.pool.page_rows == 8 and w.charts.row_count == 0
+
     w.prompt_list.add_prompt("Do you sell drills?")
     assert w.probe_selected()
     qtbot.waitUntil(lambda: w.last_probe is not None, timeout=30_000)

@@ -15,7 +15,7 @@ import os
 import secrets
 
 import numpy as np
-from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -53,6 +53,8 @@ from .stream_view import StreamGrid, StreamView
 from .theme import apply_theme, current_theme, icon
 
 DEFAULT_SIZE = (1400, 900)
+DEFAULT_SPLIT = [290, 470, 640]  # the charts need ~600 px
+DEFAULT_LEFT_SPLIT = [240, 460]
 FLUSH_INTERVAL_MS = 40
 REQUEST_COLUMNS = ["Req", "Prompt", "Prompt tok", "Cached", "Prefilled", "Generated", "TTFT",
                    "tok/s", "Finish"]
@@ -112,6 +114,7 @@ class MainWindow(QMainWindow):
         self._loading = False
         self._loading_path: str | None = None
         self._closed = False
+        self._splits_restored = False
 
         self._build_central()
         self._build_actions()
@@ -155,7 +158,7 @@ class MainWindow(QMainWindow):
         self.left_splitter.addWidget(sys_box)
         self.prompt_list = PromptList()
         self.left_splitter.addWidget(self.prompt_list)
-        self.left_splitter.setSizes([260, 440])
+        self.left_splitter.setSizes(DEFAULT_LEFT_SPLIT)
         left_lay.addWidget(self.left_splitter, 1)
         run_row = QHBoxLayout()
         self.run_button = QPushButton(icon("run"), "Run all")
@@ -212,7 +215,7 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setStretchFactor(2, 0)
-        self.splitter.setSizes([330, 620, 450])
+        self.splitter.setSizes(DEFAULT_SPLIT)
         self.setCentralWidget(self.splitter)
 
         self.prompt_list.run_requested.connect(self.run_prompt)
@@ -398,6 +401,7 @@ class MainWindow(QMainWindow):
         if path:
             self.open_model_path(path)
 
+    @Slot(dict)
     def _on_model_loaded(self, info: dict) -> None:
         self.model_info = info
         self._loading = False
@@ -410,6 +414,7 @@ class MainWindow(QMainWindow):
         self._update_actions()
         self.model_ready.emit(info)
 
+    @Slot(str)
     def _on_model_load_failed(self, message: str) -> None:
         self._loading = False
         self._loading_path = None
@@ -592,6 +597,7 @@ class MainWindow(QMainWindow):
         return job
 
     # worker events ------------------------------------------------------------
+    @Slot(list)
     def _on_requests_submitted(self, accepted: list) -> None:
         for tag, rid, n_prompt in accepted:
             card = self._tag_card.get(tag)
@@ -601,6 +607,7 @@ class MainWindow(QMainWindow):
             card.set_request(rid, n_prompt)
         self._update_actions()
 
+    @Slot(str, str)
     def _on_request_refused(self, tag: str, message: str) -> None:
         card = self._tag_card.pop(tag, None)
         self._open_tags.discard(tag)
@@ -609,6 +616,7 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(f"Request refused: {message}", 8000)
         self._update_actions()
 
+    @Slot(list)
     def _on_tokens(self, pieces: list) -> None:
         for rid, text in pieces:
             card = self._tag_card.get(self._rid_tag.get(rid, ""))
@@ -620,6 +628,7 @@ class MainWindow(QMainWindow):
             if card.dirty:
                 card.flush()
 
+    @Slot(object)
     def _on_request_finished(self, record) -> None:
         tag = self._rid_tag.pop(record.id, None)
         card = self._tag_card.pop(tag, None) if tag is not None else None
@@ -635,6 +644,7 @@ class MainWindow(QMainWindow):
             if queue:
                 self.client.submit([self._turn_job(card, queue.pop(0), followup=True)])
 
+    @Slot(object)
     def _on_stats(self, snap) -> None:
         self.snapshot = snap
         rows = snap.timeline[self._rows_seen:]
@@ -653,6 +663,7 @@ class MainWindow(QMainWindow):
                     card.update_live(r)
         self._update_pool_label(snap)
 
+    @Slot(dict)
     def _on_scheduler_reset(self, settings: dict) -> None:
         self._rows_seen = 0
         self.snapshot = None
@@ -662,17 +673,21 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(
             f"New KV pool: {settings.get('page_rows')} rows per page, {pool} pages; the cache is empty", 6000)
 
+    @Slot()
     def _on_run_finished(self) -> None:
         self._update_actions()
         self._save_session()
         self.run_done.emit()
 
+    @Slot(str)
     def _on_worker_failed(self, message: str) -> None:
         self.report_error("Engine error", message)
 
+    @Slot(int)
     def _on_cache_flushed(self, n: int) -> None:
         self.statusBar().showMessage(f"Flushed {n} cached page(s)", 5000)
 
+    @Slot(dict)
     def _on_probe_ready(self, result: dict) -> None:
         self.last_probe = result
         if self.cache_panel is not None and hasattr(self.cache_panel, "show_probe"):
@@ -732,6 +747,7 @@ class MainWindow(QMainWindow):
         if path:
             self.client.make_report(path, self.system_prompt())
 
+    @Slot(str, object)
     def _on_report_ready(self, path: str, report) -> None:
         try:
             from app.report_render import export_report
@@ -817,8 +833,17 @@ class MainWindow(QMainWindow):
 
     def reset_layout(self) -> None:
         self.resize(*DEFAULT_SIZE)
-        self.splitter.setSizes([330, 620, 450])
-        self.left_splitter.setSizes([260, 440])
+        self._default_splits()
+
+    def _default_splits(self) -> None:
+        self.splitter.setSizes(DEFAULT_SPLIT)
+        self.left_splitter.setSizes(DEFAULT_LEFT_SPLIT)
+
+    def showEvent(self, event) -> None:  # noqa: N802 - Qt override
+        super().showEvent(event)
+        if not self._splits_restored:
+            self._splits_restored = True  # first show without a saved layout: the default split
+            self._default_splits()
 
     def _update_actions(self) -> None:
         ready = self.model_info is not None and not self._loading
@@ -902,6 +927,7 @@ class MainWindow(QMainWindow):
             value = store.value(key)
             if isinstance(value, QByteArray) and not value.isEmpty():
                 target(value)
+                self._splits_restored = True
         tab = store.value("window/tab")
         if tab is not None:
             try:

@@ -25,8 +25,8 @@ from app import qt_compat  # noqa: F401 - guards PySide6's refcount bug
 
 from .theme import color, icon, repolish
 
-CARD_MIN_WIDTH = 400
-CARD_HEIGHT = 290
+CARD_MIN_WIDTH = 320
+CARD_HEIGHT = 250
 
 
 @dataclass
