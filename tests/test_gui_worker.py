@@ -1,0 +1,198 @@
+"""The engine worker's logic on the tiny GGUF, driven step by step in the test thread (fast)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+
+import engine  # noqa: E402
+from app.settings import AppSettings  # noqa: E402
+from app.worker import EngineWorker, cached_token_at, chat_prompt  # noqa: E402
+
+SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint."
+QUESTIONS = ["Do you sell drills?", "Do you sell paint?", "Where are the screws?"]
+
+
+class Recorder:
+    """Every signal of a worker, as lists (direct connections: the worker runs in this thread)."""
+
+    NAMES = ("token_generated", "requests_submitted", "request_refused", "request_finished",
+             "stats_updated", "model_loaded", "model_load_failed", "scheduler_reset", "run_finished",
+             "failed", "probe_ready", "cache_flushed")
+
+    def __init__(self, worker: EngineWorker):
+        for name in self.NAMES:
+            got: list = []
+            setattr(self, name, got)
+            getattr(worker, name).connect(lambda *args, got=got: got.append(args[0] if len(args) == 1
+                                                                             else args))
+
+
+def run(worker: EngineWorker, limit: int = 2000) -> None:
+    """Step like the worker's zero-interval timer would, until the run is over."""
+    for _ in range(limit):
+        if worker.scheduler is None or not (worker.scheduler.has_work() or worker._busy):
+            return
+        worker._pump()
+    raise AssertionError("the run did not finish")
+
+
+def job(tag: str, user: str, **extra) -> dict:
+    return {"tag": tag, "system": SYSTEM, "user": user, "conversation_id": f"conv-{tag}",
+            "max_new_tokens": 6, "sampling": {"temperature": 0.0}, "namespace": "", **extra}
+
+
+@pytest.fixture
+def worker(qapp, tiny_gguf_path):
+    w = EngineWorker()
+    rec = Recorder(w)
+    w.apply_settings(AppSettings(page_rows=4, max_streams=4, chunk_tokens=32).to_dict())
+    w.load_model(tiny_gguf_path)
+    assert rec.model_loaded and not rec.model_load_failed, rec.model_load_failed
+    w.rec = rec
+    yield w
+    w._timer.stop()
+
+
+def test_load_reports_the_model_and_a_broken_file_keeps_it(worker, tmp_path):
+    info = worker.rec.model_loaded[-1]
+    assert info["name"] == "tiny-llama" and info["arch"] == "llama"
+    assert info["n_params"] == worker.model.n_params and info["context_length"] == 512
+    model = worker.model
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    worker.load_model(str(bad))
+    assert worker.rec.model_load_failed and "bad.gguf" in worker.rec.model_load_failed[-1]
+    assert worker.model is model and len(worker.rec.model_loaded) == 1
+
+
+def test_tokens_come_batched_per_step_and_later_prompts_hit_the_cache(worker):
+    rec = worker.rec
+    worker.submit([job(f"t{i}", q) for i, q in enumerate(QUESTIONS)])
+    assert [t for t, _, _ in rec.requests_submitted[-1]] == ["t0", "t1", "t2"]
+    run(worker)
+    assert len(rec.run_finished) == 1 and not rec.failed
+    done = {r.id: r for r in rec.request_finished}
+    assert len(done) == 3
+    # One token_generated per step, each a list of (request id, piece); pieces rebuild the texts.
+    texts: dict[int, str] = {}
+    for batch in rec.token_generated:
+        assert isinstance(batch, list) and len({rid for rid, _ in batch}) == len(batch)
+        for rid, piece in batch:
+            texts[rid] = texts.get(rid, "") + piece
+    for rid, r in done.items():
+        assert texts.get(rid, "") == r.text
+    ids = sorted(done)
+    assert done[ids[0]].n_cached == 0
+    assert done[ids[1]].n_cached > 0 and done[ids[2]].n_cached > 0
+    # Snapshots are copies: the last one matches the scheduler.
+    snap = rec.stats_updated[-1]
+    sched = worker.scheduler
+    assert len(snap.timeline) == len(sched.timeline.rows)
+    assert (snap.page_states == sched.page_states()).all()
+    assert snap.page_states is not sched.page_states() and snap.records[0] is not sched.records[ids[0]]
+
+
+def test_a_follow_up_extends_the_conversation(worker):
+    rec = worker.rec
+    worker.submit([job("a", QUESTIONS[0])])
+    run(worker)
+    first = rec.request_finished[-1]
+    worker.submit([job("b", "And saws?", conversation_id="conv-a")])
+    run(worker)
+    second = rec.request_finished[-1]
+    assert second.conversation_id == "conv-a"
+    assert second.n_prompt > first.n_prompt + first.n_gen
+    assert second.n_cached >= (first.n_prompt // 4) * 4
+    # A conversation the scheduler does not know continues from the messages the UI kept.
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]},
+            {"role": "assistant", "content": first.text}, {"role": "user", "content": "And saws?"}]
+    worker.submit([job("c", "And saws?", conversation_id="elsewhere", messages=msgs)])
+    run(worker)
+    third = rec.request_finished[-1]
+    assert third.n_prompt == second.n_prompt and third.n_cached > 0
+
+
+def test_cancel_flags_stop_requests_between_steps(worker):
+    rec = worker.rec
+    worker.request_cancel(["late"])  # cancelled before it was even submitted
+    worker.submit([job("x", QUESTIONS[0], max_new_tokens=200), job("late", QUESTIONS[1])])
+    worker._pump()
+    worker._pump()
+    worker.request_cancel(["x"])
+    run(worker)
+    reasons = {r.preview: r.finish_reason for r in rec.request_finished}
+    assert set(reasons.values()) == {"cancelled"}, reasons
+    x = next(r for r in rec.request_finished if r.preview.startswith("Do you sell drills"))
+    assert x.n_gen < 200
+    assert not worker._cancel_tags and not worker._rid_of
+    worker.scheduler.pool.check()
+
+
+def test_probe_names_the_first_differing_token_and_the_cached_one(worker):
+    rec = worker.rec
+    worker.submit([job("a", "Do you sell drills and saws?")])
+    run(worker)
+    worker.probe({"system": SYSTEM, "user": "Do you sell paint and saws?", "namespace": ""})
+    p = rec.probe_ready[-1]
+    for key in ("matched_tokens", "matched_pages", "n_prompt", "stop_reason", "first_diff_index",
+                "chain_id", "context_before", "prompt_token", "cached_token"):
+        assert key in p
+    prompt = chat_prompt(worker.model, SYSTEM, "Do you sell paint and saws?")
+    cached = chat_prompt(worker.model, SYSTEM, "Do you sell drills and saws?")
+    d = p["first_diff_index"]
+    assert d == next(i for i, (a, b) in enumerate(zip(prompt, cached, strict=False)) if a != b)
+    assert p["matched_tokens"] == (d // 4) * 4 and p["stop_reason"] in ("miss", "token_mismatch")
+    tok = worker.model.tokenizer
+    assert p["prompt_token"] == tok.decode([prompt[d]]) and p["cached_token"] == tok.decode([cached[d]])
+    assert p["context_before"] == tok.decode(prompt[max(0, d - 12):d])
+    assert cached_token_at(worker.scheduler.cache, prompt, "", d) == cached[d]
+    # Another namespace shares nothing.
+    worker.probe({"system": SYSTEM, "user": "Do you sell drills and saws?", "namespace": "other"})
+    assert rec.probe_ready[-1]["matched_tokens"] == 0
+
+
+def test_settings_live_now_pool_changes_when_idle(worker):
+    rec = worker.rec
+    sched = worker.scheduler
+    worker.apply_settings(AppSettings(page_rows=4, max_streams=2, chunk_tokens=8, cache_pages=3).to_dict())
+    assert worker.scheduler is sched and sched.settings.max_streams == 2 and sched.cache.max_pages == 3
+    worker.submit([job("a", QUESTIONS[0], max_new_tokens=30)])
+    worker._pump()
+    resets = len(rec.scheduler_reset)
+    worker.apply_settings(AppSettings(page_rows=8, max_streams=2).to_dict())
+    assert worker.scheduler is sched  # busy: the new pool waits for the run to end
+    run(worker)
+    assert len(rec.scheduler_reset) == resets + 1 and worker.scheduler is not sched
+    assert worker.scheduler.pool.page_rows == 8 and rec.scheduler_reset[-1]["page_rows"] == 8
+    with pytest.raises(ValueError):
+        AppSettings(page_rows=0).validate()
+
+
+def test_exceptions_become_failed_and_the_worker_goes_on(worker):
+    rec = worker.rec
+    worker.submit([{"tag": "bad", "user": "hi", "sampling": {"no_such_knob": 1}}])
+    assert rec.failed and "no_such_knob" in rec.failed[-1]
+    worker.submit([job("ok", "tell me " * 400)])  # longer than the tiny context
+    assert rec.request_refused and rec.request_refused[-1][0] == "ok"
+
+    calls = {"n": 0}
+    real_step = worker.scheduler.step
+
+    def broken_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    worker.scheduler.step = broken_step
+    worker.submit([job("x", QUESTIONS[0], max_new_tokens=20)])
+    run(worker)
+    assert any("boom" in m for m in rec.failed)
+    assert rec.request_finished[-1].finish_reason == "cancelled"
+    worker.flush_cache()
+    assert rec.cache_flushed and not worker.scheduler.cache.pages
+    assert isinstance(worker.model, engine.Model)
