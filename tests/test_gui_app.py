@@ -128,10 +128,15 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     assert w.last_error is None
 
 
+LONG_PROMPTS = ["List every tool you sell, one per line, each with a long description.",
+                "Write a long story about a customer who buys paint.",
+                "Describe, step by step and in detail, how to build a garden shed."]
+
+
 def test_stop_one_stop_all_then_close_mid_generation(window, qtbot, tmp_path, monkeypatch):
     w = window
     set_settings(w, max_new_tokens=400)
-    uids = type_prompts(qtbot, w, PROMPTS)
+    uids = type_prompts(qtbot, w, LONG_PROMPTS)
     w.run_all()
     cards = [w.streams.card(uid) for uid in uids]
     qtbot.waitUntil(lambda: all(bool(c.answer_text()) for c in cards), timeout=RUN_TIMEOUT_MS)
