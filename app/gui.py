@@ -8,7 +8,6 @@ import sys
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 
-from . import qt_compat  # noqa: F401 - guards PySide6's refcount bug
 from .settings import APPLICATION, ORGANIZATION, qsettings
 
 

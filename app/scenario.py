@@ -6,7 +6,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-SCENARIO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "resources", "scenarios")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIO_DIR = os.path.join(REPO_ROOT, "resources", "scenarios")
 
 
 @dataclass

@@ -23,7 +23,6 @@ import engine
 from engine.scheduler import FinishEvent, Scheduler, SubmitRefused, TokenEvent, common_prefix
 from engine.snapshot import SnapshotMaker
 
-from . import qt_compat  # noqa: F401 - guards PySide6's refcount bug
 from .model_info import model_info
 from .settings import LIVE_FIELDS, POOL_FIELDS, AppSettings
 

@@ -22,8 +22,6 @@ if not os.environ.get("DISPLAY"):
 
 from PySide6.QtCore import QElapsedTimer, QSettings, QTimer  # noqa: E402
 
-from app import qt_compat  # noqa: E402, F401 - guards PySide6's refcount bug
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

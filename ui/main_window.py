@@ -39,7 +39,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import qt_compat  # noqa: F401 - guards PySide6's refcount bug
 from app.scenario import Scenario, bundled_scenarios, load_scenario
 from app.settings import AppSettings, add_recent_model, qsettings, recent_models
 from app.worker import EngineClient

@@ -15,8 +15,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import qt_compat  # noqa: F401 - guards PySide6's refcount bug
-
 from .theme import icon
 
 UID_ROLE = Qt.ItemDataRole.UserRole

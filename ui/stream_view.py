@@ -21,8 +21,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import qt_compat  # noqa: F401 - guards PySide6's refcount bug
-
 from .theme import color, icon, repolish
 
 CARD_MIN_WIDTH = 320
