@@ -98,10 +98,14 @@ def _prepare_arrays(gf: GGUFFile) -> dict[str, np.ndarray]:
 
 def _tokenizer_info(gf: GGUFFile) -> dict:
     meta = gf.metadata
+    tokens = read_string_array(gf, "tokenizer.ggml.tokens") or []
+    if len(tokens) > gf.config.vocab_size:
+        # ids past the embedding would make every later eval fail
+        raise ModelLoadError(f"{gf.path}: tokenizer.ggml.tokens has {len(tokens)} tokens but "
+                             f"token_embd.weight only {gf.config.vocab_size} rows")
     tk = build_tokenizer(
         gf.path, str(meta.get("tokenizer.ggml.model", "")), str(meta.get("tokenizer.ggml.pre", "default")),
-        read_string_array(gf, "tokenizer.ggml.tokens") or [],
-        read_string_array(gf, "tokenizer.ggml.merges"),
+        tokens, read_string_array(gf, "tokenizer.ggml.merges"),
         read_int_array(gf, "tokenizer.ggml.token_type"),
     )
     eos = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
@@ -140,11 +144,21 @@ def load_model(path: str | os.PathLike | None = None, use_image: bool = True) ->
         cached = read_image(path)
         if cached is not None:
             arrays, info = cached
-            return _build(info, arrays, path, os.path.getsize(path), t0, from_image=True)
-    gf = open_gguf(path)
-    info = {"name": gf.name, "arch": gf.arch, "quant": gf.quant, "config": gf.config.__dict__,
-            **_tokenizer_info(gf)}
-    arrays = _prepare_arrays(gf)
+            try:
+                return _build(info, arrays, path, os.path.getsize(path), t0, from_image=True)
+            except Exception:
+                pass  # an image that does not build is rebuilt from the GGUF, never trusted
+    try:
+        gf = open_gguf(path)
+        info = {"name": gf.name, "arch": gf.arch, "quant": gf.quant, "config": gf.config.__dict__,
+                **_tokenizer_info(gf)}
+        arrays = _prepare_arrays(gf)
+    except ModelLoadError:
+        raise
+    except MemoryError as e:
+        raise ModelLoadError(f"{path}: too large to load into memory") from e
+    except Exception as e:  # a hostile file must only ever give a ModelLoadError
+        raise ModelLoadError(f"{path}: broken GGUF file ({type(e).__name__}: {e})") from e
     if use_image:
         try:
             write_image(path, gf.header_bytes, arrays, info)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
@@ -43,7 +45,8 @@ def build_tokenizer(path: str, model: str, pre: str, tokens: list[str], merges: 
                     token_types) -> Tokenizer:
     """A `tokenizers.Tokenizer` equal to llama.cpp's for a gpt2-style GGUF vocabulary."""
     if model != "gpt2":
-        raise ModelLoadError(f"{path}: unsupported tokenizer model '{model}'; supported: gpt2 (byte-level BPE)")
+        raise ModelLoadError(
+            f"{path}: unsupported tokenizer model '{model}'; supported: gpt2 (byte-level BPE)")
     if not tokens or merges is None:
         raise ModelLoadError(f"{path}: missing tokenizer.ggml.tokens or tokenizer.ggml.merges")
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -52,11 +55,21 @@ def build_tokenizer(path: str, model: str, pre: str, tokens: list[str], merges: 
         a, sep, b = m.partition(" ")
         if not sep:
             raise ModelLoadError(f"{path}: malformed merge {m!r} in tokenizer.ggml.merges")
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            # tokenizers would panic (an uncatchable-by-Exception PanicException) on these
+            raise ModelLoadError(f"{path}: merge {m!r} in tokenizer.ggml.merges names a token "
+                                 f"missing from tokenizer.ggml.tokens")
         pairs.append((a, b))
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=False))
+    try:
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=False))
+    except Exception as e:  # tokenizers reports merges of unknown tokens as a bare Exception
+        raise ModelLoadError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from e
     tk.pre_tokenizer = _pre_tokenizer(pre)
     tk.decoder = decoders.ByteLevel()
     if token_types is not None:
+        if len(token_types) != len(tokens):
+            raise ModelLoadError(f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries, "
+                                 f"expected one per token ({len(tokens)})")
         special = [tokens[i] for i, t in enumerate(token_types) if int(t) in (CONTROL, USER_DEFINED)]
         tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
     return tk
@@ -111,15 +124,81 @@ def _raise_exception(message):
     raise TemplateError(f"chat template raised: {message}")
 
 
+# A chat template comes from an untrusted GGUF: besides the sandbox's attribute rules,
+# refuse the cheap ways to ask for gigabytes ('a' * 10**9, x|center(10**9), '%999999999d').
+MAX_TEMPLATE_NUMBER = 100_000     # the largest int a template may pass to a call or filter
+MAX_TEMPLATE_CHARS = 1 << 20      # the largest string/list an operator or the output may make
+_HUGE_WIDTH = re.compile(r"%[-#0 +]*(\*|\d{6,})|%[-#0 +]*\d*\.(\*|\d{6,})|\{[^{}]*:[^{}]*\d{6,}")
+
+
+def _check_numbers(values) -> None:
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_TEMPLATE_NUMBER:
+            raise SecurityError(f"number {v} is too large for a chat template "
+                                f"(limit {MAX_TEMPLATE_NUMBER})")
+
+
+def _bounded_filter(f):
+    @functools.wraps(f)  # keeps jinja's pass_context/pass_environment marks
+    def wrapper(*args, **kwargs):
+        _check_numbers(args)
+        _check_numbers(kwargs.values())
+        return f(*args, **kwargs)
+    return wrapper
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja2's immutable sandbox with limits on the sizes a template can ask for."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
+
+    def call_binop(self, context, operator, left, right):
+        sized = (str, list, tuple)
+        if operator == "*" and isinstance(left, sized) != isinstance(right, sized):
+            seq, n = (left, right) if isinstance(left, sized) else (right, left)
+            if isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_CHARS:
+                raise SecurityError(f"'*' would make {len(seq) * n} items "
+                                    f"(limit {MAX_TEMPLATE_CHARS})")
+        elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+            if len(left) + len(right) > MAX_TEMPLATE_CHARS:
+                raise SecurityError(f"'+' would make {len(left) + len(right)} items "
+                                    f"(limit {MAX_TEMPLATE_CHARS})")
+        elif operator == "**" and isinstance(right, int | float) and abs(right) > 1024:
+            raise SecurityError(f"exponent {right} is too large for a chat template")
+        elif operator == "%" and isinstance(left, str):
+            if _HUGE_WIDTH.search(left):
+                raise SecurityError("format width or precision too large for a chat template")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+        _check_numbers(args)
+        _check_numbers(kwargs.values())
+        target = getattr(__obj, "__wrapped__", __obj)
+        if getattr(target, "__name__", "") in ("format", "format_map") and isinstance(
+                getattr(target, "__self__", None), str) and _HUGE_WIDTH.search(target.__self__):
+            raise SecurityError("format width or precision too large for a chat template")
+        return super().call(__context, __obj, *args, **kwargs)
+
+
 def render_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
                     **extra) -> str:
-    """Render an untrusted chat template in an immutable sandbox."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    """Render an untrusted chat template in a bounded, immutable sandbox."""
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                         extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_exception
     try:
-        return env.from_string(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+        pieces, size = [], 0
+        for piece in env.from_string(template).generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, **extra):
+            size += len(piece)
+            if size > MAX_TEMPLATE_CHARS:
+                raise TemplateError(f"chat template output exceeds {MAX_TEMPLATE_CHARS} characters")
+            pieces.append(piece)
+        return "".join(pieces)
     except SecurityError as e:
         raise TemplateError(f"chat template blocked by the sandbox: {e}") from e
     except TemplateError:

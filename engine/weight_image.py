@@ -2,8 +2,8 @@
 
 Layout of an image folder: `index.json` (what the arrays are, where they lie,
 and checksums) and `weights.bin` (the arrays back to back, 64-byte aligned).
-An image is used only when the GGUF's size, mtime and header checksum and the
-data checksum all agree; anything else rebuilds it.
+An image is used only when the GGUF's size, mtime and header checksum, the
+index's own checksum and the data checksum all agree; anything else rebuilds it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-IMAGE_VERSION = 1
+IMAGE_VERSION = 2  # 2: index.json carries its own checksum
 ALIGN = 64
 CRC_BLOCK = 1 << 24
 
@@ -54,6 +54,12 @@ def image_dir(gguf_path: str) -> str:
     return os.path.join(cache_root(), image_key(gguf_path))
 
 
+def _index_crc(meta: dict) -> int:
+    # the data CRC does not cover index.json: an edited offset, shape or config must not pass
+    body = {k: v for k, v in meta.items() if k != "index_crc"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode("utf-8"))
+
+
 def write_image(gguf_path: str, header_bytes: int, arrays: dict[str, np.ndarray], info: dict) -> str:
     """Write arrays and info atomically into this GGUF's image folder; return it."""
     final = image_dir(gguf_path)
@@ -79,6 +85,7 @@ def write_image(gguf_path: str, header_bytes: int, arrays: dict[str, np.ndarray]
             "arrays": index,
             "info": info,
         }
+        meta["index_crc"] = _index_crc(meta)
         with open(os.path.join(tmp, "index.json"), "w", encoding="utf-8") as fh:
             json.dump(meta, fh)
         shutil.rmtree(final, ignore_errors=True)
@@ -96,7 +103,7 @@ def read_image(gguf_path: str) -> tuple[dict[str, np.ndarray], dict] | None:
     try:
         with open(index_path, encoding="utf-8") as fh:
             meta = json.load(fh)
-        if meta.get("version") != IMAGE_VERSION:
+        if meta.get("version") != IMAGE_VERSION or meta.get("index_crc") != _index_crc(meta):
             return None
         if os.path.getsize(data_path) != meta["data_bytes"]:
             return None
@@ -107,9 +114,12 @@ def read_image(gguf_path: str) -> tuple[dict[str, np.ndarray], dict] | None:
         blob = np.memmap(data_path, dtype=np.uint8, mode="r")
         arrays = {}
         for name, spec in meta["arrays"].items():
-            shape = tuple(spec["shape"])
+            shape = tuple(int(x) for x in spec["shape"])
             n = int(np.prod(shape)) * 4
-            arrays[name] = blob[spec["offset"]:spec["offset"] + n].view(np.float32).reshape(shape)
+            start = int(spec["offset"])
+            if start < 0 or start % ALIGN or start + n > blob.size:
+                return None
+            arrays[name] = blob[start:start + n].view(np.float32).reshape(shape)
         return arrays, meta["info"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
