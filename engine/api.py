@@ -36,8 +36,9 @@ def _check_eval(m: Model, s: Session, tokens, pool: KVPool) -> list[int]:
         raise ValueError(f"session {s.id} was released; create a new session")
     if s.pool is not pool:
         raise ValueError(f"session {s.id} belongs to another KV pool than the batch")
-    if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in tokens):
-        raise ValueError(f"token ids must be integers; got {[t for t in tokens if not isinstance(t, int)][:3]}")
+    bad = [t for t in tokens if not isinstance(t, (int, np.integer)) or isinstance(t, bool)]
+    if bad:
+        raise ValueError(f"token ids must be integers; got {bad[:3]}")
     toks = [int(t) for t in tokens]
     if not toks:
         raise ValueError(f"no tokens to evaluate for session {s.id}")
