@@ -69,31 +69,42 @@ def default_model_path() -> str:
     return path
 
 
-def _stack(gf: GGUFFile, kind: str) -> np.ndarray:
-    return np.stack([gf.tensor(f"blk.{i}.{kind}.weight") for i in range(gf.config.n_layers)])
+def _stacked(gf: GGUFFile, shape: tuple[int, ...], layer_array) -> np.ndarray:
+    """Per-layer arrays filled into one [L, ...] array (no list of copies to stack)."""
+    out = np.empty((gf.config.n_layers, *shape), dtype=np.float32)
+    for i in range(gf.config.n_layers):
+        out[i] = layer_array(i)
+    return out
 
 
-def _prepare_arrays(gf: GGUFFile) -> dict[str, np.ndarray]:
-    """Dequantize, fuse (QKV, gate+up) and transpose every weight for `x @ W`."""
-    L = gf.config.n_layers
-    arrays = {
-        "token_embd": gf.tensor("token_embd.weight"),
-        "output_norm": gf.tensor("output_norm.weight"),
-        "attn_norm": _stack(gf, "attn_norm"),
-        "ffn_norm": _stack(gf, "ffn_norm"),
-    }
+def _weight_arrays(gf: GGUFFile):
+    """Yield (name, float32 array) one at a time: dequantized, fused (QKV, gate+up), transposed for `x @ W`.
+
+    One at a time keeps a cold load's peak memory near the largest array, not the whole model.
+    """
+    c = gf.config
+    d, kv, ff = c.d_model, c.kv_dim, c.n_ff
+
+    def fused(i: int, parts: tuple[str, ...]) -> np.ndarray:
+        return np.concatenate([gf.tensor(f"blk.{i}.{p}.weight") for p in parts], axis=0).T
+
+    arrays = [
+        ("token_embd", lambda: gf.tensor("token_embd.weight")),
+        ("output_norm", lambda: gf.tensor("output_norm.weight")),
+        ("attn_norm", lambda: _stacked(gf, (d,), lambda i: gf.tensor(f"blk.{i}.attn_norm.weight"))),
+        ("ffn_norm", lambda: _stacked(gf, (d,), lambda i: gf.tensor(f"blk.{i}.ffn_norm.weight"))),
+        ("wqkv", lambda: _stacked(gf, (d, d + 2 * kv), lambda i: fused(i, ("attn_q", "attn_k", "attn_v")))),
+        ("w_gate_up", lambda: _stacked(gf, (d, 2 * ff), lambda i: fused(i, ("ffn_gate", "ffn_up")))),
+        ("wo", lambda: _stacked(gf, (d, d), lambda i: gf.tensor(f"blk.{i}.attn_output.weight").T)),
+        ("w_down", lambda: _stacked(gf, (ff, d), lambda i: gf.tensor(f"blk.{i}.ffn_down.weight").T)),
+    ]
     if not gf.tied_output:
-        arrays["output"] = gf.tensor("output.weight")
-    for name, parts in (("wqkv", ("attn_q", "attn_k", "attn_v")), ("w_gate_up", ("ffn_gate", "ffn_up"))):
-        arrays[name] = np.stack([
-            np.concatenate([gf.tensor(f"blk.{i}.{p}.weight") for p in parts], axis=0).T for i in range(L)
-        ])
-    arrays["wo"] = np.stack([gf.tensor(f"blk.{i}.attn_output.weight").T for i in range(L)])
-    arrays["w_down"] = np.stack([gf.tensor(f"blk.{i}.ffn_down.weight").T for i in range(L)])
-    for name, arr in arrays.items():
-        if not np.all(np.isfinite(arr)):
+        arrays.append(("output", lambda: gf.tensor("output.weight")))
+    for name, make in arrays:
+        arr = make()
+        if not np.isfinite(arr).all():
             raise ModelLoadError(f"{gf.path}: weights '{name}' contain NaN or infinity")
-    return arrays
+        yield name, arr
 
 
 def _tokenizer_info(gf: GGUFFile) -> dict:
@@ -136,6 +147,16 @@ def _build(info: dict, arrays: dict[str, np.ndarray], path: str, size: int, t0: 
                  load_seconds=time.perf_counter() - t0, from_image=from_image)
 
 
+def _image_arrays(gf: GGUFFile, info: dict) -> dict[str, np.ndarray] | None:
+    """Write the weight image array by array, then memory-map it; None when the cache is unwritable."""
+    try:
+        write_image(gf.path, gf.header_bytes, _weight_arrays(gf), info)
+    except OSError:
+        return None  # an unwritable cache only costs speed and memory
+    mapped = read_image(gf.path)
+    return mapped[0] if mapped is not None else None
+
+
 def load_model(path: str | os.PathLike | None = None, use_image: bool = True) -> Model:
     """Load a llama-family GGUF (the bundled SmolLM2 when `path` is None)."""
     t0 = time.perf_counter()
@@ -152,19 +173,13 @@ def load_model(path: str | os.PathLike | None = None, use_image: bool = True) ->
         gf = open_gguf(path)
         info = {"name": gf.name, "arch": gf.arch, "quant": gf.quant, "config": gf.config.__dict__,
                 **_tokenizer_info(gf)}
-        arrays = _prepare_arrays(gf)
+        arrays = _image_arrays(gf, info) if use_image else None
+        if arrays is None:
+            arrays = dict(_weight_arrays(gf))
     except ModelLoadError:
         raise
     except MemoryError as e:
         raise ModelLoadError(f"{path}: too large to load into memory") from e
     except Exception as e:  # a hostile file must only ever give a ModelLoadError
         raise ModelLoadError(f"{path}: broken GGUF file ({type(e).__name__}: {e})") from e
-    if use_image:
-        try:
-            write_image(path, gf.header_bytes, arrays, info)
-            mapped = read_image(path)
-            if mapped is not None:
-                arrays = mapped[0]
-        except OSError:
-            pass  # an unwritable cache only costs speed
     return _build(info, arrays, path, os.path.getsize(path), t0, from_image=False)

@@ -190,7 +190,7 @@ class Scheduler:
                     raise SubmitRefused("submit needs prompt tokens, chat messages or a user message")
                 messages = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": user}]
-            conv = self._conversation(conversation_id, namespace, messages)
+            conv = self._conversation(conversation_id, namespace)
             if conv.history_tokens:  # a follow-up turn: the system prompt is already in the history
                 messages = [m for m in messages if m.get("role") != "system"]
             if conv.busy:
@@ -226,7 +226,7 @@ class Scheduler:
         self.queue.append(stream)
         return rid
 
-    def _conversation(self, conversation_id: str | None, namespace: str, messages: list[dict]) -> Conversation:
+    def _conversation(self, conversation_id: str | None, namespace: str) -> Conversation:
         if conversation_id is None:
             conversation_id = f"c{next(self._conv_ids)}"
         conv = self.conversations.get(conversation_id)

@@ -60,28 +60,34 @@ def _index_crc(meta: dict) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True).encode("utf-8"))
 
 
-def write_image(gguf_path: str, header_bytes: int, arrays: dict[str, np.ndarray], info: dict) -> str:
-    """Write arrays and info atomically into this GGUF's image folder; return it."""
+def write_image(gguf_path: str, header_bytes: int, arrays, info: dict) -> str:
+    """Write (name, array) pairs and info atomically into this GGUF's image folder; return it.
+
+    `arrays` may be a generator: each array is written and dropped before the next is made.
+    """
     final = image_dir(gguf_path)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
     try:
-        index, offset = {}, 0
+        index, offset, crc = {}, 0, 0
         with open(os.path.join(tmp, "weights.bin"), "wb") as fh:
-            for name, arr in arrays.items():
+            for name, arr in arrays:
                 arr = np.ascontiguousarray(arr, dtype=np.float32)
-                pad = (-offset) % ALIGN
-                fh.write(b"\0" * pad)
-                offset += pad
+                pad = b"\0" * ((-offset) % ALIGN)
+                data = memoryview(arr).cast("B")
+                for chunk in (pad, data):
+                    fh.write(chunk)
+                    crc = zlib.crc32(chunk, crc)
+                offset += len(pad)
                 index[name] = {"offset": offset, "shape": list(arr.shape)}
-                fh.write(arr.tobytes())
                 offset += arr.nbytes
+                del arr, data
         meta = {
             "version": IMAGE_VERSION,
             "gguf_header_bytes": header_bytes,
             "gguf_header_crc": file_crc(gguf_path, header_bytes),
             "data_bytes": offset,
-            "data_crc": file_crc(os.path.join(tmp, "weights.bin")),
+            "data_crc": crc,
             "arrays": index,
             "info": info,
         }

@@ -330,5 +330,6 @@ def test_fuzzed_header_bytes_give_only_model_load_errors(good, fuzz_dir, data):
             engine.load_model(path, use_image=False)
     except ModelLoadError as e:
         assert path in str(e)
-    assert time.process_time() - c0 < TIME_LIMIT_S
+        # A refusal is quick; a flip that still loads does the work of a real load.
+        assert time.process_time() - c0 < TIME_LIMIT_S
 
