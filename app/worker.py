@@ -27,6 +27,7 @@ from .model_info import model_info
 from .settings import LIVE_FIELDS, POOL_FIELDS, AppSettings
 
 STATS_INTERVAL_S = 0.05       # stats_updated at most ~20 Hz
+LOAD_POLL_S = 0.05            # a load in progress looks this often whether the app quits
 PROBE_CONTEXT_TOKENS = 12
 
 
@@ -54,6 +55,7 @@ class EngineWorker(QObject):
     stats_updated = Signal(object)       # engine.snapshot.Snapshot (a copy)
     model_loaded = Signal(dict)          # app.model_info.model_info(model)
     model_load_failed = Signal(str)
+    model_checked = Signal(str, str)     # path, "" when it opens as a model, else why it does not
     scheduler_reset = Signal(dict)       # a new Scheduler (new pool, empty cache): its settings
     run_finished = Signal()
     failed = Signal(str)
@@ -95,21 +97,55 @@ class EngineWorker(QObject):
     @Slot(str)
     @guarded
     def load_model(self, path: str) -> None:
-        """Load a GGUF (the bundled model for ""); on failure keep the current model."""
+        """Load a GGUF (the bundled model for ""); on failure keep the current model.
+
+        The load runs in a helper thread that this one joins in short slices, so a quit
+        (`request_shutdown`) ends the wait at once instead of after a big GGUF's load; the
+        abandoned load is a daemon thread and touches no Qt object.
+        """
         if self._quitting:
             return
         self._stop_everything()
-        try:
-            model = engine.load_model(path or None)
-        except engine.ModelLoadError as e:
-            self.model_load_failed.emit(str(e))
+        result: dict = {}
+
+        def work() -> None:
+            try:
+                result["model"] = engine.load_model(path or None)
+            except BaseException as e:  # noqa: BLE001 - handed back to this thread
+                result["error"] = e
+
+        loader = threading.Thread(target=work, name="prefixlab-load", daemon=True)
+        loader.start()
+        while loader.is_alive():
+            loader.join(LOAD_POLL_S)
+            if self._quitting:
+                return
+        error, model = result.get("error"), result.get("model")
+        if isinstance(error, engine.ModelLoadError):
+            self.model_load_failed.emit(str(error))
             return
-        except Exception as e:  # noqa: BLE001 - any broken file must leave the old model
-            self.model_load_failed.emit(f"{path or 'the bundled model'}: {type(e).__name__}: {e}")
+        if model is None:  # any broken file must leave the old model
+            self.model_load_failed.emit(f"{path or 'the bundled model'}: {type(error).__name__}: {error}")
             return
         self.model = model
         self._new_scheduler()
         self.model_loaded.emit(model_info(model))
+
+    @Slot(str)
+    @guarded
+    def check_model(self, path: str) -> None:
+        """Whether `path` opens as a model (header, metadata and tensor table only: fast)."""
+        from engine.gguf_loader import open_gguf
+
+        try:
+            open_gguf(path)
+        except engine.ModelLoadError as e:
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - any broken file is only a "no"
+            why = f"{path}: {type(e).__name__}: {e}"
+        else:
+            why = ""
+        self.model_checked.emit(path, why)
 
     @Slot(dict)
     @guarded
@@ -387,6 +423,7 @@ class EngineClient(QObject):
     """The UI thread's handle on the worker: owns the thread, sends queued requests."""
 
     _load = Signal(str)
+    _check = Signal(str)
     _settings = Signal(dict)
     _submit = Signal(list)
     _flush = Signal()
@@ -401,6 +438,7 @@ class EngineClient(QObject):
         self.worker = EngineWorker()
         self.worker.moveToThread(self.thread)
         self._load.connect(self.worker.load_model)
+        self._check.connect(self.worker.check_model)
         self._settings.connect(self.worker.apply_settings)
         self._submit.connect(self.worker.submit)
         self._flush.connect(self.worker.flush_cache)
@@ -416,6 +454,10 @@ class EngineClient(QObject):
 
     def load_model(self, path: str | None) -> None:
         self._load.emit(path or "")
+
+    def check_model(self, path: str) -> None:
+        """Ask whether `path` opens as a model; the answer comes as `worker.model_checked`."""
+        self._check.emit(path)
 
     def apply_settings(self, settings: AppSettings) -> None:
         self._settings.emit(settings.to_dict())

@@ -193,6 +193,11 @@ class MainWindow(QMainWindow):
         charts_cls, cache_cls = optional_panels()
         self.charts = charts_cls() if charts_cls else None
         self.cache_panel = cache_cls() if cache_cls else None
+        summary = getattr(self.charts, "summary", None)
+        if isinstance(summary, QLabel):
+            # The charts' one-line summary grows with the session's numbers; unwrapped, its
+            # width raises the pane's minimum and the splitter squeezes the streams mid-run.
+            summary.setWordWrap(True)
         self.tabs.addTab(self.charts or _placeholder("Live charts will appear here (ui.charts)."), "Charts")
         self.tabs.addTab(self.cache_panel or _placeholder("The cache visualizer will appear here "
                                                           "(ui.cache_panel)."), "Cache")
@@ -329,6 +334,7 @@ class MainWindow(QMainWindow):
         # Bound methods of this QObject: Qt queues the calls into the UI thread.
         w.model_loaded.connect(self._on_model_loaded)
         w.model_load_failed.connect(self._on_model_load_failed)
+        w.model_checked.connect(self._on_model_checked)
         w.requests_submitted.connect(self._on_requests_submitted)
         w.request_refused.connect(self._on_request_refused)
         w.token_generated.connect(self._on_tokens)
@@ -450,9 +456,26 @@ class MainWindow(QMainWindow):
         self.handle_dropped_file(path)
 
     def handle_dropped_file(self, path: str) -> None:
-        """A .gguf opens as the model; a .json loads as a scenario."""
+        """A .gguf opens as the model; a .json loads as a scenario.
+
+        While streams run, a dropped file is checked first: one that is no model shows its
+        error and leaves the streams alone; only a real model asks to stop them.
+        """
         if path.lower().endswith(".json"):
             self.load_scenario_file(path)
+        elif self._open_tags:
+            self.statusBar().showMessage(f"Checking {os.path.basename(path)}…", 4000)
+            self.client.check_model(os.path.abspath(path))
+        else:
+            self.open_model_path(path)
+
+    @Slot(str, str)
+    def _on_model_checked(self, path: str, why: str) -> None:
+        if self._closed:
+            return
+        if why:
+            kept = f"\n\nStill using {self.model_info['name']}." if self.model_info else ""
+            self.report_error("Could not load the model", why + kept)
         else:
             self.open_model_path(path)
 

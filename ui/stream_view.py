@@ -129,6 +129,7 @@ class StreamView(QFrame):
         self.view.setReadOnly(True)
         self.view.setAcceptRichText(False)
         self.view.setPlaceholderText("Not run yet. Press Run all (Ctrl+Enter) or ▶ on this card.")
+        self._style_scroll_bar()
         lay.addWidget(self.view, 1)
 
         foot = QHBoxLayout()
@@ -142,6 +143,19 @@ class StreamView(QFrame):
         lay.addLayout(foot)
         self.set_title(title)
         self._update_controls()
+
+    def _style_scroll_bar(self) -> None:
+        """A thin scroll bar in the theme's colours for the transcript. The theme gives the
+        transcript a transparent background, and Qt then draws its unstyled scroll bar with a
+        black handle; a fully styled one does not depend on that background."""
+        self.view.setStyleSheet(
+            "QScrollBar:vertical { background: transparent; width: 8px; margin: 0; border: none; }"
+            f"QScrollBar::handle:vertical {{ background: {color('border')}; border-radius: 4px;"
+            " min-height: 24px; }"
+            f"QScrollBar::handle:vertical:hover {{ background: {color('muted')}; }}"
+            "QScrollBar::add-line:vertical, QScrollBar::sub-line:vertical"
+            " { height: 0; border: none; background: none; }"
+            "QScrollBar::add-page:vertical, QScrollBar::sub-page:vertical { background: none; }")
 
     def _button(self, name: str, tip: str, slot) -> QToolButton:
         b = QToolButton()
@@ -339,6 +353,7 @@ class StreamView(QFrame):
 
     def rerender(self) -> None:
         """Draw the whole transcript again (after a restore or a theme change)."""
+        self._style_scroll_bar()
         self.view.clear()
         prev_run = None
         for i, t in enumerate(self.turns):

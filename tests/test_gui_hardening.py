@@ -1,0 +1,368 @@
+"""Hardening of the real window on the bundled model: no crash, nothing lost.
+
+Closing during a model load, exports to impossible paths, model switches and broken drops
+while streams run, a scheduler step that raises, and two things seen on a real X display (the
+panes moving mid-run, a black transcript scroll bar). Closing mid-generation is covered by
+test_gui_app.py's stop/close test, which asserts the thread ended and no error was reported.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+from markupsafe import escape  # noqa: E402
+from PySide6.QtCore import QPoint, QRect  # noqa: E402
+from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox  # noqa: E402
+
+import engine  # noqa: E402
+from tests.gui_helpers import (  # noqa: E402, F401 - gui_settings is a fixture
+    LOAD_TIMEOUT_MS,
+    PROMPTS,
+    RUN_TIMEOUT_MS,
+    SYSTEM,
+    drop_file,
+    gui_settings,
+    set_settings,
+)
+from ui.main_window import MainWindow  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+CLOSE_LIMIT_S = 3.0
+LONG_PROMPTS = ["List every tool you sell, one per line, each with a long description.",
+                "Write a long story about a customer who buys paint."]
+
+
+class Errors(list):
+    """Every message the window reports through `report_error` (its `error_reported` signal)."""
+
+    def __init__(self, window: MainWindow):
+        super().__init__()
+        window.error_reported.connect(self.append)
+
+
+def error_boxes(window: MainWindow) -> list[QMessageBox]:
+    return [b for b in window.findChildren(QMessageBox)
+            if b.isVisible() and b.icon() == QMessageBox.Icon.Critical]
+
+
+def close_boxes(window: MainWindow) -> None:
+    for box in error_boxes(window):
+        box.close()
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("prefixlab-load")]
+
+
+def join_loaders(timeout: float = 120.0) -> None:
+    """Let an abandoned background load end, so it does not slow the next tests."""
+    end = time.monotonic() + timeout
+    for t in loader_threads():
+        t.join(max(0.0, end - time.monotonic()))
+    assert not loader_threads(), "a model load never ended"
+
+
+@pytest.fixture
+def window(qtbot, real_model, gui_settings):  # noqa: F811 - the fixture imported above
+    """A shown main window whose worker loaded the bundled model, and its reported errors."""
+    w = MainWindow()
+    w.show()
+    w.errors = Errors(w)
+    qtbot.waitUntil(lambda: w.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    yield w
+    thread = w.client.thread
+    w.close()
+    assert not thread.isRunning()
+    close_boxes(w)
+
+
+def start_prompts(w: MainWindow, prompts: list[str]) -> list:
+    """Put the shared system prompt and `prompts` in the editors, run them all; return the cards."""
+    w.system_edit.setPlainText(SYSTEM)
+    for text in prompts:
+        w.prompt_list.add_prompt(text)
+    assert w.run_all() == len(prompts)
+    return [w.streams.card(uid) for uid, _ in w.prompt_list.prompts()]
+
+
+def transcripts(cards) -> list[str]:
+    return [c.transcript_text() for c in cards]
+
+
+# 1. closing during a model load ------------------------------------------------------------------
+def test_close_during_a_slow_load_ends_the_thread_at_once(qtbot, gui_settings, monkeypatch):  # noqa: F811
+    started, release = threading.Event(), threading.Event()
+
+    def slow_load(path=None, **kw):
+        started.set()
+        release.wait(20)  # a big GGUF: far longer than anyone waits for a window to close
+        raise engine.ModelLoadError("the slow load ended")  # must reach no one
+
+    monkeypatch.setattr(engine, "load_model", slow_load)
+    safety = threading.Timer(15, release.set)  # never hang the suite, fixed or not
+    safety.daemon = True
+    safety.start()
+    w = MainWindow()
+    w.show()
+    errors = Errors(w)
+    qtbot.waitUntil(started.is_set, timeout=10_000)
+    assert w._loading and w.model_bar.loading and not w.act_run_all.isEnabled()
+
+    thread = w.client.thread
+    t0 = time.perf_counter()
+    w.close()
+    took = time.perf_counter() - t0
+    assert not thread.isRunning()
+    assert took < CLOSE_LIMIT_S, f"closing during a load took {took:.1f} s"
+    qtbot.wait(100)
+    release.set()
+    safety.cancel()
+    join_loaders()
+    qtbot.wait(100)  # the abandoned load's result reaches no one
+    assert not errors and w.last_error is None and not error_boxes(w)
+    assert w.model_info is None
+
+
+def test_close_during_a_cold_load_of_the_bundled_model(qtbot, gui_settings, tmp_path,  # noqa: F811
+                                                       monkeypatch):
+    monkeypatch.setenv("PREFIXLAB_CACHE_DIR", str(tmp_path / "cold-cache"))  # no weight image yet
+    w = MainWindow()
+    w.show()
+    errors = Errors(w)
+    qtbot.waitUntil(lambda: bool(loader_threads()), timeout=10_000)  # the load is under way
+    assert w._loading and w.model_info is None
+    thread = w.client.thread
+    t0 = time.perf_counter()
+    w.close()
+    took = time.perf_counter() - t0
+    assert not thread.isRunning()
+    assert took < CLOSE_LIMIT_S, f"closing during a cold load took {took:.1f} s"
+    join_loaders()
+    qtbot.wait(100)
+    assert not errors and w.last_error is None and not error_boxes(w)
+    assert w.model_info is None  # closed before the load ended, and its model reached no one
+
+
+# 3. exports to impossible places --------------------------------------------------------------------
+def test_export_to_an_impossible_path_names_it_and_loses_nothing(window, qtbot, tmp_path, monkeypatch):
+    w = window
+    set_settings(w, max_new_tokens=8)
+    cards = start_prompts(w, PROMPTS[:2])
+    qtbot.waitUntil(lambda: len(w.finished_records) == 2, timeout=RUN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: not w._open_tags, timeout=10_000)
+    before = transcripts(cards)
+    answers = [c.answer_text() for c in cards]
+    assert all(a.strip() for a in answers)
+
+    chosen: list[str] = []
+    monkeypatch.setattr(QFileDialog, "getSaveFileName",
+                        lambda *a, **k: (chosen[-1], "HTML report (*.html)"))
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a folder")
+    for bad in (str(blocker / "report.html"), "/proc/report.html"):
+        chosen.append(bad)
+        n = len(w.errors)
+        w.act_export.trigger()  # File → Export report…
+        qtbot.waitUntil(lambda n=n: len(w.errors) > n, timeout=60_000)
+        message = w.errors[-1]
+        assert bad in message, message
+        boxes = error_boxes(w)
+        assert boxes and any(bad in b.text() for b in boxes), [b.text() for b in boxes]
+        assert not os.path.exists(bad)
+        parent = os.path.dirname(bad)
+        if os.path.isdir(parent):
+            assert not [f for f in os.listdir(parent) if f.startswith(".report.html")]
+        assert not w.last_report_paths
+        assert transcripts(cards) == before and [c.answer_text() for c in cards] == answers
+        close_boxes(w)
+    assert blocker.read_text() == "not a folder"
+    assert sorted(os.listdir(tmp_path)) == sorted(["file.txt", "qsettings"])
+
+    # The app goes on: a run, then an export to a good path holds every answer.
+    assert w.act_run_all.isEnabled()
+    w.run_all()
+    qtbot.waitUntil(lambda: len(w.finished_records) == 4, timeout=RUN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: not w._open_tags, timeout=10_000)
+    good = tmp_path / "out" / "report.html"
+    good.parent.mkdir()
+    chosen.append(str(good))
+    n = len(w.errors)
+    w.act_export.trigger()
+    qtbot.waitUntil(lambda: bool(w.last_report_paths) or len(w.errors) > n, timeout=60_000)
+    assert len(w.errors) == n, w.errors[-1]
+    assert w.last_report_paths == [str(good)]
+    html = good.read_text(encoding="utf-8")
+    for card in cards:
+        for turn in card.turns:
+            assert turn.answer.strip() and str(escape(turn.answer)) in html
+    assert os.listdir(good.parent) == ["report.html"]
+    assert transcripts(cards)[0].startswith(before[0])
+
+
+# 4. a model switch while streams run ---------------------------------------------------------------
+def test_model_switch_while_streams_run_asks_and_keeps_every_transcript(window, qtbot, tiny_gguf_path,
+                                                                        monkeypatch):
+    w = window
+    set_settings(w, max_new_tokens=300)
+    cards = start_prompts(w, LONG_PROMPTS)
+    qtbot.waitUntil(lambda: all(c.answer_text() for c in cards), timeout=RUN_TIMEOUT_MS)
+    model = w.client.worker.model
+    info = dict(w.model_info)
+
+    # "No": nothing changes, the streams go on.
+    asked: list[str] = []
+    monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or False)
+    assert w.open_model_path(tiny_gguf_path) is False
+    assert len(asked) == 1 and "2 stream(s)" in asked[0] and "tiny.gguf" in asked[0]
+    assert not w._loading and not w.model_bar.loading and w.model_info == info
+    lengths = [len(c.answer_text()) for c in cards]
+    qtbot.waitUntil(lambda: all(len(c.answer_text()) > n for c, n in zip(cards, lengths, strict=True)),
+                    timeout=60_000)
+    assert all(c.running for c in cards) and w.client.worker.model is model
+
+    # "Yes": the streams end as cancelled with their text, then the new model loads.
+    monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or True)
+    w._flush_streams()
+    shown = transcripts(cards)
+    assert w.open_model_path(tiny_gguf_path) is True
+    qtbot.waitUntil(lambda: w.model_info is not None and w.model_info["name"] == "tiny-llama",
+                    timeout=LOAD_TIMEOUT_MS)
+    assert len(asked) == 2 and not w.errors
+    for card, before in zip(cards, shown, strict=True):
+        assert not card.running and card.turns[-1].reason == "cancelled"
+        assert card.answer_text().strip()
+        assert card.transcript_text().startswith(before)
+        assert card.transcript_text().endswith("[stopped]")
+    stopped = [r for r in w.finished_records if r.finish_reason == "cancelled"]
+    assert len(stopped) == 2 and all(r.text for r in stopped)
+    assert w.model_bar.info == w.model_info and not w.model_bar.loading
+    assert w.act_run_all.isEnabled() and not w.act_stop_all.isEnabled()
+
+    # The new model runs (its tokenizer is tiny: a short prompt).
+    w.system_edit.setPlainText("")
+    cards[0].run_button.click()
+    qtbot.waitUntil(lambda: not cards[0].running, timeout=RUN_TIMEOUT_MS)
+    assert cards[0].turns[-1].reason in ("stop", "length") and len(cards[0].turns) == 2
+    assert cards[0].transcript_text().startswith(shown[0])
+    assert not w.errors
+
+
+# 5. a broken GGUF dropped while generating ----------------------------------------------------------
+def test_broken_gguf_drop_while_generating_leaves_the_streams_alone(window, qtbot, tmp_path, tiny_gguf_path,
+                                                                   monkeypatch):
+    w = window
+    set_settings(w, max_new_tokens=48)
+    model = w.client.worker.model
+    info = dict(w.model_info)
+    asked: list[str] = []
+    monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or False)
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
+    cards = start_prompts(w, LONG_PROMPTS)
+    qtbot.waitUntil(lambda: all(c.answer_text() for c in cards), timeout=RUN_TIMEOUT_MS)
+    assert all(c.running for c in cards)
+
+    # A file that is no model: its error shows; no question, the streams go on.
+    assert drop_file(w, broken) == (True, True)
+    qtbot.waitUntil(lambda: bool(w.errors), timeout=60_000)
+    assert "broken.gguf" in w.errors[-1] and any("broken.gguf" in b.text() for b in error_boxes(w))
+    assert not asked, "a file that is no model must not offer to stop the streams"
+    assert not w._loading and not w.model_bar.loading and w.model_info == info
+    assert all(c.running for c in cards)
+
+    # A real model dropped while streams run asks first; "no" leaves them running.
+    assert drop_file(w, tiny_gguf_path) == (True, True)
+    qtbot.waitUntil(lambda: bool(asked), timeout=60_000)
+    assert "tiny.gguf" in asked[0] and all(c.running for c in cards)
+
+    qtbot.waitUntil(lambda: not w._open_tags, timeout=RUN_TIMEOUT_MS)
+    for card in cards:
+        assert card.turns[-1].reason in ("stop", "length"), card.turns[-1].reason
+        assert card.answer_text().strip() and "[stopped]" not in card.transcript_text()
+    assert w.client.worker.model is model and w.model_info == info
+    assert len(w.errors) == 1 and len(asked) == 1
+
+
+# 6. a scheduler step that raises ------------------------------------------------------------------
+def test_a_failing_step_shows_an_error_and_the_app_runs_again(window, qtbot):
+    w = window
+    set_settings(w, max_new_tokens=30)
+    sched = w.client.worker.scheduler
+    real_step = sched.step
+    calls = {"n": 0}
+
+    def step_once_broken():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    sched.step = step_once_broken  # set while the worker is idle
+    cards = start_prompts(w, PROMPTS[:2])
+    qtbot.waitUntil(lambda: bool(w.errors), timeout=RUN_TIMEOUT_MS)
+    assert "injected step failure" in w.errors[-1]
+    boxes = error_boxes(w)
+    assert boxes and boxes[0].windowTitle() == "Engine error"
+    qtbot.waitUntil(lambda: not w._open_tags, timeout=60_000)
+    assert all(c.turns[-1].reason == "cancelled" for c in cards)
+    assert w.client.thread.isRunning() and w.act_run_all.isEnabled()
+    close_boxes(w)
+
+    set_settings(w, max_new_tokens=8)
+    n = len(w.finished_records)
+    assert w.run_all() == 2
+    qtbot.waitUntil(lambda: len(w.finished_records) == n + 2, timeout=RUN_TIMEOUT_MS)
+    for card in cards:
+        assert card.turns[-1].reason in ("stop", "length") and card.answer_text().strip()
+        assert len(card.turns) == 2
+    assert len(w.errors) == 1
+    QApplication.processEvents()
+
+
+# the layout holds still while a run goes on ---------------------------------------------------------
+def test_the_panes_hold_still_while_the_charts_summary_grows(window, qtbot):
+    w = window
+    right = w.splitter.widget(2)
+    sizes, floor = w.splitter.sizes(), right.minimumSizeHint().width()
+    set_settings(w, max_new_tokens=8)
+    start_prompts(w, PROMPTS)
+    qtbot.waitUntil(lambda: len(w.finished_records) == 3, timeout=RUN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: "steps" in w.charts.summary.text(), timeout=10_000)
+    QApplication.processEvents()
+    assert right.minimumSizeHint().width() <= floor  # the summary's numbers do not widen the pane
+    assert w.splitter.sizes() == sizes
+
+
+# the transcript's scroll bar on a real display -------------------------------------------------------
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_a_long_transcript_scrolls_with_a_themed_scroll_bar(qtbot, gui_settings, qapp, theme):  # noqa: F811
+    from ui.stream_view import StreamView
+    from ui.theme import apply_theme, color
+
+    apply_theme(qapp, theme)
+    card = StreamView("p1", "Do you have green paint?")
+    qtbot.addWidget(card)
+    card.resize(420, 250)
+    card.show()
+    card.start_conversation("c1", SYSTEM)
+    card.begin_turn("Do you have green paint?", "t1")
+    card.append("We sell green paint in every shade, and brushes to go with it. " * 20)
+    card.flush()
+    card.rerender()  # what a theme change does
+    bar = card.view.verticalScrollBar()
+    qtbot.waitUntil(bar.isVisible, timeout=5_000)
+    image = card.grab(QRect(bar.mapTo(card, QPoint(0, 0)), bar.size())).toImage()  # as drawn on the card
+    lightness = [image.pixelColor(x, y).lightness() for x in range(image.width())
+                 for y in range(image.height())]
+    if theme == "light":
+        # Qt draws an unstyled scroll bar under a transparent transcript with a black handle.
+        assert min(lightness) > 120, f"a near-black scroll bar (lightness {min(lightness)})"
+    assert bar.width() <= 12
+    assert color("border") in card.view.styleSheet()
