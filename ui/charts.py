@@ -192,8 +192,9 @@ class _ChartSet:
     # building ---------------------------------------------------------
     @staticmethod
     def _legend(item: pg.PlotItem) -> pg.LegendItem:
-        # In the plot's own layout, under the x axis: it never covers data.
-        legend = pg.LegendItem(colCount=4, frame=False, sampleType=_Swatch, labelTextSize="8.5pt",
+        # In the plot's own layout, under the x axis: it never covers data. Two columns fit a
+        # chart a third of the window wide.
+        legend = pg.LegendItem(colCount=2, frame=False, sampleType=_Swatch, labelTextSize="8.5pt",
                                horSpacing=4)
         legend.setSizePolicy(QSizePolicy.Policy.Maximum, QSizePolicy.Policy.Fixed)
         item.layout.addItem(legend, 4, 1, alignment=Qt.AlignmentFlag.AlignHCenter)
