@@ -218,48 +218,36 @@ def decode_figures(m, quick: bool, batch_streams: int = 8, run_batch: bool = Tru
 
 
 # BLAS threads (diagnostic) ---------------------------------------------------------------
-def blas_thread_figures(m, quick: bool) -> tuple[dict, dict]:
-    """Decode, prefill and GEMV bandwidth with 1 OpenBLAS thread vs the default, interleaved.
+BLAS1_FIGURES = ("prefill_tok_s", "prefill_flops_fraction", "decode_tok_s", "mem_read_gb_s",
+                 "decode_bw_fraction", "batch_decode_tok_s", "batch_speedup")
 
-    Not a target: it shows how much of a miss is BLAS threading (on a busy 2-core machine a
-    second BLAS thread that spins while the main thread is descheduled can cost 10x).
+
+def blas_thread_figures(m, quick: bool) -> tuple[dict, dict]:
+    """The prefill and decode sections again with ONE OpenBLAS thread (the default is restored).
+
+    Not a target: it shows how much of a miss is BLAS threading. On a busy 2-core machine a
+    second BLAS thread that waits for a core stalls every small GEMM it shares.
     """
     default = blas_threads()
     if default is None:
-        return {}, {"available": False, "reason": "cannot read OpenBLAS's thread count"}
-    settings = sorted({1, default})
-    ctx, n_dec, n_pre, reps = (32, 2, 32, 1) if quick else (128, 6, 128, 3)
-    pool = dl.create_kv_pool(m)
-    prompt = bench_prompt(m, max(ctx, n_pre))
-    base = dl.create_session(m, pool)
-    dl.eval(m, base, prompt[:ctx])
-    nbytes, read = bandwidth_probe()
-    best: dict[int, dict[str, float]] = {n: {} for n in settings}
-
-    def keep(n, key, value):
-        best[n][key] = max(best[n].get(key, 0.0), value)
-
+        return {}, {"available": False, "reason": "cannot read or set OpenBLAS's thread count"}
+    if default == 1:
+        return {}, {"available": False, "reason": "OpenBLAS already runs one thread: nothing to compare"}
+    set_blas_threads(1)
     try:
-        for _ in range(reps):
-            for n in settings:
-                set_blas_threads(n)
-                dl.eval(m, base, [prompt[0]])  # let the new setting settle
-                t = _timed(lambda: [dl.eval(m, base, [prompt[0]]) for _ in range(n_dec)])
-                keep(n, "decode_tok_s", n_dec / t)
-                s = dl.create_session(m, pool)
-                keep(n, "prefill_tok_s", n_pre / _timed(lambda s=s: dl.eval(m, s, prompt[:n_pre])))
-                s.release()
-                keep(n, "mem_read_gb_s", nbytes / _timed(read) / 1e9)
+        pf, pd = prefill_figures(m, quick)
+        df, dd = decode_figures(m, quick)
     finally:
         set_blas_threads(default)
-        base.release()
+    both = {**pf, **df}
     figures = {}
-    for n in settings:
-        for key, unit in (("decode_tok_s", "tok/s"), ("prefill_tok_s", "tok/s"), ("mem_read_gb_s", "GB/s")):
-            figures[f"{key}_blas{n}"] = figure(best[n][key], unit, ISSUE,
-                                               note=f"diagnostic: OpenBLAS {n} thread(s), best of {reps}")
-    return figures, {"available": True, "default_threads": default, "settings": settings, "best": best,
-                     "context": ctx, "decode_tokens": n_dec, "prefill_tokens": n_pre}
+    for name in BLAS1_FIGURES:
+        f = dict(both[name])
+        f["note"] = ("diagnostic, OpenBLAS 1 thread (default " + str(default) + ")"
+                     + (f"; target {f['op']} {f['target']}" if f["target"] is not None else ""))
+        f["target"] = f["op"] = f["pass"] = None
+        figures[f"{name}_blas1"] = f
+    return figures, {"available": True, "default_threads": default, "prefill": pd, "decode": dd}
 
 
 # load and RSS (child processes) ---------------------------------------------------------
