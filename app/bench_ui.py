@@ -166,7 +166,7 @@ def _child(model_path: str, n_new: int, n_prompts: int, sentences: int) -> dict:
     return {"streams": len(jobs), "new_tokens": n_new, "system_chars": len(system), "wall_s": wall,
             "ticks": len(ticks),
             "max_gap_ms": float(gaps.max()), "p99_gap_ms": float(np.percentile(gaps, 99)),
-            "mean_gap_ms": float(gaps.mean()), "token_events": ui.pieces, "finished": ui.finished}
+            "mean_gap_ms": float(gaps.mean()), "tokens_received": ui.pieces, "finished": ui.finished}
 
 
 def _main() -> int:
