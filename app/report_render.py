@@ -9,7 +9,6 @@ JSON and CSV come from `engine.report`, which needs no Qt.
 from __future__ import annotations
 
 import base64
-import math
 import os
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from engine.report import (
     ReportWriteError,
     check_target,
     csv_paths,
+    format_cell,
     snapshot_from_report,
     write_bytes,
     write_csv,
@@ -34,10 +34,6 @@ PAGE_MAP_WIDTH = 900
 
 FORMATS = {".html": "html", ".htm": "html", ".pdf": "pdf", ".json": "json", ".csv": "csv", ".zip": "csv"}
 
-# Page-state and series colours; ui/colors.py holds the same palette for the GUI.
-STATE_COLORS = {PAGE_PRIVATE: "#3d85c6", PAGE_SHARED: "#1fa774", PAGE_CACHED: "#e69f00", PAGE_FREE: "#d9dee5"}
-STATE_LABELS = {PAGE_PRIVATE: "private to streams", PAGE_SHARED: "shared (cache + streams)",
-                PAGE_CACHED: "held only by the cache", PAGE_FREE: "free"}
 
 _app = None  # the offscreen application this module made, kept alive
 
@@ -93,16 +89,6 @@ def ensure_qt_app():
     return app
 
 
-def _png_bytes(image) -> bytes:
-    from PySide6.QtCore import QBuffer, QByteArray, QIODevice
-    data = QByteArray()
-    buf = QBuffer(data)
-    buf.open(QIODevice.OpenModeFlag.WriteOnly)
-    image.save(buf, "PNG")
-    buf.close()
-    return bytes(data)
-
-
 @dataclass
 class Figure:
     """A picture in the report: its key, caption and PNG bytes (note: how to read it)."""
@@ -137,19 +123,9 @@ def _caption(key: str) -> str:
 
 
 def chart_images(report: Report, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> list[Figure]:
-    """The GUI's charts of this session as PNGs, drawn offscreen by ui.charts.ChartsPanel.
-
-    Empty when there is no QApplication (a bare QGuiApplication cannot make widgets) or no ui
-    package; the report then says that it has no charts.
-    """
-    app = ensure_qt_app()
-    from PySide6.QtWidgets import QApplication
-    if not isinstance(app, QApplication):
-        return []  # widgets need a QApplication; a bare QGuiApplication gets a report without charts
-    try:
-        from ui.charts import ChartsPanel  # lazy: app -> ui only here, so the GUI's charts are the report's
-    except ImportError:
-        return []
+    """The GUI's charts of this session as PNGs, drawn offscreen by ui.charts.ChartsPanel."""
+    ensure_qt_app()
+    from ui.charts import ChartsPanel  # app wires ui: the report's charts are the GUI's own
     panel = ChartsPanel()
     try:
         panel.set_data(list(report.timeline), list(report.requests))
@@ -160,126 +136,28 @@ def chart_images(report: Report, width: int = CHART_WIDTH, height: int = CHART_H
 
 
 def page_map_image(report: Report, width: int = PAGE_MAP_WIDTH) -> Figure | None:
-    """The pool's pages at the end of the session, drawn by ui.page_map.PageMap.
-
-    Without a QApplication (PageMap is a widget) or the ui package, a plain QPainter drawing.
-    """
+    """The pool's pages at the end of the session, drawn by the GUI's ui.page_map.PageMap."""
     ensure_qt_app()
+    from ui.page_map import LEGEND_H, MARGIN, PageMap, fit_grid
     pages = report.pages
     if not pages.states:
         return None
-    caption = f"Page map at the end: {pages.capacity} pages of {pages.page_rows} positions"
+    # Tall enough for the largest cells that fit the width, without blank rows below.
+    need = fit_grid(pages.capacity, width - 2 * MARGIN, 10**6).size.height() + LEGEND_H + 2 * MARGIN
+    pm = PageMap()
     try:
-        from ui.page_map import PageMap
-    except ImportError:
-        PageMap = None
-    if PageMap is not None:
-        from PySide6.QtWidgets import QApplication
-        if isinstance(QApplication.instance(), QApplication):
-            pm = PageMap()
-            try:
-                _feed_page_map(pm, report)
-                png = pm.render_image(width, _their_page_map_height(pages.capacity, width), theme="light")
-            finally:
-                pm.deleteLater()
-            return Figure("page_map", caption, png)
-    return Figure("page_map", caption, _draw_page_map(report, width),
-                  note="cN: the cached chain owning the page; a dark corner: more than one reference.")
-
-
-def _feed_page_map(pm, report: Report) -> None:
-    snap = snapshot_from_report(report)
-    for name in ("update_snapshot", "set_snapshot"):
-        fn = getattr(pm, name, None)
-        if fn is not None:
-            fn(snap)
-            return
-    raise TypeError("ui.page_map.PageMap has neither update_snapshot nor set_snapshot")
+        pm.update_snapshot(snapshot_from_report(report))
+        png = pm.render_image(width, int(min(max(need, 80), PAGE_MAP_MAX_HEIGHT)), theme="light")
+    finally:
+        pm.deleteLater()
+    return Figure("page_map", f"Page map at the end: {pages.capacity} pages of {pages.page_rows} positions",
+                  png)
 
 
 PAGE_MAP_MAX_HEIGHT = 520
 
 
-def _their_page_map_height(capacity: int, width: int) -> int:
-    """A height for ui.page_map's image that fits its largest cells without blank rows below."""
-    try:
-        from ui.page_map import LEGEND_H, MARGIN, fit_grid
-        geo = fit_grid(capacity, width - 2 * MARGIN, 10**6)  # no height limit: the largest cells
-        need = geo.size.height() + LEGEND_H + 2 * MARGIN
-    except (ImportError, AttributeError):
-        need = _page_map_height(capacity, width)
-    return int(min(max(need, 80), PAGE_MAP_MAX_HEIGHT))
-
-
-def _grid(capacity: int, width: int) -> tuple[int, int, int]:
-    """Columns, rows and cell size of a page grid `width` pixels wide, at most ~480 pixels tall."""
-    for cols in (16, 32, 64, 128, 256):
-        cell = max(3, min(40, (width - 20) // cols))
-        if math.ceil(capacity / cols) * cell <= 480 or cell == 3:
-            break
-    cols = max(1, min(cols, capacity))
-    return cols, math.ceil(capacity / cols), cell
-
-
-_LEGEND_H = 34
-
-
-def _page_map_height(capacity: int, width: int) -> int:
-    _, rows, cell = _grid(capacity, width)
-    return _LEGEND_H + rows * cell + 12
-
-
-def _draw_page_map(report: Report, width: int) -> bytes:
-    from PySide6.QtCore import QRectF, Qt
-    from PySide6.QtGui import QColor, QFont, QImage, QPainter
-
-    pages = report.pages
-    cols, rows, cell = _grid(pages.capacity, width)
-    height = _page_map_height(pages.capacity, width)
-    img = QImage(width, height, QImage.Format.Format_ARGB32)
-    img.fill(QColor("#ffffff"))
-    p = QPainter(img)
-    p.setRenderHint(QPainter.RenderHint.Antialiasing)
-    font = QFont()
-    font.setPixelSize(13)
-    p.setFont(font)
-    x = 10
-    for state in (PAGE_PRIVATE, PAGE_SHARED, PAGE_CACHED, PAGE_FREE):
-        p.fillRect(QRectF(x, 10, 14, 14), QColor(STATE_COLORS[state]))
-        label = f"{STATE_LABELS[state]}: {pages.count(state)}"
-        p.setPen(QColor("#1f2328"))
-        p.drawText(QRectF(x + 20, 6, 260, 22), Qt.AlignmentFlag.AlignVCenter, label)
-        x += 26 + p.fontMetrics().horizontalAdvance(label) + 18
-    small = QFont()
-    small.setPixelSize(max(7, cell // 3))
-    p.setFont(small)
-    left = (width - cols * cell) // 2
-    for i, state in enumerate(pages.states):
-        r, c = divmod(i, cols)
-        rect = QRectF(left + c * cell + 1, _LEGEND_H + r * cell + 1, cell - 2, cell - 2)
-        p.fillRect(rect, QColor(STATE_COLORS.get(state, "#888888")))
-        chain = pages.chain_ids[i]
-        if chain is not None and cell >= 20:
-            p.setPen(QColor("#ffffff"))
-            p.drawText(rect, Qt.AlignmentFlag.AlignCenter, f"c{chain}")
-        if pages.refcounts[i] > 1:  # more than one reference: a dark corner mark
-            p.fillRect(QRectF(rect.right() - 5, rect.top(), 5, 5), QColor("#1f2328"))
-    p.end()
-    return _png_bytes(img)
-
-
 # --- HTML ---------------------------------------------------------------------------------
-
-
-def _num(value) -> str:
-    """The exact machine-readable value of a cell: repr for floats, '' for None."""
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
 
 
 def fmt_pct(x: float | None) -> str:
@@ -356,13 +234,13 @@ def _cells(obj, columns) -> list[Cell]:
         value = getattr(obj, name)
         numeric = fmt is not None
         text = fmt(value) if fmt else ("–" if value is None else str(value))
-        out.append(Cell(name, _num(value), text, numeric))
+        out.append(Cell(name, format_cell(value), text, numeric))
     return out
 
 
 def _kv(pairs) -> list[tuple[str, str, str]]:
     """(label, shown text, exact value) rows of a key-value table."""
-    return [(label, fmt_any(v) if not isinstance(v, str) else v, _num(v)) for label, v in pairs]
+    return [(label, fmt_any(v) if not isinstance(v, str) else v, format_cell(v)) for label, v in pairs]
 
 
 def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> dict:
@@ -380,9 +258,10 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         ("decode_tok_s", "Decode tok/s", t.decode_tok_s, fmt_rate(t.decode_tok_s),
          f"{fmt_rate(t.mean_request_decode_tok_s)} per stream"),
     ]
-    cards = [{"key": k, "label": label, "value": _num(v), "text": text, "sub": sub}
+    cards = [{"key": k, "label": label, "value": format_cell(v), "text": text, "sub": sub}
              for k, label, v, text, sub in cards]
-    totals = [{"key": key, "label": label, "value": _num(getattr(t, key)), "text": fmt(getattr(t, key))}
+    totals = [{"key": key, "label": label, "value": format_cell(getattr(t, key)),
+               "text": fmt(getattr(t, key))}
               for key, label, fmt in (
         ("requests", "requests", fmt_int), ("finished", "finished", fmt_int),
         ("steps", "scheduler steps", fmt_int), ("wall_s", "wall time", fmt_s),
@@ -422,8 +301,10 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
                  "hit": r.n_cached > 0} for r in report.requests]
     chains = [{"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)} for c in report.chains]
     timeline_cols = list(report.timeline[0].to_dict()) if report.timeline else []
-    timeline = [[Cell(k, _num(v), fmt_any(v)) for k, v in r.to_dict().items()] for r in report.timeline]
-    page_counts = [(STATE_LABELS[st], report.pages.count(st), STATE_COLORS[st], key)
+    timeline = [[Cell(k, format_cell(v), fmt_any(v)) for k, v in r.to_dict().items()]
+                for r in report.timeline]
+    from ui.colors import LIGHT, STATE_LABELS, state_color  # the GUI's palette, light as on paper
+    page_counts = [(STATE_LABELS[st], report.pages.count(st), state_color(st, LIGHT).name(), key)
                    for st, key in ((PAGE_PRIVATE, "private"), (PAGE_SHARED, "shared"),
                                    (PAGE_CACHED, "cached"), (PAGE_FREE, "free"))]
     return {

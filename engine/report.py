@@ -534,8 +534,8 @@ def load_report(path: str | os.PathLike) -> Report:
 REQUEST_COLUMNS = [f.name for f in dataclasses.fields(RequestRecord)]
 
 
-def _cell(value) -> str:
-    """Empty for None, repr for floats (they round-trip exactly), str otherwise."""
+def format_cell(value) -> str:
+    """A value as CSV or HTML data: empty for None, repr for floats (they round-trip exactly)."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -550,7 +550,7 @@ def _csv_text(columns: list[str], rows: list[dict]) -> str:
     w = csv.writer(buf, lineterminator="\r\n")
     w.writerow(columns)
     for row in rows:
-        w.writerow([_cell(row[c]) for c in columns])
+        w.writerow([format_cell(row[c]) for c in columns])
     return buf.getvalue()
 
 

@@ -400,11 +400,11 @@ def test_unknown_extension_is_refused(report, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_html_without_charts_and_the_plain_page_map(report):
-    from app.report_render import Figure, _draw_page_map, render_html
-    png = _draw_page_map(report, 600)
-    assert png.startswith(b"\x89PNG") and Figure("page_map", "", png).size[0] == 600
+def test_html_without_charts_says_so(report):
+    from app.report_render import page_map_image, render_html
+    page_map = page_map_image(report)
+    assert page_map.png.startswith(b"\x89PNG")
     page = Parsed()
-    page.feed(render_html(report, charts=[], page_map=Figure("page_map", "map", png)))
+    page.feed(render_html(report, charts=[], page_map=page_map))
     assert "No charts" in "".join(page.text) and "script" not in [t for t, _ in page.tags]
     assert [a["data-chart"] for t, a in page.tags if t == "figure"] == ["page_map"]
