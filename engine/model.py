@@ -100,8 +100,8 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
     N = x.shape[0]
     h = rms_norm(x, w.attn_norm[layer], cfg.norm_eps)            # [N, d]
     qkv = h @ w.wqkv[layer]                                      # [N, d + 2kv]
-    q = apply_rope(qkv[:, :d].reshape(N, H, hd), cos, sin)       # [N, H, hd]
-    k = apply_rope(qkv[:, d:d + kv].reshape(N, KV, hd), cos, sin)  # [N, KV, hd]
+    qk = apply_rope(qkv[:, :d + kv].reshape(N, H + KV, hd), cos, sin)  # [N, H+KV, hd]: one pass for q|k
+    q, k = qk[:, :H], qk[:, H:]                                  # [N, H, hd], [N, KV, hd]
     v = qkv[:, d + kv:].reshape(N, KV, hd)                       # [N, KV, hd]
     pool.k[layer, slots[0], slots[1]] = k
     pool.v[layer, slots[0], slots[1]] = v
