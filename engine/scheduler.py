@@ -341,15 +341,22 @@ class Scheduler:
             self.active.append(s)
 
     def _plan_prefill(self) -> list[tuple[Stream, list[int]]]:
+        """This step's prefill chunk: up to `chunk_tokens` prompt tokens, shortest remainder first.
+
+        Shortest first lets the short tails of cache hits finish (and so give their first
+        token) in one step instead of queueing behind a long miss; the long prompt still
+        gets whatever budget they leave.
+        """
+        waiting = [s for s in self.active if s.prefilling and s.finish_reason is None]
+        waiting.sort(key=lambda s: len(s.prompt) - s.session.n_past)  # stable: ties keep admission order
         budget, plan = self.settings.chunk_tokens, []
-        for s in self.active:
+        for s in waiting:
             if budget == 0:
                 break
-            if s.prefilling and s.finish_reason is None:
-                n = s.session.n_past
-                piece = s.prompt[n:n + budget]
-                plan.append((s, piece))
-                budget -= len(piece)
+            n = s.session.n_past
+            piece = s.prompt[n:n + budget]
+            plan.append((s, piece))
+            budget -= len(piece)
         return plan
 
     def _run_batch(self, events: list) -> tuple[int, int]:
