@@ -62,15 +62,26 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int) -> np.nd
     return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
 
 
-def swiglu(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    gu = x @ w_gate_up                         # [N, 2*ff]
+SMALL_BATCH = range(2, 17)  # rows for which the column-block layout beats a plain GEMM
+
+
+def linear(x: np.ndarray, w: Weights, name: str, layer: int) -> np.ndarray:
+    """x @ W for one layer's weight; small batches go through the column-block copy."""
+    blocks = w.blocked(name) if len(x) in SMALL_BATCH else None
+    if blocks is None:
+        return x @ getattr(w, name)[layer]                                    # [N, out]
+    return (x @ blocks[layer]).transpose(1, 0, 2).reshape(len(x), -1)        # [N, out]
+
+
+def swiglu(x: np.ndarray, w: Weights, layer: int) -> np.ndarray:
+    gu = linear(x, w, "w_gate_up", layer)      # [N, 2*ff]
     ff = gu.shape[1] // 2
     g, u = gu[:, :ff], gu[:, ff:]              # [N, ff] each
     act = np.exp(-g)                           # [N, ff]; silu(g) = g / (1 + e^-g)
     act += 1.0
     np.divide(g, act, out=act)
     act *= u
-    return act @ w_down                        # [N, d]
+    return linear(act, w, "w_down", layer)     # [N, d]
 
 
 def page_slots(sessions: list[Session], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +110,7 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
     d, kv, H, KV, hd = cfg.d_model, cfg.kv_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     N = x.shape[0]
     h = rms_norm(x, w.attn_norm[layer], cfg.norm_eps)            # [N, d]
-    qkv = h @ w.wqkv[layer]                                      # [N, d + 2kv]
+    qkv = linear(h, w, "wqkv", layer)                            # [N, d + 2kv]
     qk = apply_rope(qkv[:, :d + kv].reshape(N, H + KV, hd), cos, sin)  # [N, H+KV, hd]: one pass for q|k
     q, k = qk[:, :H], qk[:, H:]                                  # [N, H, hd], [N, KV, hd]
     v = qkv[:, d + kv:].reshape(N, KV, hd)                       # [N, KV, hd]
@@ -111,9 +122,9 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
         ks, vs = gather_kv(pool, layer, s.page_table, s.n_past + n)
         attn[start:start + n] = attention(q[start:start + n], ks, vs, s.n_past)
         start += n
-    x = x + attn @ w.wo[layer]                                   # [N, d]
+    x = x + linear(attn, w, "wo", layer)                         # [N, d]
     h = rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)             # [N, d]
-    return x + swiglu(h, w.w_gate_up[layer], w.w_down[layer])    # [N, d]
+    return x + swiglu(h, w, layer)                               # [N, d]
 
 
 def forward(model: Model, sessions: list[Session], token_lists: list[list[int]],

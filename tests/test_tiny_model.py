@@ -30,14 +30,14 @@ def contiguous_logits(m, tokens, chunks=None) -> list[np.ndarray]:
         x = np.asarray(w.token_embd[np.asarray(tokens[n_past:n_past + T])], dtype=np.float32)
         for layer in range(cfg.n_layers):
             h = em.rms_norm(x, w.attn_norm[layer], cfg.norm_eps)
-            qkv = h @ w.wqkv[layer]
+            qkv = em.linear(h, w, "wqkv", layer)      # the engine's own GEMM path: this test is about paging
             q = em.apply_rope(qkv[:, :d].reshape(T, H, hd), cos, sin)
             K[layer, pos] = em.apply_rope(qkv[:, d:d + kv].reshape(T, KV, hd), cos, sin)
             V[layer, pos] = qkv[:, d + kv:].reshape(T, KV, hd)
             att = em.attention(q, K[layer, :n_past + T], V[layer, :n_past + T], n_past)
-            x = x + att.astype(np.float32) @ w.wo[layer]           # the engine keeps float32
+            x = x + em.linear(att.astype(np.float32), w, "wo", layer)  # the engine keeps float32
             h = em.rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)
-            x = x + em.swiglu(h, w.w_gate_up[layer], w.w_down[layer])
+            x = x + em.swiglu(h, w, layer)
         out.append((em.rms_norm(x[-1:], w.output_norm, cfg.norm_eps) @ w.output.T)[0])
         n_past += T
     return out
