@@ -31,6 +31,7 @@ class Weights:
     token_embd: np.ndarray   # [vocab, d]
     output_norm: np.ndarray  # [d]
     output: np.ndarray       # [vocab, d] (the embedding itself when tied)
+    output_t: np.ndarray     # [d, vocab]: the output head, contiguous for `x @ W` (a GEMV 1.3x faster)
     attn_norm: np.ndarray    # [L, d]
     wqkv: np.ndarray         # [L, d, d + 2*kv_dim]
     wo: np.ndarray           # [L, d, d]
@@ -41,21 +42,21 @@ class Weights:
     column_blocks: dict = field(default_factory=dict, repr=False)  # small-batch copies, made on first use
 
     def blocked(self, name: str) -> np.ndarray | None:
-        """`name` ([L, K, N]) as [L, N/64, K, 64] column blocks, or None when N is not a multiple of 64.
+        """`name` ([L,] K, N) as [L,] N/64, K, 64 column blocks, or None when N is not a multiple of 64.
 
         OpenBLAS runs a GEMM of 2-16 rows at a third of a GEMV's bandwidth, but a batch of
         64-column blocks at full speed; the copy is made only once batched decoding starts.
         """
         if name not in self.column_blocks:
             w = getattr(self, name)
-            L, K, N = w.shape
+            *lead, K, N = w.shape
             self.column_blocks[name] = None if N % COLUMN_BLOCK else np.ascontiguousarray(
-                w.reshape(L, K, N // COLUMN_BLOCK, COLUMN_BLOCK).transpose(0, 2, 1, 3))
+                w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK).swapaxes(-3, -2))
         return self.column_blocks[name]
 
     def matmul_bytes(self) -> int:
         """Bytes of weights one decode step reads (every matmul plus the output head)."""
-        return sum(a.nbytes for a in (self.wqkv, self.wo, self.w_gate_up, self.w_down, self.output))
+        return sum(a.nbytes for a in (self.wqkv, self.wo, self.w_gate_up, self.w_down, self.output_t))
 
 
 @dataclass
@@ -118,6 +119,8 @@ def _weight_arrays(gf: GGUFFile):
     ]
     if not gf.tied_output:
         arrays.append(("output", lambda: gf.tensor("output.weight")))
+    head = "token_embd.weight" if gf.tied_output else "output.weight"
+    arrays.append(("output_t", lambda: np.ascontiguousarray(gf.tensor(head).T)))
     for name, make in arrays:
         arr = make()
         if not np.isfinite(arr).all():

@@ -65,12 +65,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int) -> np.nd
 SMALL_BATCH = range(2, 17)  # rows for which the column-block layout beats a plain GEMM
 
 
-def linear(x: np.ndarray, w: Weights, name: str, layer: int) -> np.ndarray:
-    """x @ W for one layer's weight; small batches go through the column-block copy."""
+def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np.ndarray:
+    """x @ W (one layer's when `layer` is given); small batches go through the column-block copy."""
+    weight = getattr(w, name)
     blocks = w.blocked(name) if len(x) in SMALL_BATCH else None
+    if layer is not None:
+        weight = weight[layer]
+        blocks = blocks[layer] if blocks is not None else None
     if blocks is None:
-        return x @ getattr(w, name)[layer]                                    # [N, out]
-    return (x @ blocks[layer]).transpose(1, 0, 2).reshape(len(x), -1)        # [N, out]
+        return x @ weight                                                    # [N, out]
+    return (x @ blocks).transpose(1, 0, 2).reshape(len(x), -1)              # [N, out]
 
 
 def swiglu(x: np.ndarray, w: Weights, layer: int) -> np.ndarray:
@@ -151,7 +155,7 @@ def forward(model: Model, sessions: list[Session], token_lists: list[list[int]],
         x = block(x, w, cfg, layer, pool, sessions, counts, cos, sin, slots)
     rows = slice(None) if all_positions else np.cumsum(counts) - 1
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
-    logits = h @ w.output.T                                          # [B, vocab]
+    logits = linear(h, w, "output_t")                                # [B or N, vocab]
     for s, t in zip(sessions, token_lists):
         s.tokens.extend(int(i) for i in t)
         s.n_past += len(t)

@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-IMAGE_VERSION = 2  # 2: index.json carries its own checksum
+IMAGE_VERSION = 3  # 2: index.json carries its own checksum; 3: the output head [d, vocab]
 ALIGN = 64
 CRC_BLOCK = 1 << 24
 

@@ -65,7 +65,8 @@ def test_tokens_stream_before_the_finish(cached_run):
         pieces = [e.text for e in events if isinstance(e, TokenEvent) and e.request_id == rid]
         assert len(pieces) == done[rid].n_gen
         assert "".join(pieces) == done[rid].text
-        finish_at = next(i for i, e in enumerate(events) if isinstance(e, FinishEvent) and e.request_id == rid)
+        finish_at = next(i for i, e in enumerate(events)
+                         if isinstance(e, FinishEvent) and e.request_id == rid)
         assert all(i < finish_at for i, e in enumerate(events)
                    if isinstance(e, TokenEvent) and e.request_id == rid)
 
