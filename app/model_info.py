@@ -25,6 +25,7 @@ def model_info(model) -> dict:
         "file_size": int(model.file_size),
         "load_seconds": float(model.load_seconds),
         "from_image": bool(model.from_image),
+        "template_warning": model.tokenizer.template_warning,
     }
 
 

@@ -366,3 +366,18 @@ def test_a_long_transcript_scrolls_with_a_themed_scroll_bar(qtbot, gui_settings,
         assert min(lightness) > 120, f"a near-black scroll bar (lightness {min(lightness)})"
     assert bar.width() <= 12
     assert color("border") in card.view.styleSheet()
+
+
+def test_a_hostile_chat_template_falls_back_with_a_visible_warning(window, qtbot, tmp_path):
+    from tests.tiny_gguf import write_tiny_gguf
+    w = window
+    assert not w.model_bar.chips["template"].isVisible()  # the bundled model's own template works
+    evil = write_tiny_gguf(tmp_path / "evil.gguf",
+                           chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    assert w.open_model_path(evil) is True
+    qtbot.waitUntil(lambda: w.model_info is not None and w.model_info["path"] == str(evil),
+                    timeout=LOAD_TIMEOUT_MS)
+    chip = w.model_bar.chips["template"]
+    assert chip.isVisible() and "ChatML" in chip.toolTip()
+    assert "Warning" in w.statusBar().currentMessage()
+    assert w.last_error is None  # a warning, not an error: the model is usable

@@ -415,7 +415,10 @@ class MainWindow(QMainWindow):
             add_recent_model(info["path"], self.store)
         self._loading_path = None
         self.setWindowTitle(f"PrefixLab — {info['name']}")
-        self.statusBar().showMessage(f"Loaded {info['file']} in {info['load_seconds']:.2f} s", 6000)
+        if info.get("template_warning"):
+            self.statusBar().showMessage(f"Warning: {info['template_warning']}")
+        else:
+            self.statusBar().showMessage(f"Loaded {info['file']} in {info['load_seconds']:.2f} s", 6000)
         self._update_actions()
         self.model_ready.emit(info)
 

@@ -37,6 +37,7 @@ class ModelBar(QFrame):
             "arch": _chip("Architecture"), "quant": _chip("Quantization of the weights"),
             "params": _chip("Parameters"), "context": _chip("Context length (tokens)"),
             "size": _chip("File size"),
+            "template": _chip("The model's chat template could not be used"),
         }
         for chip in self.chips.values():
             chip.hide()
@@ -80,6 +81,10 @@ class ModelBar(QFrame):
         self.chips["size"].setText(format_bytes(info["file_size"]))
         for chip in self.chips.values():
             chip.show()
+        warning = info.get("template_warning", "")
+        self.chips["template"].setText("⚠ plain ChatML template")
+        self.chips["template"].setToolTip(warning)
+        self.chips["template"].setVisible(bool(warning))
         how = "from the prepared weight image" if info.get("from_image") else "from the GGUF"
         self.status.setText(f"loaded in {info['load_seconds']:.2f} s")
         self.status.setToolTip(
