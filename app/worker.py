@@ -20,7 +20,7 @@ import traceback
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 import engine
-from engine.scheduler import FinishEvent, Scheduler, SubmitRefused, TokenEvent, common_prefix
+from engine.scheduler import FinishEvent, Scheduler, SubmitRefused, TokenEvent
 from engine.snapshot import SnapshotMaker
 
 from .model_info import model_info
@@ -371,8 +371,7 @@ def probe_prompt(scheduler: Scheduler, system: str, user: str, namespace: str = 
     if d is not None and d < len(prompt):
         context = tok.decode(prompt[max(0, d - PROBE_CONTEXT_TOKENS):d])
         prompt_token = tok.decode([prompt[d]])
-        cached = cached_token_at(cache, prompt, namespace, d, r.nearest_chain_id)
-        cached_token = tok.decode([cached]) if cached is not None else None
+        cached_token = tok.decode([r.cached_token]) if r.cached_token is not None else None
     else:
         end = r.matched_tokens if d is None else len(prompt)
         context = tok.decode(prompt[max(0, end - PROBE_CONTEXT_TOKENS):end])
@@ -384,39 +383,6 @@ def probe_prompt(scheduler: Scheduler, system: str, user: str, namespace: str = 
         "page_rows": scheduler.pool.page_rows, "namespace": namespace,
         "cache_enabled": scheduler.settings.cache_enabled, "user": user,
     }
-
-
-def cached_token_at(cache, prompt: list[int], namespace: str, index: int,
-                    prefer_chain: int | None = None) -> int | None:
-    """The token the nearest cached page holds at prompt position `index` (None: nothing there).
-
-    The engine's ProbeResult names the nearest chain but not its token; this walks the
-    verified path to the page holding `index` and picks the sibling page sharing the
-    longest start with the prompt's page (the one `prefix_probe` measured).
-    """
-    rows = cache.page_rows
-    if not rows:
-        return None
-    page_i, offset = divmod(index, rows)
-    parent = None
-    for j in range(page_i):
-        toks = prompt[j * rows:(j + 1) * rows]
-        key = cache.page_key(parent, toks, namespace)
-        entry = cache.pages.get(key)
-        if entry is None or not cache.verify(entry, parent, toks, namespace):
-            return None
-        parent = key
-    page = [int(t) for t in prompt[page_i * rows:(page_i + 1) * rows]]
-    best, best_score = None, (-1, False)
-    for entry in cache.pages.values():
-        if entry.parent != parent or entry.namespace != namespace:
-            continue
-        score = (common_prefix(page, list(entry.tokens)), entry.chain_id == prefer_chain)
-        if score > best_score:
-            best, best_score = entry, score
-    if best is None or offset >= len(best.tokens):
-        return None
-    return int(best.tokens[offset])
 
 
 class EngineClient(QObject):

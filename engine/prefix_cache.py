@@ -90,6 +90,7 @@ class ProbeResult:
     stop_reason: str          # "cap" | "miss" | "token_mismatch" | "end"
     first_diff_index: int | None
     nearest_chain_id: int | None
+    cached_token: int | None = None  # what the nearest cached page holds at first_diff_index
 
 
 class PrefixCache:
@@ -238,8 +239,8 @@ class PrefixCache:
                 return
             parent = key
 
-    def nearest(self, parent: int | None, namespace: str, toks) -> tuple[int, int | None]:
-        """Longest common prefix of `toks` with any cached child of `parent`, and its chain."""
+    def nearest(self, parent: int | None, namespace: str, toks) -> tuple[int, CachedPage | None]:
+        """Longest common prefix of `toks` with any cached child of `parent`, and that page."""
         node = self.siblings.get((namespace, parent))
         if node is None:
             return 0, None
@@ -251,7 +252,7 @@ class PrefixCache:
             node, n = child, n + 1
         while node.key is None:  # any page below this node shares those n tokens
             node = next(iter(node.next.values()))
-        return n, self.pages[node.key].chain_id
+        return n, self.pages[node.key]
 
 
 def create_prefix_cache(max_pages: int = 0, hash_fn: HashFn | None = None) -> PrefixCache:
@@ -385,14 +386,21 @@ def prefix_probe(cache: PrefixCache, prompt, namespace: str = "") -> ProbeResult
         if ok:  # the cache holds this page but the cap keeps one token for the model
             return ProbeResult(matched * rows, matched, "cap", None, entry.chain_id)
         toks = [int(t) for t in prompt[i * rows:(i + 1) * rows]]
-        lcp, chain = cache.nearest(parent, namespace, toks)
+        lcp, near = cache.nearest(parent, namespace, toks)
         reason = "token_mismatch" if entry is not None else "miss"
-        return ProbeResult(matched * rows, matched, reason, i * rows + lcp, chain or last_chain)
+        return _departure(matched, rows, reason, i * rows + lcp, lcp, near, last_chain)
     # Out of full pages: the rest of the prompt is a partial page (never attached).
     tail = [int(t) for t in prompt[matched * rows:]]
-    lcp, chain = cache.nearest(parent, namespace, tail)
+    lcp, near = cache.nearest(parent, namespace, tail)
     diff = None if lcp == len(tail) else matched * rows + lcp
-    return ProbeResult(matched * rows, matched, "end", diff, chain or last_chain)
+    return _departure(matched, rows, "end", diff, lcp, near, last_chain)
+
+
+def _departure(matched: int, rows: int, reason: str, diff: int | None, lcp: int,
+               near: CachedPage | None, last_chain: int | None) -> ProbeResult:
+    """A probe that leaves the cached path: where, and what the nearest cached page holds there."""
+    cached = near.tokens[lcp] if near is not None and diff is not None and lcp < len(near.tokens) else None
+    return ProbeResult(matched * rows, matched, reason, diff, near.chain_id if near else last_chain, cached)
 
 
 def prefix_chain_list(cache: PrefixCache) -> list[ChainRecord]:

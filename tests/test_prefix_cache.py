@@ -270,6 +270,7 @@ def test_probe_stop_reasons_and_first_diff_index():
     r = probe(cache, seq(0, 6) + [99, 99, 99])
     assert (r.matched_tokens, r.stop_reason, r.first_diff_index, r.nearest_chain_id) == \
         (4, "miss", 6, 1)
+    assert r.cached_token == 6  # the nearest cached page holds seq's token 6 where the prompt has 99
     r = probe(cache, seq(0, 4) + [50, 51, 77, 77, 1])
     assert (r.matched_tokens, r.stop_reason, r.first_diff_index, r.nearest_chain_id) == \
         (4, "miss", 6, 2)
