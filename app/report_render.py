@@ -91,12 +91,11 @@ def ensure_qt_app():
 
 @dataclass
 class Figure:
-    """A picture in the report: its key, caption and PNG bytes (note: how to read it)."""
+    """A picture in the report: its key, caption and PNG bytes."""
 
     key: str
     caption: str
     png: bytes
-    note: str = ""
 
     @property
     def b64(self) -> str:
@@ -313,7 +312,7 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         "version_rows": version_rows, "request_columns": REQUEST_COLUMNS, "requests": requests,
         "chain_columns": CHAIN_COLUMNS, "chains": chains, "timeline_columns": timeline_cols,
         "timeline": timeline, "charts": charts, "page_map": page_map, "page_counts": page_counts,
-        "sha_short": m.sha256[:12], "page_map_note": page_map.note if page_map else "",
+        "sha_short": m.sha256[:12],
     }
 
 

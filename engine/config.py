@@ -24,11 +24,6 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
-    @property
-    def n_rep(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.n_heads // self.n_kv_heads
-
     def n_params(self, tied_output: bool = True) -> int:
         """Parameter count of the weights (embedding counted once when tied)."""
         attn = self.d_model * (self.d_model + 2 * self.kv_dim) + self.d_model * self.d_model

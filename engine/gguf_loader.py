@@ -19,10 +19,6 @@ from .errors import ModelLoadError
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_VERSIONS = (2, 3)
 GGUF_MAGIC = b"GGUF"
-LAYER_TENSORS = (
-    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-    "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
-)
 # Beyond these the file is not a model this engine can hold in memory.
 MAX_TENSORS = 100_000
 MAX_DIM = 1 << 24

@@ -56,11 +56,6 @@ class KVPool:
     def num_used_pages(self) -> int:
         return self.capacity - len(self._free)
 
-    @property
-    def page_bytes(self) -> int:
-        c = self.cfg
-        return 2 * c.n_layers * self.page_rows * c.n_kv_heads * c.head_dim * 4
-
     def _grow(self) -> None:
         old = self.capacity
         new = old * 2
