@@ -112,7 +112,6 @@ class Stream:
     stop_ids: frozenset[int]
     text_stream: TokenStream
     conversation: Conversation | None = None
-    messages: list[dict] | None = None
     session: Session | None = None
     generated: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
@@ -200,19 +199,12 @@ class Scheduler:
             prompt = self._chat_prompt(conv, messages)
             preview = preview or messages[-1]["content"][:60]
         prompt = [int(t) for t in prompt]
-        vocab = self.model.config.vocab_size
-        if not prompt:
-            raise SubmitRefused("the prompt is empty")
-        if any(not 0 <= t < vocab for t in prompt):
-            raise SubmitRefused(f"the prompt has a token outside the vocabulary (0..{vocab - 1})")
-        limit = self.model.config.context_length
-        if len(prompt) + 1 > limit:
-            raise SubmitRefused(f"the prompt has {len(prompt)} tokens; the model's context is {limit}")
-        need = self._pages_needed(len(prompt), max_new_tokens)
-        if self.pool.max_pages is not None and need > self.pool.capacity:
-            raise SubmitRefused(
-                f"the request needs {need} KV pages ({len(prompt)} prompt + {max_new_tokens} new tokens) "
-                f"but the pool has only {self.pool.capacity}")
+        try:
+            self._check_fits(prompt, max_new_tokens)
+        except SubmitRefused:
+            if conv is not None:  # a refused turn leaves the conversation as it was
+                conv.messages = conv.messages[:-len(messages)]
+            raise
         rid = next(self._ids)
         now = time.perf_counter()
         record = RequestRecord(id=rid, preview=preview or tok.decode(prompt[-24:]),
@@ -221,7 +213,7 @@ class Scheduler:
         stream = Stream(record=record, prompt=prompt, sampler=sampler, max_new_tokens=max_new_tokens,
                         stop_ids=frozenset(stop_ids if stop_ids is not None else tok.eos_ids),
                         text_stream=tok.stream(), conversation=conv,
-                        messages=[dict(m) for m in messages] if messages else None, submitted_at=now)
+                        submitted_at=now)
         if conv:
             conv.busy = True
         self.records[rid] = record
@@ -239,17 +231,29 @@ class Scheduler:
     def _chat_prompt(self, conv: Conversation, messages: list[dict]) -> list[int]:
         """Turn N+1 is turn N's tokens plus the new messages, so it extends them exactly."""
         tok = self.model.tokenizer
-        if conv.history_tokens:
-            # `messages` holds only the new turn's message(s); earlier turns are the history.
-            before = tok.render_chat(conv.messages, add_generation_prompt=False)
-            after = tok.render_chat(conv.messages + messages, add_generation_prompt=True)
-            if after.startswith(before):
-                conv.messages = conv.messages + messages
-                return conv.history_tokens + tok.encode(after[len(before):])
-            conv.messages = conv.messages + messages
-            return tok.encode(after)
-        conv.messages = list(messages)
-        return tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+        # For a follow-up, `messages` holds only the new turn; earlier turns are the history.
+        before = tok.render_chat(conv.messages, add_generation_prompt=False)
+        conv.messages = conv.messages + list(messages)
+        after = tok.render_chat(conv.messages, add_generation_prompt=True)
+        if conv.history_tokens and after.startswith(before):
+            return conv.history_tokens + tok.encode(after[len(before):])
+        return tok.encode(after)
+
+    def _check_fits(self, prompt: list[int], max_new_tokens: int) -> None:
+        """Refuse a prompt the model or the pool cannot take."""
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise SubmitRefused("the prompt is empty")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise SubmitRefused(f"the prompt has a token outside the vocabulary (0..{vocab - 1})")
+        limit = self.model.config.context_length
+        if len(prompt) + 1 > limit:
+            raise SubmitRefused(f"the prompt has {len(prompt)} tokens; the model's context is {limit}")
+        need = self._pages_needed(len(prompt), max_new_tokens)
+        if self.pool.max_pages is not None and need > self.pool.capacity:
+            raise SubmitRefused(
+                f"the request needs {need} KV pages ({len(prompt)} prompt + {max_new_tokens} new tokens) "
+                f"but the pool has only {self.pool.capacity}")
 
     def _pages_needed(self, n_prompt: int, max_new: int) -> int:
         return -(-(n_prompt + max_new + CLOSING_SLACK) // self.settings.page_rows)

@@ -201,3 +201,16 @@ def test_namespaces_do_not_share(real_model):
     assert done[b].n_cached == 0
     assert done[c].n_cached > 0
     assert sch.records[a].chain_donated == done[c].chain_hit
+
+
+def test_a_refused_turn_leaves_the_conversation_as_it_was(real_model):
+    sch = Scheduler(real_model, page_rows=16, pool_pages=12)
+    first = sch.submit(system=SYSTEM, user=QUESTIONS[0], conversation_id="c", max_new_tokens=8)
+    done, _ = run_all(sch)
+    messages = list(sch.conversations["c"].messages)
+    with pytest.raises(SubmitRefused, match="pool has only 12"):
+        sch.submit(user="tell me everything " * 40, conversation_id="c", max_new_tokens=8)
+    assert sch.conversations["c"].messages == messages
+    second = sch.submit(user=QUESTIONS[1], conversation_id="c", max_new_tokens=4)
+    done, _ = run_all(sch)
+    assert done[second].n_cached > 0 and sch.records[first].finish_reason in ("stop", "length")
