@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .config import ModelConfig
@@ -50,16 +52,28 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int) -> np.nd
     S, KV, _ = k.shape          # k, v [S, KV, hd]
     R = H // KV
     qg = q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3).reshape(KV, R * T, hd)  # [KV, R*T, hd]
-    # Contiguous operands keep the batched matmuls on BLAS.
-    kt = np.ascontiguousarray(k.transpose(1, 2, 0))                               # [KV, hd, S]
-    vt = np.ascontiguousarray(v.transpose(1, 0, 2))                               # [KV, S, hd]
-    scores = qg @ kt                                                              # [KV, R*T, S]
+    # Strided views stay on BLAS (each matrix has a unit stride): no copy of K/V here.
+    scores = qg @ k.transpose(1, 2, 0)                                            # [KV, R*T, S]
     scores *= np.float32(1.0 / np.sqrt(hd))
     if T > 1:
         scores.reshape(KV, R, T, S)[...] += causal_bias(T, S, n_past)             # [KV, R, T, S]
     probs = softmax(scores)                                                       # [KV, R*T, S]
-    out = probs @ vt                                                              # [KV, R*T, hd]
+    out = probs @ v.transpose(1, 0, 2)                                            # [KV, R*T, hd]
     return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
+
+
+def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """One new query per session over its own keys, sessions padded to one length S."""
+    B, H, hd = q.shape          # q [B, H, hd]
+    _, S, KV, _ = k.shape       # k, v [B, S, KV, hd]; row s of session b is valid while s < lengths[b]
+    R = H // KV
+    qg = q.reshape(B, KV, R, hd)                                                  # [B, KV, R, hd]
+    scores = qg @ k.transpose(0, 2, 3, 1)                                         # [B, KV, R, S]
+    scores *= np.float32(1.0 / np.sqrt(hd))
+    pad = np.arange(S)[None, :] >= lengths[:, None]                               # [B, S]
+    scores += np.where(pad, np.float32(-np.inf), np.float32(0.0))[:, None, None, :]
+    probs = softmax(scores)                                                       # [B, KV, R, S]
+    return (probs @ v.transpose(0, 2, 1, 3)).reshape(B, H * hd)                   # [B, d]
 
 
 SMALL_BATCH = range(2, 17)  # rows for which the column-block layout beats a plain GEMM
@@ -99,16 +113,58 @@ def page_slots(sessions: list[Session], counts: list[int]) -> tuple[np.ndarray, 
     return np.concatenate(pages), np.concatenate(offsets)
 
 
-def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first n positions of K and V of one session at one layer."""
+@dataclass
+class AttentionPlan:
+    """Which rows attend how: single-token sessions together (padded), the others one by one."""
+
+    decode_rows: np.ndarray     # [B] rows of x holding one session's only new token
+    decode_pages: np.ndarray    # [B, P] each such session's pages, padded with its last page
+    decode_lengths: np.ndarray  # [B] positions each such session attends to
+    spans: list                 # (first row, rows, page table, n_past) of every multi-token session
+
+
+def attention_plan(sessions: list[Session], counts: list[int]) -> AttentionPlan:
+    """Group the batch once per forward, so every layer reuses the same index arrays."""
+    starts = np.cumsum([0] + counts[:-1])
+    single = [i for i, n in enumerate(counts) if n == 1]
+    width = max((len(sessions[i].page_table) for i in single), default=0)
+    pages = np.empty((len(single), width), dtype=np.int64)                  # [B, P]
+    for j, i in enumerate(single):
+        table = sessions[i].page_table
+        pages[j, :len(table)] = table
+        pages[j, len(table):] = table[-1]   # padding reads a real page; the mask hides it
+    lengths = np.array([sessions[i].n_past + 1 for i in single], dtype=np.int64)  # [B]
+    spans = [(int(starts[i]), n, sessions[i].page_table, sessions[i].n_past)
+             for i, n in enumerate(counts) if n != 1]
+    return AttentionPlan(starts[single].astype(np.int64), pages, lengths, spans)
+
+
+def gather_kv(pool: KVPool, layer: int, page_table, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first n positions of K and V of one session at one layer (one copy each)."""
     c = pool.cfg
     k = pool.k[layer, page_table].reshape(-1, c.n_kv_heads, c.head_dim)[:n]  # [n, KV, hd]
     v = pool.v[layer, page_table].reshape(-1, c.n_kv_heads, c.head_dim)[:n]  # [n, KV, hd]
     return k, v
 
 
+def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan) -> np.ndarray:
+    """Attention of every new row over its own session's pages."""
+    N, H, hd = q.shape                                                   # q [N, H, hd]
+    c = pool.cfg
+    out = np.empty((N, H * hd), dtype=np.float32)                        # [N, d]
+    if len(plan.decode_rows):
+        B, P = plan.decode_pages.shape
+        k = pool.k[layer][plan.decode_pages].reshape(B, -1, c.n_kv_heads, hd)  # [B, P*rows, KV, hd]
+        v = pool.v[layer][plan.decode_pages].reshape(B, -1, c.n_kv_heads, hd)  # [B, P*rows, KV, hd]
+        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], k, v, plan.decode_lengths)
+    for start, n, table, n_past in plan.spans:
+        ks, vs = gather_kv(pool, layer, table, n_past + n)              # [n_past + n, KV, hd] each
+        out[start:start + n] = attention(q[start:start + n], ks, vs, n_past)
+    return out
+
+
 def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
-          sessions: list[Session], counts: list[int], cos: np.ndarray, sin: np.ndarray,
+          plan: AttentionPlan, cos: np.ndarray, sin: np.ndarray,
           slots: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """One transformer block over the concatenated new tokens of every session."""
     d, kv, H, KV, hd = cfg.d_model, cfg.kv_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -120,12 +176,7 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
     v = qkv[:, d + kv:].reshape(N, KV, hd)                       # [N, KV, hd]
     pool.k[layer, slots[0], slots[1]] = k
     pool.v[layer, slots[0], slots[1]] = v
-    attn = np.empty((N, d), dtype=np.float32)                    # [N, d]
-    start = 0
-    for s, n in zip(sessions, counts):
-        ks, vs = gather_kv(pool, layer, s.page_table, s.n_past + n)
-        attn[start:start + n] = attention(q[start:start + n], ks, vs, s.n_past)
-        start += n
+    attn = paged_attention(q, pool, layer, plan)                 # [N, d]
     x = x + linear(attn, w, "wo", layer)                         # [N, d]
     h = rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)             # [N, d]
     return x + swiglu(h, w, layer)                               # [N, d]
@@ -150,9 +201,10 @@ def forward(model: Model, sessions: list[Session], token_lists: list[list[int]],
     if (pool.refcount[slots[0]] != 1).any():
         # A shared page is immutable: writing into it would corrupt every holder.
         raise RuntimeError("refusing to write K/V into a shared or free page")
+    plan = attention_plan(sessions, counts)
     x = np.asarray(w.token_embd[tokens], dtype=np.float32)          # [N, d]
     for layer in range(cfg.n_layers):
-        x = block(x, w, cfg, layer, pool, sessions, counts, cos, sin, slots)
+        x = block(x, w, cfg, layer, pool, plan, cos, sin, slots)
     rows = slice(None) if all_positions else np.cumsum(counts) - 1
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
     logits = linear(h, w, "output_t")                                # [B or N, vocab]
