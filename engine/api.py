@@ -7,6 +7,7 @@ import numpy as np
 from .kv_pool import KVPool, Session
 from .loader import Model
 from .model import forward
+from .threads import blas_threads
 
 
 def create_kv_pool(m: Model, page_rows: int = 16, max_pages: int | None = None) -> KVPool:
@@ -67,6 +68,7 @@ def eval_batch(m: Model, sessions: list[Session], token_lists: list,
     pool = sessions[0].pool
     toks = [_check_eval(m, s, t, pool) for s, t in zip(sessions, token_lists)]
     slots = pool.allocate(sessions, [len(t) for t in toks])
+    blas_threads().fit(sum(len(t) for t in toks))  # no more BLAS threads than free cores
     logits = forward(m, pool, slots, toks, all_positions)
     pool.commit(sessions, toks)
     return logits
