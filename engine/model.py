@@ -182,13 +182,22 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
     return x + swiglu(h, w, layer)                               # [N, d]
 
 
+def logit_rows(counts: list[int], n_logits: list[int] | None) -> np.ndarray:
+    """Rows of the batch that get logits: each session's last one, or its last n_logits[i]."""
+    ends = np.cumsum(counts)                                          # [B]
+    if n_logits is None:
+        return ends - 1
+    return np.concatenate([np.arange(e - k, e) for e, k in zip(ends, n_logits)])
+
+
 def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: list[list[int]],
-            all_positions: bool = False) -> np.ndarray:
+            all_positions: bool = False, n_logits: list[int] | None = None) -> np.ndarray:
     """Evaluate new tokens of several sessions in one pass, into the slots the caller allocated.
 
     Reads each session's page table and start, writes K/V of the new positions only, and
     changes no session. Returns logits after each session's last token [B, vocab], or
-    after every new token [N, vocab] with `all_positions` (teacher forcing, tests).
+    after every new token [N, vocab] with `all_positions` (teacher forcing, tests), or
+    after each session's last `n_logits[i]` tokens, concatenated (speculative verification).
     """
     cfg, w = model.config, model.weights
     counts = [len(t) for t in token_lists]
@@ -200,7 +209,7 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
     x = np.asarray(w.token_embd[tokens], dtype=np.float32)          # [N, d]
     for layer in range(cfg.n_layers):
         x = block(x, w, cfg, layer, pool, plan, cos, sin, slots)
-    rows = slice(None) if all_positions else np.cumsum(counts) - 1
+    rows = slice(None) if all_positions else logit_rows(counts, n_logits)
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
     logits = linear(h, w, "output_t")                                # [B or N, vocab]
     return logits.astype(np.float32, copy=False)
