@@ -53,7 +53,8 @@ def quick_run(tmp_path_factory):
 
 # cheap unit tests -----------------------------------------------------------------------------
 def test_parse_only_sections_and_aliases():
-    assert bench.parse_only(None) == list(bench.SECTIONS)
+    assert bench.parse_only(None) == [s for s in bench.SECTIONS if s != "peer"]  # peer: opt-in
+    assert bench.parse_only("peer") == ["peer"]
     assert "blas" not in bench.parse_only(None, quick=True)
     assert bench.parse_only("cache, prefill") == ["prefill", "cache"]
     assert bench.parse_only("engine") == ["prefill", "decode", "batch", "load"]
@@ -177,3 +178,20 @@ def test_quick_bench_table_lists_every_figure(quick_run):
     for name in quick_run["figures"]:
         assert name in table
     assert "targets:" in table
+
+
+@pytest.mark.model
+def test_peer_section_prints_every_ratio_against_llama_cpp(real_model, monkeypatch):
+    from app.bench import peer
+    monkeypatch.setattr(peer, "llama_cpp_version", lambda: None)
+    figures, details = peer.peer_figures(real_model, quick=True)
+    assert figures == {} and "llama_cpp is not importable" in details["reason"]
+    monkeypatch.undo()
+    pytest.importorskip("llama_cpp")
+    figures, details = peer.peer_figures(real_model, quick=True)
+    for name in ("peer_prefill_ratio", "peer_decode_ratio", "peer_batch8_ratio",
+                 "llama_cpp_prefill_tok_s", "llama_cpp_decode_tok_s"):
+        assert figures[name]["value"] > 0 and math.isfinite(figures[name]["value"]), name
+    t = details["seconds"]
+    ours = details["decode_tokens"] / min(t["our_single"])
+    assert close(figures["peer_decode_ratio"]["value"], ours / figures["llama_cpp_decode_tok_s"]["value"])

@@ -7,6 +7,8 @@ ratio divides two numbers of the same run. The table shows each figure with its 
 Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
 cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), and blas: a diagnostic
 of decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick).
+--peer llama-cpp adds the peer section ("Performance"): llama-cpp-python on the same GGUF,
+prefill, decode, eight streams and the W8 workload, as ratios measured in this run.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import shutil
 import sys
 import time
 
-SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "blas")
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "blas", "peer")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 QUICK_SKIPS = ("blas",)  # diagnostics --quick leaves out unless --only names them
+OPT_IN = ("peer",)       # run only when asked for (--peer, or --only naming it)
 
 
 def add_parser(sub) -> None:
@@ -38,12 +41,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for tests); not for targets")
     p.add_argument("--only", metavar="NAME,...",
                    help=f"run only these sections: {', '.join(SECTIONS)} (or engine, all)")
+    p.add_argument("--peer", choices=["llama-cpp"],
+                   help="also run llama-cpp-python on the same model and print every ratio")
 
 
 def parse_only(text: str | None, quick: bool = False) -> list[str]:
     """Section names from --only, in the bench's order; ValueError names an unknown one."""
     if not text:
-        return [s for s in SECTIONS if not (quick and s in QUICK_SKIPS)]
+        return [s for s in SECTIONS if not (quick and s in QUICK_SKIPS) and s not in OPT_IN]
     chosen: set[str] = set()
     for name in (n.strip().lower() for n in text.split(",") if n.strip()):
         if name in ALIASES:
@@ -61,6 +66,8 @@ def parse_only(text: str | None, quick: bool = False) -> list[str]:
 def run(args) -> int:
     try:
         sections = parse_only(args.only, args.quick)
+        if getattr(args, "peer", None) and "peer" not in sections:
+            sections.append("peer")
     except ValueError as e:
         raise SystemExit(f"prefixlab bench: {e}") from None
     results = run_bench(getattr(args, "model", None), quick=args.quick, sections=sections,
@@ -78,6 +85,7 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
 
     from . import cache as bench_cache
     from . import engine as bench_engine
+    from . import peer as bench_peer
     from . import sched as bench_sched
     from . import ui as bench_ui
     from .common import machine_info
@@ -107,7 +115,7 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
         if "load" in sections:
             section("load", lambda: bench_engine.load_figures(path, tmp_cache, quick))
             image_ready = "load" not in result["errors"]
-        needs_model = {"prefill", "decode", "batch", "scheduler", "blas"} & set(sections)
+        needs_model = {"prefill", "decode", "batch", "scheduler", "blas", "peer"} & set(sections)
         if needs_model:
             log("bench: loading the model ...")
             if image_ready:  # the load children just wrote a fresh weight image there
@@ -133,6 +141,8 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
                 section("decode", lambda: bench_engine.decode_figures(m, quick, run_batch=batch))
             if "blas" in sections:
                 section("blas", lambda: bench_engine.blas_thread_figures(m, quick))
+            if "peer" in sections:
+                section("peer", lambda: bench_peer.peer_figures(m, quick))
         if "cache" in sections:
             section("cache", lambda: bench_cache.cache_figures(quick))
         if "scheduler" in sections:
@@ -186,6 +196,9 @@ def format_table(result: dict) -> str:
             f"({m['blas'].get('name', '?')} {m['blas'].get('version', '')}), {m['timestamp']}")
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
                                                             if t["missed"] else "")]
+    peer = result["details"].get("peer")
+    if peer is not None and not peer.get("available"):
+        tail.append(f"peer: not measured ({peer.get('reason')})")
     ui = result["details"].get("ui")
     if ui is not None and not ui.get("available"):
         tail.append(f"ui: not measured ({ui.get('reason')})")
