@@ -13,8 +13,9 @@ from .loader import Model, Weights
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    # x [N, d], w [d] -> [N, d]
-    return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
+    # x [N, d], w [d] -> [N, d]; add.reduce / d is np.mean's own arithmetic, minus its Python layer
+    ms = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(x.shape[-1])  # [N, 1]
+    return x * (1.0 / np.sqrt(ms + eps)) * w
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
@@ -63,16 +64,21 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int) -> np.nd
     return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
 
 
-def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def padding_bias(lengths: np.ndarray, S: int) -> np.ndarray:
+    # [B, S]: 0 on each session's own positions (s < lengths[b]), -inf on the padding after them
+    pad = np.arange(S)[None, :] >= lengths[:, None]
+    return np.where(pad, np.float32(-np.inf), np.float32(0.0))
+
+
+def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """One new query per session over its own keys, sessions padded to one length S."""
     B, H, hd = q.shape          # q [B, H, hd]
-    _, S, KV, _ = k.shape       # k, v [B, S, KV, hd]; row s of session b is valid while s < lengths[b]
+    _, S, KV, _ = k.shape       # k, v [B, S, KV, hd]; bias [B, S] hides each session's padding
     R = H // KV
     qg = q.reshape(B, KV, R, hd)                                                  # [B, KV, R, hd]
     scores = qg @ k.transpose(0, 2, 3, 1)                                         # [B, KV, R, S]
     scores *= np.float32(1.0 / np.sqrt(hd))
-    pad = np.arange(S)[None, :] >= lengths[:, None]                               # [B, S]
-    scores += np.where(pad, np.float32(-np.inf), np.float32(0.0))[:, None, None, :]
+    scores += bias[:, None, None, :]                                              # [B, KV, R, S]
     probs = softmax(scores)                                                       # [B, KV, R, S]
     return (probs @ v.transpose(0, 2, 1, 3)).reshape(B, H * hd)                   # [B, d]
 
@@ -119,11 +125,11 @@ class AttentionPlan:
 
     decode_rows: np.ndarray     # [B] rows of x holding one session's only new token
     decode_pages: np.ndarray    # [B, P] each such session's pages, padded with its last page
-    decode_lengths: np.ndarray  # [B] positions each such session attends to
+    decode_bias: np.ndarray     # [B, P*rows] 0 on positions each such session attends to, -inf after
     spans: list                 # (first row, rows, page table, n_past) of every multi-token session
 
 
-def attention_plan(sessions: list[SeqSlots], counts: list[int]) -> AttentionPlan:
+def attention_plan(rows: int, sessions: list[SeqSlots], counts: list[int]) -> AttentionPlan:
     """Group the batch once per forward, so every layer reuses the same index arrays."""
     starts = np.cumsum([0] + counts[:-1])
     single = [i for i, n in enumerate(counts) if n == 1]
@@ -136,7 +142,7 @@ def attention_plan(sessions: list[SeqSlots], counts: list[int]) -> AttentionPlan
     lengths = np.array([sessions[i].n_past + 1 for i in single], dtype=np.int64)  # [B]
     spans = [(int(starts[i]), n, sessions[i].page_table, sessions[i].n_past)
              for i, n in enumerate(counts) if n != 1]
-    return AttentionPlan(starts[single].astype(np.int64), pages, lengths, spans)
+    return AttentionPlan(starts[single].astype(np.int64), pages, padding_bias(lengths, width * rows), spans)
 
 
 def gather_kv(pool: KVPool, layer: int, page_table, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,7 +162,7 @@ def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan
         B, P = plan.decode_pages.shape
         k = pool.k[layer][plan.decode_pages].reshape(B, -1, c.n_kv_heads, hd)  # [B, P*rows, KV, hd]
         v = pool.v[layer][plan.decode_pages].reshape(B, -1, c.n_kv_heads, hd)  # [B, P*rows, KV, hd]
-        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], k, v, plan.decode_lengths)
+        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], k, v, plan.decode_bias)
     for start, n, table, n_past in plan.spans:
         ks, vs = gather_kv(pool, layer, table, n_past + n)              # [n_past + n, KV, hd] each
         out[start:start + n] = attention(q[start:start + n], ks, vs, n_past)
@@ -205,7 +211,7 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
     positions = np.concatenate([np.arange(s.n_past, s.n_past + n) for s, n in zip(sessions, counts)])
     cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_base)   # [N, hd/2] each
     slots = page_slots(pool.page_rows, sessions, counts)
-    plan = attention_plan(sessions, counts)
+    plan = attention_plan(pool.page_rows, sessions, counts)
     x = np.asarray(w.token_embd[tokens], dtype=np.float32)          # [N, d]
     for layer in range(cfg.n_layers):
         x = block(x, w, cfg, layer, pool, plan, cos, sin, slots)
