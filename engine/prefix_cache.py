@@ -262,6 +262,17 @@ class PrefixCache:
         self.counters.evicted_pages += 1
         self.pool.release(entry.page)
 
+    def num_evictable(self) -> int:
+        """Cached pages eviction can give back, now or once their children went: pages that
+        no session holds, with no session holding a page below them. O(cached pages)."""
+        blocked: set[int] = set()
+        for entry in sorted(self.pages.values(), key=lambda e: -e.depth):  # children first
+            if entry.key in blocked or self.pool.refs[entry.page] > 1:
+                blocked.add(entry.key)
+                if entry.parent is not None:
+                    blocked.add(entry.parent)
+        return len(self.pages) - len(blocked)
+
     def enforce_budget(self) -> None:
         """Evict down to the budget as far as pages can be given back (after inserts and releases)."""
         if self.max_pages and len(self.pages) > self.max_pages:
