@@ -14,7 +14,7 @@ import numpy as np
 from engine import ModelConfig, create_prefix_cache, prefix_attach, prefix_insert
 from engine.kv_pool import KVPool, Session
 
-from .bench_common import figure
+from .common import figure
 
 ISSUE = "Prefix cache"
 PAGE_ROWS = 16
