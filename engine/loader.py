@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tokenizers import Tokenizer
 
+from .chat import checked_template
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .tokenizer import TextTokenizer, build_tokenizer, checked_template
+from .tokenizer import TextTokenizer, build_tokenizer
 from .weight_image import read_image, write_image
 
 if TYPE_CHECKING:  # gguf (0.1 s to import) is needed only to build an image: imported then
