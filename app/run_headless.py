@@ -27,6 +27,10 @@ def add_parser(sub) -> None:
     g.add_argument("--cache-pages", type=int, default=d.cache_pages, help="cache budget in pages (0: none)")
     g.add_argument("--no-cache", action="store_true", help="turn the prefix cache off")
     g.add_argument("--namespace", default="", help="cache namespace of these requests")
+    g.add_argument("--spec-k", type=int, default=d.spec_k,
+                   help=f"speculative decoding: tokens drafted per stream and step (default {d.spec_k})")
+    g.add_argument("--no-spec", action="store_true",
+                   help="turn speculative decoding (n-gram drafts from the prompt) off")
     add_sampling_args(p)
     p.add_argument("--json", help="write the whole record (the JSON report) here")
     p.add_argument("--report", help="write a report: .html, .pdf, .json or .csv/.zip")
@@ -38,8 +42,9 @@ def describe(r) -> str:
     """One line per finished request, e.g. `cached 48 of 67 prompt tokens, ttft 22 ms, 41 tok/s`."""
     ttft = f"{r.ttft_s * 1e3:.0f} ms" if r.ttft_s is not None else "-"
     rate = f"{r.decode_tps:.0f} tok/s" if r.decode_tps else "- tok/s"
+    spec = f", drafts {r.spec_acceptance:.0%} accepted" if r.spec_acceptance is not None else ""
     return (f"#{r.id} [{r.finish_reason}] cached {r.n_cached} of {r.n_prompt} prompt tokens, "
-            f"ttft {ttft}, {rate}, {r.n_gen} tokens  {r.preview[:40]!r}")
+            f"ttft {ttft}, {rate}, {r.n_gen} tokens{spec}  {r.preview[:40]!r}")
 
 
 def summary(sch: Scheduler, wall_s: float) -> str:
@@ -53,7 +58,8 @@ def run(args) -> int:
     try:
         sampling = sampling_from_args(args)
         settings = SchedulerSettings(args.max_streams, args.max_queue, args.chunk_tokens, args.page_rows,
-                                     args.pool_pages, args.cache_pages, not args.no_cache)
+                                     args.pool_pages, args.cache_pages, not args.no_cache,
+                                     spec_enabled=not args.no_spec, spec_k=args.spec_k)
         settings.validate()
         scenario = load_scenario(args.scenario) if args.scenario else None
     except ValueError as e:
