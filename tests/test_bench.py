@@ -25,7 +25,7 @@ ENGINE = ["prefill_tok_s", "prefill_gflop_s", "matmul_ref_gflop_s", "prefill_flo
 CACHE = ["attach_us_per_page", "insert_us_per_page", "evict_us_per_page"]
 SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_hit_mean_s",
          "ttft_miss_mean_s", "ttft_hit_miss_ratio", "queue_wait_mean_s", "queue_wait_max_s",
-         "plain_queue_wait_mean_s", "sched_wall_cached8_s", "sched_wall_ratio_streams8"]
+         "plain_queue_wait_mean_s", "sched_wall_nospec_s", "spec_speedup_one_stream"]
 TARGETS = {"prefill_flops_fraction": (">=", 0.55), "decode_bw_fraction": (">=", 0.8),
            "batch_speedup": (">=", 2.5), "warm_load_s": ("<=", 1.5), "peak_rss_gb": ("<=", 1.2),
            "sched_wall_ratio": ("<=", 0.45), "ttft_hit_miss_ratio": ("<=", 0.3)}
@@ -119,7 +119,8 @@ def test_quick_bench_ratios_come_from_the_same_run(quick_run):
     assert d["decode"]["bandwidth_bytes"] >= 512 * 1024 ** 2
     assert close(f["batch_speedup"], f["batch_decode_tok_s"] / f["decode_tok_s"])
     assert close(f["sched_wall_ratio"], f["sched_wall_cached_s"] / f["sched_wall_plain_s"])
-    assert close(f["sched_wall_ratio_streams8"], f["sched_wall_cached8_s"] / f["sched_wall_plain_s"])
+    sd = d["scheduler"]
+    assert close(f["spec_speedup_one_stream"], sd["one_nospec"]["wall_s"] / sd["one"]["wall_s"])
     assert close(f["sched_wall_cached_s"], d["scheduler"]["cached"]["wall_s"])
     assert close(f["ttft_hit_miss_ratio"], f["ttft_hit_mean_s"] / f["ttft_miss_mean_s"])
     assert close(f["peak_rss_gb"], max(f["peak_rss_warm_gb"], f["peak_rss_cold_gb"]))
@@ -141,12 +142,12 @@ def test_quick_bench_targets_and_verdicts_agree(quick_run):
 @pytest.mark.model
 def test_quick_bench_runs_are_comparable(quick_run):
     sched = quick_run["details"]["scheduler"]
-    for run in ("cached", "plain", "cached8"):
+    for run in ("cached", "plain", "nospec", "one", "one_nospec"):
         assert all(r["n_gen"] == sched["new_tokens"] for r in sched[run]["records"]), run
     assert sched["cached"]["n_hits"] > 0 and sched["cached"]["n_misses"] > 0
     assert sched["plain"]["n_hits"] == 0 and sched["plain"]["settings"]["max_streams"] == 1
-    assert sched["cached"]["settings"]["max_streams"] == 4
-    assert sched["cached8"]["settings"]["max_streams"] == 8
+    assert sched["cached"]["settings"]["max_streams"] == 8 and sched["cached"]["settings"]["spec_enabled"]
+    assert not any(sched[run]["settings"]["spec_enabled"] for run in ("nospec", "one_nospec"))
     load = quick_run["details"]["load"]
     assert load["cold"]["from_image"] is False and load["warm"]["from_image"] is True
 
