@@ -9,8 +9,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 import engine  # noqa: E402
+from app.probe import chat_prompt  # noqa: E402
 from app.settings import AppSettings  # noqa: E402
-from app.worker import EngineWorker, chat_prompt  # noqa: E402
+from app.worker import EngineWorker  # noqa: E402
 
 SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint."
 QUESTIONS = ["Do you sell drills?", "Do you sell paint?", "Where are the screws?"]
@@ -42,7 +43,8 @@ def run(worker: EngineWorker, limit: int = 2000) -> None:
 
 def job(tag: str, user: str, **extra) -> dict:
     return {"tag": tag, "system": SYSTEM, "user": user, "conversation_id": f"conv-{tag}",
-            "max_new_tokens": 6, "sampling": {"temperature": 0.0}, "namespace": "", **extra}
+            "max_new_tokens": 6, "sampling": engine.SamplingParams(temperature=0.0), "namespace": "",
+            **extra}
 
 
 @pytest.fixture
@@ -128,7 +130,7 @@ def test_cancel_flags_stop_requests_between_steps(worker):
     assert set(reasons.values()) == {"cancelled"}, reasons
     x = next(r for r in rec.request_finished if r.preview.startswith("Do you sell drills"))
     assert x.n_gen < 200
-    assert not worker._cancel_tags and not worker._rid_of
+    assert not worker.driver.open_tags()
     worker.scheduler.pool.check()
 
 
@@ -173,8 +175,8 @@ def test_settings_live_now_pool_changes_when_idle(worker):
 
 def test_exceptions_become_failed_and_the_worker_goes_on(worker):
     rec = worker.rec
-    worker.submit([{"tag": "bad", "user": "hi", "sampling": {"no_such_knob": 1}}])
-    assert rec.failed and "no_such_knob" in rec.failed[-1]
+    worker.submit([{"tag": "bad", "system": "a job without its user message"}])
+    assert rec.failed and "KeyError" in rec.failed[-1] and "'user'" in rec.failed[-1]
     worker.submit([job("ok", "tell me " * 400)])  # longer than the tiny context
     assert rec.request_refused and rec.request_refused[-1][0] == "ok"
 

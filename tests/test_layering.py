@@ -1,4 +1,4 @@
-"""The engine is a library: it never imports Qt, pyqtgraph, app or ui (DESIGN §1)."""
+"""Imports go one way (DESIGN §1): the engine never imports Qt, pyqtgraph, app or ui; ui never imports app."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = os.path.join(ROOT, "engine")
+UI = os.path.join(ROOT, "ui")
 FORBIDDEN = ("PySide6", "pyqtgraph", "app", "ui", "PyQt5", "PyQt6", "shiboken6")
 
 
@@ -47,15 +48,36 @@ def _imports(path: str) -> list[tuple[int, str]]:
     return found
 
 
+def _offenders(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".py")]
+    assert len(files) >= 8, folder
+    return [f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
+            for path in files for line, name in _imports(path)
+            if _top(name) in forbidden or name == ".."]
+
+
 def test_no_engine_file_imports_gui_or_app():
-    files = [os.path.join(d, f) for d, _, fs in os.walk(ENGINE) for f in fs if f.endswith(".py")]
-    assert len(files) >= 8
-    offenders = []
-    for path in files:
-        for line, name in _imports(path):
-            if _top(name) in FORBIDDEN or name == "..":
-                offenders.append(f"{os.path.relpath(path, ROOT)}:{line} imports {name}")
+    offenders = _offenders(ENGINE, FORBIDDEN)
     assert not offenders, "\n".join(offenders)
+
+
+def test_no_ui_file_imports_app():
+    # widgets take plain data; app/ wires them to the worker, settings and reports
+    offenders = _offenders(UI, ("app",))
+    assert not offenders, "\n".join(offenders)
+
+
+def test_importing_ui_loads_no_app_module():
+    code = ("import json, sys, pkgutil, importlib, ui; "
+            "[importlib.import_module('ui.' + m.name) for m in pkgutil.iter_modules(ui.__path__)]; "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": ROOT, "QT_QPA_PLATFORM": "offscreen"})
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "ui.main_window" in loaded
+    bad = sorted(m for m in loaded if _top(m) == "app")
+    assert not bad, f"importing ui loaded {bad}"
 
 
 def test_the_checker_sees_imports(tmp_path):

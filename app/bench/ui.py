@@ -145,9 +145,10 @@ def _child(model_path: str, n_new: int, n_prompts: int, sentences: int) -> dict:
         ui.loop.exec()  # the load signal is queued: it cannot arrive before this loop runs
         if ui.error or not ui.loaded:
             return {"error": ui.error or "the model did not load"}
-        client.apply_settings(AppSettings(max_streams=8, max_new_tokens=n_new, repeat_penalty=1.0))
+        settings = AppSettings(max_streams=8, max_new_tokens=n_new, repeat_penalty=1.0)
+        client.apply_settings(settings)
         jobs = [{"tag": client.new_tag(), "system": system, "user": q, "max_new_tokens": n_new,
-                 "sampling": {"temperature": 0.0, "repeat_penalty": 1.0}} for q in sc.prompts[:n_prompts]]
+                 "sampling": settings.sampling()} for q in sc.prompts[:n_prompts]]
         guard.start(550_000)
         ui.clock.start()
         t0 = time.perf_counter()
