@@ -1,4 +1,5 @@
-"""Imports go one way (DESIGN §1): the engine never imports Qt, pyqtgraph, app or ui; ui never imports app."""
+"""Imports go one way (DESIGN §1). The engine is a library: it imports only the standard library,
+numpy, gguf, tokenizers, jinja2 and threadpoolctl, never Qt, pyqtgraph, app or ui; ui never imports app."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = os.path.join(ROOT, "engine")
 UI = os.path.join(ROOT, "ui")
 FORBIDDEN = ("PySide6", "pyqtgraph", "app", "ui", "PyQt5", "PyQt6", "shiboken6")
+# Besides the standard library, the engine may import only these (DESIGN §1, issue 10).
+ENGINE_ALLOWED = ("numpy", "gguf", "tokenizers", "jinja2", "threadpoolctl")
 
 
 def _top(name: str) -> str:
@@ -48,23 +51,52 @@ def _imports(path: str) -> list[tuple[int, str]]:
     return found
 
 
-def _offenders(folder: str, forbidden: tuple[str, ...]) -> list[str]:
-    files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".py")]
-    assert len(files) >= 8, folder
-    return [f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
-            for path in files for line, name in _imports(path)
-            if _top(name) in forbidden or name == ".."]
+def engine_import_offenders(root: str) -> list[str]:
+    """Imports under `root` of anything but the standard library and ENGINE_ALLOWED."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
+    offenders = []
+    for path in files:
+        for line, name in _imports(path):
+            top = _top(name)
+            if name == ".." or not (top in sys.stdlib_module_names or top in ENGINE_ALLOWED):
+                offenders.append(f"{os.path.relpath(path, ROOT)}:{line} imports {name}")
+    return offenders
 
 
-def test_no_engine_file_imports_gui_or_app():
-    offenders = _offenders(ENGINE, FORBIDDEN)
+def test_engine_imports_only_the_standard_library_and_its_few_dependencies():
+    assert len([f for _, _, fs in os.walk(ENGINE) for f in fs if f.endswith(".py")]) >= 8
+    offenders = engine_import_offenders(ENGINE)
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_engine_rule_catches_a_stray_dependency(tmp_path):
+    (tmp_path / "ok.py").write_text("import os, json\nimport numpy as np\nfrom gguf import GGUFReader\n"
+                                    "from .block_manager import BlockManager\nimport threadpoolctl\n")
+    assert engine_import_offenders(str(tmp_path)) == []
+    (tmp_path / "bad.py").write_text("import requests\nfrom PySide6 import QtCore\nimport app.cli\n")
+    bad = engine_import_offenders(str(tmp_path))
+    assert [b.rsplit(" ", 1)[1] for b in bad] == ["requests", "PySide6", "app.cli"]
+
+
+def ui_import_offenders(root: str) -> list[str]:
+    """Imports of app/ under `root` (widgets take plain data; app/ wires them)."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
+    return [f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
+            for path in files for line, name in _imports(path) if _top(name) == "app" or name == ".."]
 
 
 def test_no_ui_file_imports_app():
-    # widgets take plain data; app/ wires them to the worker, settings and reports
-    offenders = _offenders(UI, ("app",))
+    assert len([f for _, _, fs in os.walk(UI) for f in fs if f.endswith(".py")]) >= 8
+    offenders = ui_import_offenders(UI)
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_ui_rule_catches_an_app_import(tmp_path):
+    (tmp_path / "ok.py").write_text("from PySide6 import QtCore\nfrom engine.metrics import PAGE_FREE\n"
+                                    "from .theme import icon\n")
+    assert ui_import_offenders(str(tmp_path)) == []
+    (tmp_path / "bad.py").write_text("from app.settings import AppSettings\nimport app\n")
+    assert len(ui_import_offenders(str(tmp_path))) == 2
 
 
 def test_importing_ui_loads_no_app_module():
