@@ -290,7 +290,8 @@ class MainWindow(QMainWindow):
         self.cache_panel.update_snapshot(snap)
         self.pool_label.setText(pool_summary(snap))
         self.tabs.setCurrentIndex(0)
-        self.show_status(f"Showing the report {os.path.basename(path)} ({report.title}); "
+        ttft = "" if report.ttft_from == "arrival" else "; its TTFT counts from admission (an older report)"
+        self.show_status(f"Showing the report {os.path.basename(path)} ({report.title}){ttft}; "
                          "the next run shows live data again", 10000)
 
     def refresh_titles(self) -> None:

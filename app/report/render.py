@@ -212,7 +212,7 @@ REQUEST_COLUMNS = [
     ("n_prefilled", "Prefilled", fmt_int, "prompt tokens computed by prefill"),
     ("n_gen", "Generated", fmt_int, "tokens generated"),
     ("queue_wait_s", "Queue wait", fmt_s, "time from submit to admission"),
-    ("ttft_s", "TTFT", fmt_s, "time from admission to the first token"),
+    ("ttft_s", "TTFT", fmt_s, "time from arrival (submit) to the first token, queue wait included"),
     ("decode_tps", "Tok/s", fmt_rate, "decode tokens per second of this request"),
     ("finish_reason", "Finish", None, "stop, length or cancelled"),
     ("chain_hit", "Hit chain", fmt_int, "the cached chain this prompt's prefix came from"),
@@ -296,6 +296,11 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
     machine_rows = _kv([("platform", machine.platform), ("CPUs", machine.cpu_count),
                         ("python", f"{machine.python} ({machine.python_implementation})")])
     version_rows = _kv([(k, v if v is not None else "not installed") for k, v in report.versions.items()])
+    request_columns = REQUEST_COLUMNS
+    if report.ttft_from != "arrival":  # a version 1 report: its TTFT starts at admission
+        request_columns = [(f, "TTFT (from admission)" if f == "ttft_s" else head,
+                            fmt, "time from admission to the first token" if f == "ttft_s" else tip)
+                           for f, head, fmt, tip in REQUEST_COLUMNS]
     requests = [{"id": r.id, "cells": _cells(r, REQUEST_COLUMNS), "text": r.text,
                  "hit": r.n_cached > 0} for r in report.requests]
     chains = [{"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)} for c in report.chains]
@@ -309,7 +314,9 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
     return {
         "report": report, "cards": cards, "totals": totals, "fmt_any": fmt_any,
         "model_rows": model_rows, "settings_rows": settings_rows, "machine_rows": machine_rows,
-        "version_rows": version_rows, "request_columns": REQUEST_COLUMNS, "requests": requests,
+        "version_rows": version_rows, "request_columns": request_columns, "requests": requests,
+        "ttft_note": (f"TTFT counts from {report.ttft_from}" + ("" if report.ttft_from == "arrival" else
+                      " (a version 1 report)") + "; queue wait from submit to admission."),
         "chain_columns": CHAIN_COLUMNS, "chains": chains, "timeline_columns": timeline_cols,
         "timeline": timeline, "charts": charts, "page_map": page_map, "page_counts": page_counts,
         "sha_short": m.sha256[:12],
