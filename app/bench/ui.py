@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from .common import child_env, figure
+from .common import child_env, figure, target
 
 ISSUE = "desktop app"
 TICK_MS = 10
@@ -50,7 +50,7 @@ def ui_figures(model_path: str, quick: bool, cache_dir: str | None) -> tuple[dic
     if r.get("error"):
         return {}, {"available": False, "reason": r["error"], **r}
     figures = {
-        "ui_max_gap_ms": figure(r["max_gap_ms"], "ms", ISSUE, 100.0, "<=",
+        "ui_max_gap_ms": figure(r["max_gap_ms"], "ms", ISSUE, **target("ui_max_gap_ms"),
                                 note=f"longest gap between {TICK_MS} ms QTimer ticks, "
                                      f"{r['streams']} streams (max_streams 8) x {n_new} tokens "
                                      f"via EngineWorker"),
