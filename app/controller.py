@@ -9,13 +9,13 @@ and draws what its signals say (plain data: uids, dicts, engine records and snap
 from __future__ import annotations
 
 import os
-import secrets
 
 from PySide6.QtCore import QObject, QSettings, QTimer, Signal, Slot
 
 from ui.transcript import Transcript
 
 from .settings import AppSettings, add_recent_model
+from .turns import TurnBook
 from .worker import EngineClient
 
 FLUSH_INTERVAL_MS = 40  # answer text reaches the cards at most 25 times a second
@@ -60,15 +60,9 @@ class Controller(QObject):
         self.last_probe: dict | None = None
         self.opened_report = None
         self.last_report_paths: list[str] = []
-        self.transcripts: dict[str, Transcript] = {}
-        self.scripts: dict[str, list[str]] = {}         # uid -> a scenario's later turns
-        self._script_queue: dict[str, list[str]] = {}   # uid -> turns still to send in this run
-        self._tag_uid: dict[str, str] = {}              # the open turns: tag -> card uid
-        self._rid_tag: dict[int, str] = {}
+        self.book = TurnBook()
         self._rows_seen = 0
         self._showing_report = False
-        self._nonce = secrets.token_hex(3)
-        self._conversations = 0
         self.closed = False
         self._connect_worker()
         self._flush_timer = QTimer(self)
@@ -104,7 +98,15 @@ class Controller(QObject):
     @property
     def running(self) -> int:
         """How many turns are submitted and not finished."""
-        return len(self._tag_uid)
+        return self.book.running
+
+    @property
+    def transcripts(self) -> dict[str, Transcript]:
+        return self.book.transcripts
+
+    @property
+    def scripts(self) -> dict[str, list[str]]:
+        return self.book.scripts
 
     def _changed(self) -> None:
         self.state_changed.emit(self.ready, self.loading, self.running)
@@ -176,7 +178,7 @@ class Controller(QObject):
         """The transcript of a prompt's card, made (and announced) on first use."""
         t = self.transcripts.get(uid)
         if t is None:
-            t = self.transcripts[uid] = Transcript(uid, title)
+            t = self.book.add(Transcript(uid, title))
             self.transcript_added.emit(t)
         return t
 
@@ -184,7 +186,7 @@ class Controller(QObject):
         """Submit every (uid, text) prompt not running now, each as a new conversation; return how many."""
         if not self._can_run():
             return 0
-        jobs = [self._first_turn_job(t, text, system) for uid, text in prompts
+        jobs = [self._first_turn(t, text, system) for uid, text in prompts
                 if not (t := self.transcript(uid, text)).running]
         if not jobs:
             self.status.emit("Add a prompt first (type it under the list and press Enter)", 5000)
@@ -205,7 +207,7 @@ class Controller(QObject):
         t = self.transcript(uid, text)
         if t.running:
             return False
-        self.client.submit([self._first_turn_job(t, text, system)])
+        self.client.submit([self._first_turn(t, text, system)])
         self._changed()
         return True
 
@@ -214,58 +216,43 @@ class Controller(QObject):
         t = self.transcripts.get(uid)
         if t is None or t.running or not self._can_run():
             return False
-        self.client.submit([self._turn_job(t, text, followup=True)])
+        self._submit_turn(t, text)
         self._changed()
         return True
 
     def stop_all(self) -> None:
         """Stop every stream; what they produced stays."""
-        self._script_queue.clear()
-        if self._tag_uid:
-            self.client.cancel(list(self._tag_uid))
-            self.status.emit(f"Stopping {len(self._tag_uid)} stream(s)…", 3000)
+        self.book.drop_scripts()
+        if self.running:
+            self.client.cancel(self.book.open_tags())
+            self.status.emit(f"Stopping {self.running} stream(s)…", 3000)
 
     def stop_stream(self, uid: str) -> None:
-        self._script_queue.pop(uid, None)
-        self.client.cancel([tag for tag, u in self._tag_uid.items() if u == uid])
+        self.book.drop_scripts(uid)
+        self.client.cancel(self.book.open_tags(uid))
 
-    def _first_turn_job(self, t: Transcript, text: str, system: str) -> dict:
-        self._conversations += 1
-        t.start_conversation(f"{t.uid}-{self._conversations}-{self._nonce}", system)
-        self._script_queue[t.uid] = list(self.scripts.get(t.uid, []))
-        return self._turn_job(t, text, followup=False)
-
-    def _turn_job(self, t: Transcript, text: str, followup: bool) -> dict:
-        s = self.settings
-        tag = self.client.new_tag()
-        job = {"tag": tag, "system": t.system, "user": text, "conversation_id": t.conversation_id,
-               "max_new_tokens": s.max_new_tokens, "namespace": s.namespace, "sampling": s.sampling()}
-        if followup:
-            job["messages"] = t.history_messages(text)
-        t.begin_turn(text)
-        self._tag_uid[tag] = t.uid
+    def _first_turn(self, t: Transcript, text: str, system: str) -> dict:
+        job = self.book.first_turn(t, text, system, self.client.new_tag(), self.settings)
         self.turn_started.emit(t.uid)
         return job
 
-    # worker events ----------------------------------------------------------------------
-    def _open(self, tag: str | None) -> Transcript | None:
-        uid = self._tag_uid.get(tag) if tag is not None else None
-        return self.transcripts.get(uid) if uid is not None else None
+    def _submit_turn(self, t: Transcript, text: str) -> None:
+        self.client.submit([self.book.turn(t, text, self.client.new_tag(), self.settings)])
+        self.turn_started.emit(t.uid)
 
+    # worker events ----------------------------------------------------------------------
     @Slot(list)
     def _on_requests_submitted(self, accepted: list) -> None:
         for tag, rid, n_prompt in accepted:
-            t = self._open(tag)
+            t = self.book.accepted(tag, rid)
             if t is not None:
-                self._rid_tag[rid] = tag
                 t.accept(rid, n_prompt)
                 self.turn_accepted.emit(t.uid)
         self._changed()
 
     @Slot(str, str)
     def _on_request_refused(self, tag: str, message: str) -> None:
-        t = self._open(tag)
-        self._tag_uid.pop(tag, None)
+        t = self.book.close_tag(tag)
         if t is not None:
             self._flush(t)
             t.refuse(message)
@@ -276,7 +263,7 @@ class Controller(QObject):
     @Slot(list)
     def _on_tokens(self, pieces: list) -> None:
         for rid, text in pieces:
-            t = self._open(self._rid_tag.get(rid))
+            t = self.book.by_request(rid)
             if t is not None:
                 t.add_piece(text)
 
@@ -292,9 +279,7 @@ class Controller(QObject):
 
     @Slot(object)
     def _on_request_finished(self, record) -> None:
-        tag = self._rid_tag.pop(record.id, None)
-        t = self._open(tag)
-        self._tag_uid.pop(tag, None)
+        t = self.book.close_request(record.id)
         if t is not None:
             self._flush(t)
             t.finish(record)
@@ -303,9 +288,9 @@ class Controller(QObject):
         self.request_finished.emit(record)
         self._changed()
         if t is not None and record.finish_reason != "cancelled":
-            queue = self._script_queue.get(t.uid)
-            if queue:
-                self.client.submit([self._turn_job(t, queue.pop(0), followup=True)])
+            text = self.book.next_scripted(t.uid)
+            if text is not None:
+                self._submit_turn(t, text)
 
     @Slot(object)
     def _on_stats(self, snap) -> None:
@@ -315,7 +300,7 @@ class Controller(QObject):
         self.stats.emit(snap, rows, self._showing_report)  # after a report: redraw the live data
         self._showing_report = False
         for r in snap.records:
-            t = self._open(self._rid_tag.get(r.id)) if r.finish_reason is None else None
+            t = self.book.by_request(r.id) if r.finish_reason is None else None
             if t is not None:
                 self.turn_live.emit(t.uid, r)
 
@@ -340,7 +325,7 @@ class Controller(QObject):
         self.status.emit(f"Probe: {result['matched_tokens']} of {result['n_prompt']} tokens would come from "
                          f"the cache ({result['stop_reason']})", 8000)
 
-    # cache, probe, settings, scenarios ------------------------------------------------------
+    # cache, probe, settings ------------------------------------------------------
     def flush_cache(self) -> None:
         self.client.flush_cache()
 
@@ -360,19 +345,8 @@ class Controller(QObject):
         s.save(self.store)
         self.client.apply_settings(s)
         self.settings_changed.emit(s.to_dict())
-        if pool_change and self._tag_uid:
+        if pool_change and self.running:
             self.status.emit("The new pool starts when the running streams finish", 6000)
-
-    def use_scenario(self, scenario, uids: list[str]) -> None:
-        """A scenario's prompts are in the editors as `uids`: keep its later turns and its answer length."""
-        self.scripts = {uids[0]: list(scenario.conversation[1:])} if not scenario.prompts else {}
-        if scenario.max_new_tokens != self.settings.max_new_tokens:
-            s = AppSettings.from_dict({**self.settings.to_dict(), "max_new_tokens": scenario.max_new_tokens})
-            if not s.errors():
-                self.apply_settings(s)
-        turns = (f", a {len(scenario.conversation)}-turn conversation" if scenario.conversation
-                 else f", {len(scenario.prompts)} prompts")
-        self.status.emit(f"Scenario: {scenario.name}{turns} — press Run all (Ctrl+Enter)", 8000)
 
     # reports ----------------------------------------------------------------------------
     def export_report(self, path: str, system: str) -> None:
@@ -410,15 +384,12 @@ class Controller(QObject):
     def session_data(self, system: str, prompts: list, order: list[str]) -> dict:
         """System prompt, prompts, scripts and every transcript (what the next start restores)."""
         return {"system": system, "prompts": prompts, "scripts": self.scripts,
-                "cards": [self.transcripts[u].to_dict() for u in order if u in self.transcripts]}
+                "cards": self.book.session_cards(order)}
 
     def restore_transcripts(self, data: dict) -> None:
         """The scripts and transcripts of `session_data` (a session saved by any earlier version)."""
-        self.scripts = {str(k): [str(x) for x in v] for k, v in data.get("scripts", {}).items()}
-        for cd in data.get("cards", []):
-            if cd.get("turns"):
-                t = self.transcripts[str(cd["uid"])] = Transcript.from_dict(cd)
-                self.transcript_added.emit(t)
+        for t in self.book.restore(data):
+            self.transcript_added.emit(t)
 
     def shutdown(self) -> None:
         """Stop the engine thread (stop, quit, wait). Safe to call twice."""

@@ -153,10 +153,17 @@ class Desktop(QObject):
 
     def load_scenario(self, sc: Scenario) -> None:
         """Put a scenario's system prompt and prompts in the editors (earlier transcripts stay)."""
-        pane = self.window.prompt_pane
+        pane, c = self.window.prompt_pane, self.controller
         pane.set_system_prompt(sc.system)
         uids = pane.prompt_list.set_prompts(sc.prompts or sc.conversation[:1])
-        self.controller.use_scenario(sc, uids)
+        c.book.scripts = {uids[0]: list(sc.conversation[1:])} if not sc.prompts else {}
+        if sc.max_new_tokens != c.settings.max_new_tokens:
+            s = AppSettings.from_dict({**c.settings.to_dict(), "max_new_tokens": sc.max_new_tokens})
+            if not s.errors():
+                c.apply_settings(s)
+        turns = (f", a {len(sc.conversation)}-turn conversation" if sc.conversation
+                 else f", {len(sc.prompts)} prompts")
+        self.window.show_status(f"Scenario: {sc.name}{turns} — press Run all (Ctrl+Enter)", 8000)
 
     def load_scenario_file(self, path: str) -> None:
         try:
