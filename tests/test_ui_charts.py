@@ -167,7 +167,7 @@ def test_buffer_grows_past_its_capacity(run, panel):
 
 
 def test_step_changes_keeps_the_picture():
-    from ui.charts import step_changes
+    from ui.chart_data import step_changes
     x = np.arange(8.0)
     y = np.array([0, 0, 0, 2, 2, 3, 3, 3.0])
     cx, cy = step_changes(x, y)
