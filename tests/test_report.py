@@ -416,7 +416,7 @@ def test_unknown_extension_is_refused(report, tmp_path):
 
 
 def test_html_without_charts_says_so(report):
-    from app.report.render import page_map_image
+    from app.report.figures import page_map_image
     page_map = page_map_image(report)
     assert page_map.png.startswith(b"\x89PNG")
     page = Parsed()
