@@ -51,16 +51,21 @@ def _imports(path: str) -> list[tuple[int, str]]:
     return found
 
 
+def import_offenders(root: str, allowed) -> list[str]:
+    """Imports under `root` of a top-level name `allowed(name)` refuses, and any `..` climb out."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
+    return [f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
+            for path in files for line, name in _imports(path) if name == ".." or not allowed(_top(name))]
+
+
 def engine_import_offenders(root: str) -> list[str]:
     """Imports under `root` of anything but the standard library and ENGINE_ALLOWED."""
-    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
-    offenders = []
-    for path in files:
-        for line, name in _imports(path):
-            top = _top(name)
-            if name == ".." or not (top in sys.stdlib_module_names or top in ENGINE_ALLOWED):
-                offenders.append(f"{os.path.relpath(path, ROOT)}:{line} imports {name}")
-    return offenders
+    return import_offenders(root, lambda top: top in sys.stdlib_module_names or top in ENGINE_ALLOWED)
+
+
+def ui_import_offenders(root: str) -> list[str]:
+    """Imports of app/ under `root` (widgets take plain data; app/ wires them)."""
+    return import_offenders(root, lambda top: top != "app")
 
 
 def test_engine_imports_only_the_standard_library_and_its_few_dependencies():
@@ -76,13 +81,6 @@ def test_the_engine_rule_catches_a_stray_dependency(tmp_path):
     (tmp_path / "bad.py").write_text("import requests\nfrom PySide6 import QtCore\nimport app.cli\n")
     bad = engine_import_offenders(str(tmp_path))
     assert [b.rsplit(" ", 1)[1] for b in bad] == ["requests", "PySide6", "app.cli"]
-
-
-def ui_import_offenders(root: str) -> list[str]:
-    """Imports of app/ under `root` (widgets take plain data; app/ wires them)."""
-    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
-    return [f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
-            for path in files for line, name in _imports(path) if _top(name) == "app" or name == ".."]
 
 
 def test_no_ui_file_imports_app():
