@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import engine
+from engine.chat import chat_prompt, turn_messages
 from engine.scheduler import Scheduler
 
 PROBE_CONTEXT_TOKENS = 12
-
-
-def chat_prompt(model, system: str, user: str) -> list[int]:
-    """The tokens a first turn of (system, user) submits, exactly as the scheduler builds them."""
-    tok = model.tokenizer
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": user}]
-    return tok.encode(tok.render_chat(messages, add_generation_prompt=True))
 
 
 def probe_prompt(scheduler: Scheduler, system: str, user: str, namespace: str = "") -> dict:
     """engine.prefix_probe on the scheduler's cache, with the texts the cache panel shows."""
     model, cache = scheduler.model, scheduler.cache
     tok = model.tokenizer
-    prompt = chat_prompt(model, system, user)
+    prompt = chat_prompt(tok, turn_messages(system, user))
     r = engine.prefix_probe(cache, prompt, namespace)
     d = r.first_diff_index
     if d is not None and d < len(prompt):

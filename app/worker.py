@@ -19,13 +19,13 @@ import traceback
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 import engine
-from engine.scheduler import Scheduler, SubmitRefused
+from engine.scheduler import POOL_FIELDS, Scheduler, SubmitRefused
 from engine.snapshot import SnapshotMaker
 
 from .driver import EngineDriver, finished_records, token_pieces
 from .model_info import model_info
 from .probe import probe_prompt
-from .settings import LIVE_FIELDS, POOL_FIELDS, AppSettings
+from .settings import AppSettings
 
 STATS_INTERVAL_S = 0.05       # stats_updated at most ~20 Hz
 LOAD_POLL_S = 0.05            # a load in progress looks this often whether the app quits
@@ -152,18 +152,19 @@ class EngineWorker(QObject):
         """New preferences: live ones now, pool ones (a new Scheduler) when idle."""
         new = AppSettings.from_dict(values)
         new.validate()
-        old, self._settings = self._settings, new
+        self._settings = new
         s = self.scheduler
         if s is None:
             return
-        if any(getattr(old, f) != getattr(new, f) for f in POOL_FIELDS):
+        live = new.scheduler_settings()
+        if any(getattr(live, f) != getattr(s.settings, f) for f in POOL_FIELDS):
             if s.has_work():
                 self._pending_settings = new
             else:
                 self._new_scheduler()
             return
-        if any(getattr(old, f) != getattr(new, f) for f in LIVE_FIELDS):
-            self._apply_live(new)
+        if live != s.settings:
+            s.update_settings(live)
             self._emit_stats(force=True)
 
     @Slot(list)
@@ -282,19 +283,10 @@ class EngineWorker(QObject):
     def _new_scheduler(self) -> None:
         if self.model is None:
             return
-        self.driver.reset(Scheduler(self.model, **self._settings.scheduler_kwargs()))
+        self.driver.reset(Scheduler(self.model, self._settings.scheduler_settings()))
         self._maker = SnapshotMaker()
         self.scheduler_reset.emit(self.scheduler.settings.to_dict())
         self._emit_stats(force=True)
-
-    def _apply_live(self, new: AppSettings) -> None:
-        s = self.scheduler
-        s.settings.max_streams = new.max_streams
-        s.settings.chunk_tokens = new.chunk_tokens
-        s.settings.cache_enabled = new.cache_enabled
-        s.settings.cache_pages = new.cache_pages
-        s.cache.max_pages = new.cache_pages
-        s.cache.enforce_budget()
 
     def _emit_stats(self, force: bool = False) -> None:
         now = time.perf_counter()

@@ -9,9 +9,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 import engine  # noqa: E402
-from app.probe import chat_prompt  # noqa: E402
 from app.settings import AppSettings  # noqa: E402
 from app.worker import EngineWorker  # noqa: E402
+from engine.chat import chat_prompt, turn_messages  # noqa: E402
 
 SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint."
 QUESTIONS = ["Do you sell drills?", "Do you sell paint?", "Where are the screws?"]
@@ -143,12 +143,12 @@ def test_probe_names_the_first_differing_token_and_the_cached_one(worker):
     for key in ("matched_tokens", "matched_pages", "n_prompt", "stop_reason", "first_diff_index",
                 "chain_id", "context_before", "prompt_token", "cached_token"):
         assert key in p
-    prompt = chat_prompt(worker.model, SYSTEM, "Do you sell paint and saws?")
-    cached = chat_prompt(worker.model, SYSTEM, "Do you sell drills and saws?")
+    tok = worker.model.tokenizer
+    prompt = chat_prompt(tok, turn_messages(SYSTEM, "Do you sell paint and saws?"))
+    cached = chat_prompt(tok, turn_messages(SYSTEM, "Do you sell drills and saws?"))
     d = p["first_diff_index"]
     assert d == next(i for i, (a, b) in enumerate(zip(prompt, cached, strict=False)) if a != b)
     assert p["matched_tokens"] == (d // 4) * 4 and p["stop_reason"] in ("miss", "token_mismatch")
-    tok = worker.model.tokenizer
     assert p["prompt_token"] == tok.decode([prompt[d]]) and p["cached_token"] == tok.decode([cached[d]])
     assert p["context_before"] == tok.decode(prompt[max(0, d - 12):d])
     # Another namespace shares nothing.

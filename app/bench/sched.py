@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 
-from engine.scheduler import Scheduler
+from engine.chat import chat_prompt, turn_messages
+from engine.scheduler import Scheduler, SchedulerSettings
 
 from ..scenario import SCENARIO_DIR, load_scenario
 from .common import figure, ratio, target
@@ -31,15 +32,13 @@ def scenario_prompts(m, n_prompts: int | None = None,
     system = sc.system
     if system_sentences:
         system = ". ".join(system.split(". ")[:system_sentences]) + "."
-    prompts = [tok.encode(tok.render_chat([{"role": "system", "content": system},
-                                           {"role": "user", "content": q}], add_generation_prompt=True))
-               for q in questions]
+    prompts = [chat_prompt(tok, turn_messages(system, q)) for q in questions]
     return prompts, questions, sc.max_new_tokens
 
 
 def run_scenario(m, prompts: list[list[int]], previews: list[str], new_tokens: int, **settings) -> dict:
     """Submit every prompt at once and step until done; wall time and every request record."""
-    sched = Scheduler(m, **settings)
+    sched = Scheduler(m, SchedulerSettings(**settings))
     t0 = time.perf_counter()
     for p, q in zip(prompts, previews, strict=True):
         sched.submit(p, max_new_tokens=new_tokens, stop_ids=[], preview=q)
@@ -99,7 +98,7 @@ def scheduler_figures(m, quick: bool) -> tuple[dict, dict]:
         "sched_wall_ratio": figure(ratio(cached["wall_s"], plain["wall_s"]), "ratio", ISSUE,
                                    **target("sched_wall_ratio"), note="cached+batched wall / plain wall"),
         "ttft_hit_mean_s": figure(cached["ttft_hit_mean_s"], "s", ISSUE,
-                                  note=f"{cached['n_hits']} hits, TTFT from admission"),
+                                  note=f"{cached['n_hits']} hits, TTFT from arrival"),
         "ttft_miss_mean_s": figure(cached["ttft_miss_mean_s"], "s", ISSUE,
                                    note=f"{cached['n_misses']} misses"),
         "ttft_hit_miss_ratio": figure(ratio(cached["ttft_hit_mean_s"], cached["ttft_miss_mean_s"]), "ratio",
