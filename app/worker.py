@@ -71,13 +71,13 @@ class EngineWorker(QObject):
         self._pending_settings: AppSettings | None = None
         self._maker = SnapshotMaker()
         self._last_stats = 0.0
-        self._busy = False
+        self.busy = False
         self._quitting = False
         # A zero-interval timer (a child, so it moves to the thread with us): each step is
         # one timer event, and queued submit/cancel/settings events run between steps.
         self._timer = QTimer(self)
         self._timer.setInterval(0)
-        self._timer.timeout.connect(self._pump)
+        self._timer.timeout.connect(self.pump)
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -186,7 +186,7 @@ class EngineWorker(QObject):
             accepted.append((tag, rid, s.records[rid].n_prompt))
         if accepted:
             self.requests_submitted.emit(accepted)
-            self._busy = True
+            self.busy = True
             if not self._timer.isActive():
                 self._timer.start()
 
@@ -230,7 +230,7 @@ class EngineWorker(QObject):
 
     # stepping ---------------------------------------------------------------
     @Slot()
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """One scheduler step, then back to the event loop (the timer calls us again)."""
         s = self.scheduler
         if self._quitting or s is None:
@@ -256,8 +256,8 @@ class EngineWorker(QObject):
 
     def _run_done(self) -> None:
         self._emit_stats(force=True)
-        if self._busy:
-            self._busy = False
+        if self.busy:
+            self.busy = False
             if self._pending_settings is not None:
                 self._pending_settings = None
                 self._new_scheduler()

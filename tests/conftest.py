@@ -14,6 +14,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # GUI tests never need a 
 _NUMPY_WAS_LOADED = "numpy" in sys.modules
 
 import json  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -76,6 +77,39 @@ def reference() -> dict:
 
 
 # --- the GUI ---------------------------------------------------------------------------------
+RUN_SYSTEM = ("You are a friendly assistant for a small hardware store. You answer questions about tools, "
+              "paint, lumber and garden supplies in one short sentence.")
+RUN_QUESTIONS = ("What glue works on wood?", "Which paint suits a bathroom?", "How do I cut ceramic tile?")
+
+
+@dataclass
+class EngineRun:
+    """One short real run: every timeline row, a snapshot after each step, the final records."""
+
+    rows: list
+    snapshots: list
+    records: list
+    scheduler: object
+    system: str
+
+
+@pytest.fixture(scope="session")
+def engine_run(real_model) -> EngineRun:
+    """Three questions on the bundled model, stepped to the end (the charts and cache panel draw it)."""
+    from engine.scheduler import Scheduler, SchedulerSettings
+    from engine.snapshot import SnapshotMaker
+
+    sched = Scheduler(real_model, SchedulerSettings(page_rows=16))
+    for q in RUN_QUESTIONS:
+        sched.submit(system=RUN_SYSTEM, user=q, max_new_tokens=8)
+    maker, snaps, seen = SnapshotMaker(), [], 0
+    while sched.has_work():
+        sched.step()
+        snaps.append(maker.take(sched, since_row=seen))
+        seen = len(sched.timeline)
+    return EngineRun(list(sched.timeline.rows), snaps, snaps[-1].records, sched, RUN_SYSTEM)
+
+
 @pytest.fixture
 def gui_settings(tmp_path, qapp):
     """Every QSettings the app opens lives under tmp_path (never the user's real settings)."""

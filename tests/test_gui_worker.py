@@ -35,9 +35,9 @@ class Recorder:
 def run(worker: EngineWorker, limit: int = 2000) -> None:
     """Step like the worker's zero-interval timer would, until the run is over."""
     for _ in range(limit):
-        if worker.scheduler is None or not (worker.scheduler.has_work() or worker._busy):
+        if worker.scheduler is None or not (worker.scheduler.has_work() or worker.busy):
             return
-        worker._pump()
+        worker.pump()
     raise AssertionError("the run did not finish")
 
 
@@ -122,8 +122,8 @@ def test_cancel_flags_stop_requests_between_steps(worker):
     rec = worker.rec
     worker.request_cancel(["late"])  # cancelled before it was even submitted
     worker.submit([job("x", QUESTIONS[0], max_new_tokens=200), job("late", QUESTIONS[1])])
-    worker._pump()
-    worker._pump()
+    worker.pump()
+    worker.pump()
     worker.request_cancel(["x"])
     run(worker)
     reasons = {r.preview: r.finish_reason for r in rec.request_finished}
@@ -162,7 +162,7 @@ def test_settings_live_now_pool_changes_when_idle(worker):
     worker.apply_settings(AppSettings(page_rows=4, max_streams=2, chunk_tokens=8, cache_pages=3).to_dict())
     assert worker.scheduler is sched and sched.settings.max_streams == 2 and sched.cache.max_pages == 3
     worker.submit([job("a", QUESTIONS[0], max_new_tokens=30)])
-    worker._pump()
+    worker.pump()
     resets = len(rec.scheduler_reset)
     worker.apply_settings(AppSettings(page_rows=8, max_streams=2).to_dict())
     assert worker.scheduler is sched  # busy: the new pool waits for the run to end
