@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server and the KV-event publisher (DESIGN §8, §9)."""
