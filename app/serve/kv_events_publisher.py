@@ -22,6 +22,7 @@ Sockets bind (the watchers connect). ZeroMQ has no authentication: bind to
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import zmq
@@ -64,14 +65,16 @@ class KVEventPublisher:
         self.rank = data_parallel_rank
         self.max_queue = max_queue
         self.published_batches = self.published_events = self.dropped_events = 0
-        self.replay_requests = 0
+        self.replay_requests = self.subscriptions = 0
         self._queue: deque = deque()
         self._buffer: deque = deque(maxlen=buffer_steps)
         self._seq = 0
         self._wake = threading.Event()
         self._stopping = False
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        # XPUB is PUB on the wire; it also tells us when a watcher subscribes.
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._replay: zmq.Socket | None = None
         where = endpoint
@@ -110,6 +113,9 @@ class KVEventPublisher:
         while True:
             self._wake.wait(0.02)
             self._wake.clear()
+            while self._pub.poll(0):
+                if self._pub.recv()[:1] == b"\x01":
+                    self.subscriptions += 1
             if self._replay is not None:
                 while self._replay.poll(0):
                     self._serve_replay()
@@ -165,8 +171,16 @@ class KVEventPublisher:
             self._replay.close(linger=0)
         self._ctx.term()
 
+    def wait_for_subscriber(self, timeout: float = 5.0) -> bool:
+        """Wait until a watcher has subscribed (what it misses before that, only replay gives back)."""
+        end = time.monotonic() + timeout
+        while self.subscriptions == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        return self.subscriptions > 0
+
     def stats(self) -> dict:
         """Counters for /metrics and the app."""
         return {"published_batches": self.published_batches, "published_events": self.published_events,
                 "dropped_events": self.dropped_events, "replay_requests": self.replay_requests,
+                "subscriptions": self.subscriptions,
                 "queued_events": len(self._queue)}

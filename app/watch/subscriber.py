@@ -9,8 +9,8 @@ cache includes blocks stored before the watcher started.
 
 Nothing a peer sends can stop it: unreadable messages are counted and skipped,
 and `ZMQ_MAXMSGSIZE` makes ZeroMQ refuse an oversized frame before it is
-buffered (libzmq drops that connection and reconnects: it shows as a disconnect
-and a sequence gap).
+buffered (libzmq drops that connection; the watcher connects again: it shows as
+a disconnect and a sequence gap, repaired by replay when there is one).
 """
 
 from __future__ import annotations
@@ -117,8 +117,7 @@ class Watcher:
                             frames = feed.sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        with self.lock:
-                            results.extend(self._on_message(feed, frames))
+                        results.extend(self.handle_message(feed.state.index, frames))
             ready = dict(self.poller.poll(0))
         return results
 
@@ -143,8 +142,20 @@ class Watcher:
             if msg["event"] == zmq.EVENT_DISCONNECTED:
                 with self.lock:
                     feed.state.counters.disconnects += 1
+                # libzmq does not reconnect after a protocol error (an oversized frame is one):
+                # connect again by hand; after a plain network error this only restarts the retry.
+                try:
+                    feed.sub.disconnect(feed.state.endpoint)
+                except zmq.ZMQError:
+                    pass
+                feed.sub.connect(feed.state.endpoint)
 
     # sequence numbers -------------------------------------------------------
+    def handle_message(self, engine: int, frames: list[bytes]) -> list[BatchResult]:
+        """Apply one PUB message from engine `engine`; never raises on what the peer sent."""
+        with self.lock:
+            return self._on_message(self.feeds[engine], frames)
+
     def _on_message(self, feed: _Feed, frames: list[bytes]) -> list[BatchResult]:
         state = feed.state
         try:
