@@ -1,1 +1,1 @@
-"""The OpenAI-compatible server and the KV-event publisher (DESIGN §8, §9)."""
+"""Serving: the OpenAI-compatible HTTP server over the scheduler (DESIGN §8)."""
