@@ -194,3 +194,24 @@ def test_llama_server_live(tmp_path, real_model):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_watch_session_hands_the_ui_ready_snapshots():
+    import time
+
+    from app.watch.session import WatchSession
+    pub = KVEventPublisher("tcp://127.0.0.1:*")
+    session = WatchSession([pub.endpoint], snapshot_every=0.05).start()
+    try:
+        _publish_when_subscribed(pub).join()
+        end = time.monotonic() + 10
+        done = lambda: session.latest and session.latest.engines[0].summary["removed_blocks"] == 1  # noqa: E731
+        while time.monotonic() < end and not done():
+            time.sleep(0.02)
+        (view,) = session.latest.engines
+        assert view.summary["live_blocks"] == 2 and view.chains[0]["blocks"] == 2
+        assert view.history[-1][1:] == (3, 1, 2)  # stored, removed, live after the last batch
+        assert session.error is None
+    finally:
+        session.stop()
+        pub.close()
