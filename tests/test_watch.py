@@ -215,3 +215,24 @@ def test_watch_session_hands_the_ui_ready_snapshots():
     finally:
         session.stop()
         pub.close()
+
+
+def test_cli_watch_model_shows_chains_as_text(tmp_path, tiny_gguf_path, tiny_model):
+    import engine
+    toks = tuple(engine.encode(tiny_model, "hello there"))
+    pub = KVEventPublisher("tcp://127.0.0.1:*")
+    out = tmp_path / "watch.json"
+
+    def go():
+        assert pub.wait_for_subscriber(10)
+        pub(Event("stored", (Page(5, None, toks),)))
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    try:
+        assert cli_main(["watch", "--kv-events", pub.endpoint, "--model", tiny_gguf_path, "--quiet",
+                         "--duration", "1.5", "--json", str(out)]) == 0
+        t.join()
+    finally:
+        pub.close()
+    (chain,) = json.loads(out.read_text())["engines"][0]["chains"]
+    assert chain["preview"] == "hello there" and chain["first_tokens"] == list(toks)
