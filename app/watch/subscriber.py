@@ -160,6 +160,8 @@ class Watcher:
         state = feed.state
         try:
             _, seq, payload = split_message(frames)
+            if seq < 0:
+                raise BadFrame(f"negative sequence number {seq} on the event socket")
             batch, bad = decode_batch(payload)
         except BadFrame:
             state.counters.bad_frames += 1
