@@ -37,15 +37,23 @@ class _Feed:
                  max_frame: int):
         self.state, self.replay_endpoint, self.max_frame = state, replay, max_frame
         self.ctx = ctx
+        self.dealer: zmq.Socket | None = None
+        self.expected: int | None = None
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.MAXMSGSIZE, max_frame)
         self.sub.setsockopt(zmq.RCVHWM, 200_000)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.monitor = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sub.connect(state.endpoint)
-        self.dealer: zmq.Socket | None = None
-        self.expected: int | None = None
+        where = state.endpoint
+        try:
+            self.sub.connect(where)
+            if replay:
+                where = replay
+                self.replay_socket()  # connect now: a bad address is an error at start, not mid-watch
+        except zmq.ZMQError as e:
+            self.close()  # an open socket would make the context's term() wait forever
+            raise ValueError(f"cannot connect to {where}: {e}") from None
 
     def replay_socket(self) -> zmq.Socket:
         if self.dealer is None:
@@ -94,9 +102,9 @@ class Watcher:
                 self.feeds.append(feed)
                 self.poller.register(feed.sub, zmq.POLLIN)
                 self.poller.register(feed.monitor, zmq.POLLIN)
-        except zmq.ZMQError as e:
+        except ValueError:
             self.close()
-            raise ValueError(f"cannot connect to {ep}: {e}") from None
+            raise
 
     @property
     def states(self) -> list[EngineState]:

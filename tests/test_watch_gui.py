@@ -1,0 +1,47 @@
+"""The "Watch a server" window on real sockets and real widgets (offscreen)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from app.serve.kv_events_publisher import KVEventPublisher  # noqa: E402
+from app.settings import qsettings  # noqa: E402
+from app.watch.gui import WatchWindow  # noqa: E402
+from tests.gui_helpers import gui_settings  # noqa: E402, F401 - a fixture
+from tests.test_watch import Event, Page  # noqa: E402
+
+
+def test_watch_window_shows_two_engines_side_by_side_and_remembers_them(qtbot, gui_settings):  # noqa: F811
+    pubs = [KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") for _ in range(2)]
+    window = WatchWindow()
+    qtbot.addWidget(window)
+    try:
+        assert window.start_watching([p.endpoint for p in pubs], [p.replay_endpoint for p in pubs], "")
+        system = (Page(1, None, (1, 2)), Page(2, 1, (3, 4)))
+        for i, p in enumerate(pubs):
+            assert p.wait_for_subscriber(10)
+            p(Event("stored", system + (Page(10 + i, 2, (5 + i, 6)),)))
+        qtbot.waitUntil(lambda: len(window.view.panes) == 2 and all(
+            "live 3 blocks" in pane.counters.text() for pane in window.view.panes), timeout=10_000)
+        pane = window.view.panes[0]
+        assert pubs[0].endpoint in pane.title.text()
+        assert pane.chains.rowCount() == 1 and pane.chains.item(0, 1).text() == "3"
+        assert "2 blocks cached on several engines" in window.view.cross.text()
+        window.stop_watching()
+        assert window.view.connect_button.text() == "Connect"
+    finally:
+        window.close()
+        for p in pubs:
+            p.close()
+    again = WatchWindow(store=qsettings())
+    qtbot.addWidget(again)
+    assert again.view.endpoints.text().split() == [p.endpoint for p in pubs]
+
+
+def test_watch_window_names_a_bad_endpoint(qtbot, gui_settings):  # noqa: F811
+    window = WatchWindow()
+    qtbot.addWidget(window)
+    assert not window.start_watching(["not-an-endpoint"], [], "")
+    assert "Cannot watch" in window.view.status.text() and "not-an-endpoint" in window.view.status.text()
