@@ -62,7 +62,7 @@ def run(args) -> int:
     if max_new < 1:
         raise SystemExit("prefixlab run: --max-new must be >= 1")
     m = load_model_or_exit(getattr(args, "model", None))
-    sch = Scheduler(m, **settings.to_dict())
+    sch = Scheduler(m, settings)
     system = scenario.system if scenario else args.system
 
     def on_event(ev) -> None:
@@ -94,9 +94,8 @@ def run(args) -> int:
 
 
 def write_report(path: str, sch: Scheduler, m, system: str, sampling, title: str) -> None:
-    from engine.report import ReportWriteError, build_report
-
-    from .report_render import export_report
+    from .report import ReportWriteError, build_report
+    from .report.render import export_report
     report = build_report(sch, m, system, sampling, title=title)
     try:
         export_report(path, report)
