@@ -65,6 +65,7 @@ class KVEventPublisher:
         self.rank = data_parallel_rank
         self.max_queue = max_queue
         self.published_batches = self.published_events = self.dropped_events = 0
+        self.queued_total = self.sent_total = 0   # cache events taken in / handed to ZeroMQ
         self.replay_requests = self.subscriptions = 0
         self._queue: deque = deque()
         self._buffer: deque = deque(maxlen=buffer_steps)
@@ -101,6 +102,7 @@ class KVEventPublisher:
             self.dropped_events += 1
             return
         self._queue.append((event.kind, tuple(event.pages)))
+        self.queued_total += 1
         self._wake.set()
 
     def attach(self, cache) -> KVEventPublisher:
@@ -132,6 +134,7 @@ class KVEventPublisher:
             events.extend(_wire_events(kind, pages))
             n += 1
         if not events:
+            self.sent_total += n
             return
         payload = encode_batch(events, data_parallel_rank=self.rank)
         seq = self._seq
@@ -140,6 +143,7 @@ class KVEventPublisher:
         self._buffer.append((seq, payload))
         self.published_batches += 1
         self.published_events += len(events)
+        self.sent_total += n
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
@@ -170,6 +174,14 @@ class KVEventPublisher:
         if self._replay is not None:
             self._replay.close(linger=0)
         self._ctx.term()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued cache event is on the wire; False on timeout."""
+        end = time.monotonic() + timeout
+        self._wake.set()
+        while self.sent_total < self.queued_total and time.monotonic() < end:
+            time.sleep(0.005)
+        return self.sent_total >= self.queued_total
 
     def wait_for_subscriber(self, timeout: float = 5.0) -> bool:
         """Wait until a watcher has subscribed (what it misses before that, only replay gives back)."""
