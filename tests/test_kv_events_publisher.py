@@ -109,3 +109,21 @@ def test_the_listener_never_blocks_it_drops_and_counts_past_the_queue_bound():
         assert pub.stats()["queued_events"] == 10 and pub.dropped_events == 15
     finally:
         pub.close()
+
+
+def test_command_line_options_make_a_bound_publisher_or_say_what_is_wrong():
+    import argparse
+
+    from app.serve.kv_events_publisher import add_kv_events_args, publisher_from_args
+    p = argparse.ArgumentParser()
+    add_kv_events_args(p)
+    assert publisher_from_args(p.parse_args([])) is None
+    with pytest.raises(ValueError, match="--kv-events-replay needs --kv-events"):
+        publisher_from_args(p.parse_args(["--kv-events-replay", "5567"]))
+    with pytest.raises(ValueError, match="not a ZeroMQ endpoint: 'nowhere'"):
+        publisher_from_args(p.parse_args(["--kv-events", "nowhere"]))
+    pub = publisher_from_args(p.parse_args(["--kv-events", "127.0.0.1:0", "--kv-events-topic", "kv"]))
+    try:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:") and pub.topic == b"kv"
+    finally:
+        pub.close()

@@ -196,3 +196,40 @@ class KVEventPublisher:
                 "dropped_events": self.dropped_events, "replay_requests": self.replay_requests,
                 "subscriptions": self.subscriptions,
                 "queued_events": len(self._queue)}
+
+
+# command line ---------------------------------------------------------------
+def normalize_endpoint(text: str) -> str:
+    """A ZeroMQ endpoint from what a user types: `tcp://h:p` as is, `h:p` and a bare port as tcp."""
+    text = text.strip()
+    if "://" in text:
+        return text
+    if text.isdigit():
+        return f"tcp://127.0.0.1:{text}"
+    host, sep, port = text.rpartition(":")
+    if sep and port.isdigit():
+        return f"tcp://{host or '127.0.0.1'}:{port}"
+    raise ValueError(f"not a ZeroMQ endpoint: {text!r} (use tcp://127.0.0.1:5557, 127.0.0.1:5557 or 5557)")
+
+
+def add_kv_events_args(p) -> None:
+    """`--kv-events`, `--kv-events-replay`, `--kv-events-topic` on a command that runs a scheduler."""
+    g = p.add_argument_group("KV events (vLLM's wire format; ZeroMQ has no authentication)")
+    g.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="publish every cache store, eviction and flush here (e.g. tcp://127.0.0.1:5557; "
+                        "a bare port binds 127.0.0.1)")
+    g.add_argument("--kv-events-replay", metavar="ENDPOINT",
+                   help="serve missed batches to watchers here (e.g. tcp://127.0.0.1:5567)")
+    g.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="topic of every message (default: none)")
+
+
+def publisher_from_args(args) -> KVEventPublisher | None:
+    """The publisher the options ask for (bound now, so a taken port fails at start), or None."""
+    events, replay = getattr(args, "kv_events", None), getattr(args, "kv_events_replay", None)
+    if not events:
+        if replay:
+            raise ValueError("--kv-events-replay needs --kv-events")
+        return None
+    return KVEventPublisher(normalize_endpoint(events), normalize_endpoint(replay) if replay else None,
+                            topic=args.kv_events_topic)

@@ -83,9 +83,13 @@ def run(args) -> int:
         raise SystemExit("prefixlab watch: give one of --kv-events ENDPOINT [...] or --llama-server URL")
     if args.llama_server:
         return _run_llama(args)
+    from app.serve.kv_events_publisher import normalize_endpoint
+
     from .subscriber import Watcher
     try:
-        watcher = Watcher(args.kv_events, args.kv_events_replay, topic=args.topic, block_size=args.block_size,
+        endpoints = [normalize_endpoint(e) for e in args.kv_events]
+        replays = [normalize_endpoint(e) for e in args.kv_events_replay]
+        watcher = Watcher(endpoints, replays, topic=args.topic, block_size=args.block_size,
                           max_blocks=args.max_blocks, max_frame=int(args.max_frame_mb * 1024 * 1024))
     except ValueError as e:
         raise SystemExit(f"prefixlab watch: {e}") from None

@@ -7,6 +7,7 @@ from PySide6.QtWidgets import QMainWindow, QWidget
 
 from ui.watch_view import WatchView
 
+from ..serve.kv_events_publisher import normalize_endpoint
 from ..settings import qsettings
 from .session import WatchSession
 
@@ -41,6 +42,8 @@ class WatchWindow(QMainWindow):
         """Connect to the endpoints (remembered); False with the reason in the status line."""
         self.stop_watching()
         try:
+            endpoints = [normalize_endpoint(e) for e in endpoints]
+            replays = [normalize_endpoint(e) for e in replays]
             self.session = WatchSession(endpoints, replays, topic=topic).start()
         except ValueError as e:
             self.view.set_connected(False, f"Cannot watch: {e}")
