@@ -247,3 +247,6 @@ def test_bench_kv_events_section_counts_every_block_event():
     assert d["sockets"]["block_events"] == d["decode_apply"]["block_events"] > d["feed"]["batches"]
     fig = figures["watch_block_events_per_s"]
     assert fig["target"] == 50_000 and fig["value"] > 0 and fig["pass"] == (fig["value"] >= 50_000)
+    ui = d["ui"]  # the real watch window in a child process, fed at 5,000 block events/s
+    assert ui["batches_applied"] == ui["batches_sent"] and ui["max_stall_ms"] > 0
+    assert figures["watch_ui_stall_ms"]["value"] == ui["max_stall_ms"]

@@ -88,19 +88,27 @@ class EnginePane(QWidget):
     def _set_chains(self, chains: list[dict]) -> None:
         key = [(c["root"], c["blocks"], c["depth"]) for c in chains]
         if key == self._chains_key:
-            return  # rebuilding the items is the costly part of an update: skip when unchanged
+            return  # rebuilding the rows is the costly part of an update: skip when unchanged
         self._chains_key = key
-        self.chains.setRowCount(len(chains))
+        table = self.chains
+        table.setUpdatesEnabled(False)
+        table.setRowCount(len(chains))
         for r, c in enumerate(chains):
             tier = f"{c['medium']}" + ("" if c["group_idx"] is None else f"/{c['group_idx']}")
             first = c.get("preview") or " ".join(str(t) for t in c["first_tokens"][:16])
             cells = (_short(c["root"]) + (" (orphan)" if c["orphan"] else ""), c["blocks"], c["depth"],
                      c["leaves"], tier, first)
             for col, value in enumerate(cells):
-                item = QTableWidgetItem(str(value))
-                if isinstance(value, int):
-                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-                self.chains.setItem(r, col, item)
+                item = table.item(r, col)
+                if item is None:  # rows are reused: only new rows get new items
+                    item = QTableWidgetItem()
+                    if isinstance(value, int):
+                        item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                    table.setItem(r, col, item)
+                text = str(value)
+                if item.text() != text:
+                    item.setText(text)
+        table.setUpdatesEnabled(True)
 
 
 class WatchView(QWidget):
@@ -158,12 +166,16 @@ class WatchView(QWidget):
             w.setEnabled(not connected)
         self.status.setText(status)
 
-    def set_snapshot(self, snap) -> None:
-        """Show a WatchSnapshot-shaped object."""
-        while len(self.panes) < len(snap.engines):
+    def prepare(self, n_engines: int) -> None:
+        """Make the engines' panes now (a plot costs ~100 ms to build: not while events flow)."""
+        while len(self.panes) < n_engines:
             pane = EnginePane()
             self.panes.append(pane)
             self.panes_box.addWidget(pane)
+
+    def set_snapshot(self, snap) -> None:
+        """Show a WatchSnapshot-shaped object."""
+        self.prepare(len(snap.engines))
         for pane, view in zip(self.panes, snap.engines):
             pane.set_engine(view)
         x = snap.cross_engine

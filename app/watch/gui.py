@@ -53,6 +53,7 @@ class WatchWindow(QMainWindow):
         self.store.setValue("watch/topic", topic)
         self.store.sync()
         self.view.clear()
+        self.view.prepare(len(endpoints))
         self.view.set_connected(True, f"Watching {len(endpoints)} engine(s); waiting for events…")
         self.timer.start()
         return True
