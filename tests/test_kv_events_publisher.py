@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -11,20 +10,7 @@ import zmq
 
 from app.serve.kv_events import BlockStored, decode_batch, parse_seq
 from app.serve.kv_events_publisher import KVEventPublisher
-
-
-@dataclass(frozen=True)
-class Page:
-    key: int
-    parent: int | None
-    tokens: tuple
-    namespace: str = ""
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: str
-    pages: tuple = ()
+from tests.kv_events_helpers import Event, Page
 
 
 def _replay_with(kind: int, endpoint: str, start: int) -> list[tuple[int, bytes]]:

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 
 import pytest
 
@@ -18,6 +17,7 @@ from app.serve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVE
 from app.serve.kv_events_publisher import KVEventPublisher
 from app.watch.llama_server import parse_metrics, parse_slots
 from app.watch.state import EngineState, cross_engine
+from tests.kv_events_helpers import Event, Page
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,20 +60,6 @@ def test_cross_engine_finds_the_same_prefix_under_different_hash_seeds():
     dup = cross_engine([a, b, c])
     assert dup["shared_blocks"] == 2 and dup["by_engines"] == {"0,1": 2}
     assert dup["deepest"][0] == {"engines": [0, 1], "depth_blocks": 2}
-
-
-@dataclass(frozen=True)
-class Page:
-    key: int
-    parent: int | None
-    tokens: tuple
-    namespace: str = ""
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: str
-    pages: tuple = ()
 
 
 def _publish_when_subscribed(pub: KVEventPublisher) -> threading.Thread:

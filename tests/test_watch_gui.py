@@ -10,7 +10,7 @@ from app.serve.kv_events_publisher import KVEventPublisher  # noqa: E402
 from app.settings import qsettings  # noqa: E402
 from app.watch.gui import WatchWindow  # noqa: E402
 from tests.gui_helpers import gui_settings  # noqa: E402, F401 - a fixture
-from tests.test_watch import Event, Page  # noqa: E402
+from tests.kv_events_helpers import Event, Page  # noqa: E402
 
 
 def test_watch_window_shows_two_engines_side_by_side_and_remembers_them(qtbot, gui_settings):  # noqa: F811

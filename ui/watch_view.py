@@ -67,6 +67,7 @@ class EnginePane(QWidget):
         self._chains_key = None
 
     def set_engine(self, view) -> None:
+        """Show one EngineView-shaped object (summary, history, chains)."""
         s = view.summary
         rank = "" if s.get("data_parallel_rank") is None else f", DP rank {s['data_parallel_rank']}"
         self.title.setText(f"<b>engine {s['engine']}</b>: {s['endpoint']}{rank}")
@@ -148,6 +149,7 @@ class WatchView(QWidget):
         self.connected = False
 
     def set_fields(self, endpoints: list[str], replays: list[str], topic: str) -> None:
+        """Fill the form (the remembered endpoints)."""
         self.endpoints.setText(" ".join(endpoints))
         self.replays.setText(" ".join(replays))
         self.topic.setText(topic)
@@ -160,6 +162,7 @@ class WatchView(QWidget):
                                         self.topic.text())
 
     def set_connected(self, connected: bool, status: str) -> None:
+        """Switch the form between connected and not, with a status line."""
         self.connected = connected
         self.connect_button.setText("Disconnect" if connected else "Connect")
         for w in (self.endpoints, self.replays, self.topic):
@@ -190,6 +193,7 @@ class WatchView(QWidget):
                                f"({by}); the deepest shared prefix is {deepest['depth_blocks']} blocks.")
 
     def clear(self) -> None:
+        """Remove every engine pane."""
         for pane in self.panes:
             pane.setParent(None)
             pane.deleteLater()

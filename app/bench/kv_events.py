@@ -34,6 +34,7 @@ def ui_stall(quick: bool) -> dict:
 
 
 def kv_events_figures(quick: bool) -> tuple[dict, dict]:
+    """The section's figures and the raw measurements."""
     d = watch_throughput(quick)
     d["ui"] = ui = ui_stall(quick)
     figures = {

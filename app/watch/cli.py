@@ -13,6 +13,7 @@ from .state import DEFAULT_MAX_BLOCKS
 
 
 def add_parser(sub) -> None:
+    """Register `prefixlab watch`."""
     p = sub.add_parser(
         "watch", help="watch engines' KV-event feeds (vLLM's format) or a llama.cpp server",
         description="Subscribe to KV-event feeds in vLLM's wire format (vLLM, SGLang, TensorRT-LLM, "
@@ -79,6 +80,7 @@ def _previews(model_path, snapshot: dict) -> None:
 
 
 def run(args) -> int:
+    """Watch until --duration ends or a signal comes; print the summary; write the JSON."""
     if bool(args.kv_events) == bool(args.llama_server):
         raise SystemExit("prefixlab watch: give one of --kv-events ENDPOINT [...] or --llama-server URL")
     if args.llama_server:
@@ -98,7 +100,7 @@ def run(args) -> int:
         print(f"engine {feed.state.index} = {feed.state.endpoint}{replay}, topic {args.topic!r}", flush=True)
     started = time.time()
 
-    def line(r) -> None:
+    def line(r) -> None:  # one printed line per batch
         if args.quiet:
             return
         what = [f"+{r.stored} stored", f"-{r.removed} removed"]

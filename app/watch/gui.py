@@ -74,6 +74,7 @@ class WatchWindow(QMainWindow):
             self.view.status.setText(f"Watching {len(snap.engines)} engine(s): {live:,} live blocks.")
 
     def stop_watching(self, status: str = "Not connected.") -> None:
+        """Stop the session (its sockets close) and say why in the status line."""
         self.timer.stop()
         if self.session is not None:
             self.session.stop()

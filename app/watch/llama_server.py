@@ -89,6 +89,7 @@ class LlamaSample:
     errors: list[str] = field(default_factory=list)
 
     def line(self) -> str:
+        """The line the CLI prints for this poll."""
         busy = sum(s.processing for s in self.slots)
         cached = sum(s.n_prompt_tokens_cache or 0 for s in self.slots)
         rate = "" if self.predicted_tokens_per_s is None else (
@@ -113,6 +114,7 @@ class LlamaServerPoller:
             return r.read(16 * 1024 * 1024)
 
     def poll(self) -> LlamaSample:
+        """Read /slots and /metrics once; what failed is in the sample's errors."""
         sample = LlamaSample(time.time(), [], {})
         try:
             sample.slots = parse_slots(json.loads(self._get("/slots")))

@@ -47,6 +47,7 @@ class WatchSession:
         self._thread = threading.Thread(target=self._run, name="kv-events-watch", daemon=True)
 
     def start(self) -> WatchSession:
+        """Start the watcher thread; return self."""
         self._thread.start()
         return self
 

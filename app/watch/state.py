@@ -89,6 +89,7 @@ class EngineState:
     live: int = 0
 
     def name(self) -> str:
+        """"engine 0 (tcp://host:5557 dp0)": how the CLI and the app name this engine."""
         rank = "" if self.data_parallel_rank is None else f" dp{self.data_parallel_rank}"
         return f"engine {self.index} ({self.endpoint}{rank})"
 

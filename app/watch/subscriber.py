@@ -56,6 +56,7 @@ class _Feed:
             raise ValueError(f"cannot connect to {where}: {e}") from None
 
     def replay_socket(self) -> zmq.Socket:
+        """The DEALER connected to this engine's replay endpoint (made on first use)."""
         if self.dealer is None:
             self.dealer = self.ctx.socket(zmq.DEALER)
             self.dealer.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
@@ -70,6 +71,7 @@ class _Feed:
             self.dealer = None
 
     def close(self) -> None:
+        """Close this endpoint's sockets."""
         self.sub.disable_monitor()
         self.monitor.close(linger=0)
         self.sub.close(linger=0)
@@ -108,6 +110,7 @@ class Watcher:
 
     @property
     def states(self) -> list[EngineState]:
+        """Each engine's state, in endpoint order."""
         return [f.state for f in self.feeds]
 
     # the loop ---------------------------------------------------------------
@@ -235,6 +238,7 @@ class Watcher:
                     "cross_engine": cross_engine(self.states)}
 
     def close(self) -> None:
+        """Close every socket and the ZeroMQ context."""
         for feed in self.feeds:
             feed.close()
         self.ctx.term()

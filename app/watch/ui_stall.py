@@ -91,6 +91,7 @@ def measure(seconds: float = 3.0, rate: float = 5000.0) -> dict:
 
 
 def main() -> None:
+    """Print the measurement as one JSON line."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--rate", type=float, default=5000.0)
