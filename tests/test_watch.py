@@ -15,7 +15,7 @@ import pytest
 from app.cli import main as cli_main
 from app.serve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from app.serve.kv_events_publisher import KVEventPublisher
-from app.watch.llama_server import parse_metrics, parse_slots
+from app.watch.llama_server import LlamaServerPoller, parse_metrics, parse_slots
 from app.watch.state import EngineState, cross_engine
 from tests.kv_events_helpers import Event, Page
 
@@ -164,7 +164,6 @@ def test_llama_server_live(tmp_path, real_model):
     import time
     import urllib.request
 
-    from app.watch.llama_server import LlamaServerPoller
     port = 18000 + os.getpid() % 1000
     proc = subprocess.Popen(["llama-server", "-m", real_model.path, "--port", str(port), "--metrics",
                              "-c", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -236,3 +235,43 @@ def test_bench_kv_events_section_counts_every_block_event():
     ui = d["ui"]  # the real watch window in a child process, fed at 5,000 block events/s
     assert ui["batches_applied"] == ui["batches_sent"] and ui["max_stall_ms"] > 0
     assert figures["watch_ui_stall_ms"]["value"] == ui["max_stall_ms"]
+
+
+def test_cli_watch_polls_a_server_with_llama_cpps_endpoints(tmp_path):
+    import http.server
+
+    hits = {"metrics": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path == "/slots":
+                body = json.dumps(SLOTS_NOW).encode()
+            elif self.path == "/metrics" and hits["metrics"] < 2:
+                hits["metrics"] += 1  # counters grow by 100 prompt tokens per poll
+                body = METRICS.replace("1602", str(1602 + 100 * hits["metrics"])).encode()
+            else:  # a server started without --metrics, as llama.cpp answers it
+                self.send_error(501, "This server does not support metrics endpoint.")
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    out = tmp_path / "llama.json"
+    try:
+        poller = LlamaServerPoller(url)
+        samples = [poller.poll() for _ in range(3)]
+        assert cli_main(["watch", "--llama-server", url, "--duration", "0", "--json", str(out)]) == 0
+    finally:
+        server.shutdown()
+    assert all(len(s.slots) == 2 and s.slots[1].n_prompt_tokens_cache == 790 for s in samples)
+    assert samples[0].prompt_tokens_per_s is None and samples[1].prompt_tokens_per_s > 0
+    assert "start llama-server with --metrics" in samples[2].errors[0]
+    (written,) = json.loads(out.read_text())["samples"]
+    assert written["slots"][1]["n_prompt_tokens"] == 812

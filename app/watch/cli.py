@@ -136,12 +136,13 @@ def _run_llama(args) -> int:
         raise SystemExit(f"prefixlab watch: {e}") from None
     end = None if args.duration is None else time.monotonic() + args.duration
     with _StopOnSignals() as stop:
-        while not stop.is_set() and (end is None or time.monotonic() < end):
+        while True:  # at least one poll, even with --duration 0
             sample = poller.poll()
             if not args.quiet:
                 print(sample.line(), flush=True)
             wait = args.interval if end is None else min(args.interval, max(0.0, end - time.monotonic()))
-            stop.wait(wait)
+            if stop.wait(wait) or (end is not None and time.monotonic() >= end):
+                break
     _write_json(args.json, poller.to_json())
     return 0
 
