@@ -28,6 +28,7 @@ def test_watch_window_shows_two_engines_side_by_side_and_remembers_them(qtbot, g
         pane = window.view.panes[0]
         assert pubs[0].endpoint in pane.title.text()
         assert pane.chains.rowCount() == 1 and pane.chains.item(0, 1).text() == "3"
+        assert list(pane.block_map.cells) == [0, 0, 0]  # three blocks of chain 0 in the block map
         assert "2 blocks cached on several engines" in window.view.cross.text()
         window.stop_watching()
         assert window.view.connect_button.text() == "Connect"

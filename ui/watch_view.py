@@ -2,14 +2,16 @@
 
 Widgets only: `set_snapshot` takes plain data shaped like app/watch/session.py's
 `WatchSnapshot` (`.engines`: each with `.summary` dict, `.history` rows
-`(ts, stored, removed, live)`, `.chains` dicts; `.cross_engine` dict).
+`(ts, stored, removed, live)`, `.chains` dicts, `.cells` chain ranks for the block
+map; `.cross_engine` dict).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QRect, Qt, Signal
+from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import (
     QFormLayout,
     QHBoxLayout,
@@ -17,6 +19,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPushButton,
+    QSizePolicy,
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
@@ -25,11 +28,56 @@ from PySide6.QtWidgets import (
 )
 
 from .colors import series_color, theme_for
+from .page_map import MARGIN, fit_grid, grid_image
 
 MAX_CHAIN_ROWS = 200   # the table shows the biggest chains; the JSON export has them all
 CHAIN_COLUMNS = ("root", "blocks", "depth", "leaves", "tier", "first tokens")
 CURVES = (("stored", "stored (cumulative)"), ("removed", "removed (cumulative)"), ("live", "live blocks"))
 CURVE_COLORS = {"stored": "cached_pages", "removed": "prefill_computed", "live": "chains"}
+
+
+# Okabe-Ito and friends: one hue per chain (tree), cycling; the table's first column repeats it.
+CHAIN_PALETTE = ("#e69f00", "#56b4e9", "#009e73", "#f0e442", "#0072b2", "#d55e00", "#cc79a7", "#8e6bd8")
+
+
+def chain_color(rank: int) -> QColor:
+    """The colour of the rank-th biggest chain."""
+    return QColor(CHAIN_PALETTE[rank % len(CHAIN_PALETTE)])
+
+
+class BlockMap(QWidget):
+    """One cell per live block, grouped and coloured by chain (biggest first)."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setMinimumSize(200, 80)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
+        self.cells = np.zeros(0, dtype=np.int64)
+        self._image = None
+        self._image_key = None
+        self._lut = np.array([[c.red(), c.green(), c.blue(), 255] for c in map(QColor, CHAIN_PALETTE)],
+                             dtype=np.uint8)
+
+    def set_cells(self, cells) -> None:
+        """Each block's chain rank, in map order."""
+        cells = np.asarray(cells, dtype=np.int64)
+        if not np.array_equal(cells, self.cells):
+            self.cells = cells
+            self._image = None
+            self.update()
+
+    def paintEvent(self, e) -> None:  # noqa: N802 - Qt's name
+        painter = QPainter(self)
+        theme = theme_for(self)
+        painter.fillRect(self.rect(), theme.color("background"))
+        area: QRect = self.rect().adjusted(MARGIN, MARGIN, -MARGIN, -MARGIN)
+        key = (area.width(), area.height(), theme.background)
+        if self._image is None or self._image_key != key:  # the image costs ~20 ms: only when it changed
+            geo = fit_grid(len(self.cells), area.width(), area.height())
+            colors = self._lut[self.cells % len(self._lut)]
+            self._image, self._image_key = grid_image(colors, geo, theme.color("background")), key
+        painter.drawImage(area.topLeft(), self._image)
+        painter.end()
 
 
 def _short(h) -> str:
@@ -54,6 +102,7 @@ class EnginePane(QWidget):
         self.curves = {name: self.plot.plot([], [], name=label,
                                             pen=pg.mkPen(series_color(CURVE_COLORS[name], theme), width=2))
                        for name, label in CURVES}
+        self.block_map = BlockMap()
         self.chains = QTableWidget(0, len(CHAIN_COLUMNS))
         self.chains.setHorizontalHeaderLabels(CHAIN_COLUMNS)
         self.chains.horizontalHeader().setSectionResizeMode(len(CHAIN_COLUMNS) - 1,
@@ -62,7 +111,7 @@ class EnginePane(QWidget):
         self.chains.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
-        for w in (self.title, self.counters, self.plot, self.chains):
+        for w in (self.title, self.counters, self.plot, self.block_map, self.chains):
             lay.addWidget(w)
         self._chains_key = None
 
@@ -84,6 +133,7 @@ class EnginePane(QWidget):
         else:
             for c in self.curves.values():
                 c.setData([], [])
+        self.block_map.set_cells(view.cells)
         self._set_chains(view.chains[:MAX_CHAIN_ROWS])
 
     def _set_chains(self, chains: list[dict]) -> None:
@@ -105,6 +155,8 @@ class EnginePane(QWidget):
                     item = QTableWidgetItem()
                     if isinstance(value, int):
                         item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                    if col == 0:
+                        item.setData(Qt.ItemDataRole.DecorationRole, chain_color(r))  # its colour in the map
                     table.setItem(r, col, item)
                 text = str(value)
                 if item.text() != text:

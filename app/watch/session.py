@@ -23,6 +23,7 @@ class EngineView:
     summary: dict                      # counters, endpoint, DP rank (EngineState.summary())
     history: list                      # (ts, stored_blocks, removed_blocks, live_blocks) per batch
     chains: list                       # EngineState.chains(): one tree per root
+    cells: list                        # EngineState.block_cells(): the block map's chain ranks
 
 
 @dataclass
@@ -63,8 +64,8 @@ class WatchSession:
         """Build a snapshot now (under the watcher's lock)."""
         with self.watcher.lock:
             states = self.watcher.states
-            return WatchSnapshot(time.time(), [EngineView(s.summary(), list(s.history), s.chains())
-                                               for s in states], cross_engine(states))
+            views = [EngineView(s.summary(), list(s.history), s.chains(), s.block_cells()) for s in states]
+            return WatchSnapshot(time.time(), views, cross_engine(states))
 
     def stop(self) -> None:
         """Stop the thread and close the sockets."""

@@ -168,9 +168,8 @@ class EngineState:
         """The set of live block hashes (all tiers)."""
         return {b.hash for _, b in self.blocks()}
 
-    def chains(self) -> list[dict]:
-        """The cached prefixes as trees: one entry per root (a block with no live parent)."""
-        out = []
+    def _trees(self):
+        """Each tree of blocks: (tier, root, [(block hash, depth, is a leaf)] in depth-first order)."""
         for tier, blocks in self.tiers.items():
             children: dict = {}
             roots = []
@@ -179,20 +178,34 @@ class EngineState:
                     children.setdefault(b.parent, []).append(b.hash)
                 else:
                     roots.append(b)
-            for root in roots:
-                n, leaves, depth, stack = 0, 0, 0, [(root.hash, 1)]
+            for root in roots:  # blocks linked in a cycle have no root: not shown
+                order, stack = [], [(root.hash, 1)]
                 while stack:
                     h, d = stack.pop()
-                    n += 1
-                    depth = max(depth, d)
                     kids = children.get(h, ())
-                    leaves += not kids
+                    order.append((h, d, not kids))
                     stack.extend((k, d + 1) for k in kids)
-                out.append({"root": hash_json(root.hash), "medium": tier[0], "group_idx": tier[1],
-                            "orphan": root.parent is not None, "blocks": n, "leaves": leaves,
-                            "depth": depth, "first_tokens": list(root.tokens or ())})
+                yield tier, root, order
+
+    def chains(self) -> list[dict]:
+        """The cached prefixes as trees: one entry per root (a block with no live parent), biggest first."""
+        out = [{"root": hash_json(root.hash), "medium": tier[0], "group_idx": tier[1],
+                "orphan": root.parent is not None, "blocks": len(order),
+                "leaves": sum(leaf for _, _, leaf in order), "depth": max(d for _, d, _ in order),
+                "first_tokens": list(root.tokens or ())}
+               for tier, root, order in self._trees()]
         out.sort(key=lambda c: -c["blocks"])
         return out
+
+    def block_cells(self, limit: int = 20_000) -> list[int]:
+        """For a block map: the trees biggest first, each block's tree rank (0, 1, ...) in tree order."""
+        trees = sorted((order for _, _, order in self._trees()), key=lambda o: -len(o))
+        cells: list[int] = []
+        for rank, order in enumerate(trees):
+            cells.extend([rank] * min(len(order), limit - len(cells)))
+            if len(cells) >= limit:
+                break
+        return cells
 
     def summary(self) -> dict:
         """The counters and identity of this engine as plain data."""
