@@ -46,3 +46,22 @@ def test_watch_window_names_a_bad_endpoint(qtbot, gui_settings):  # noqa: F811
     qtbot.addWidget(window)
     assert not window.start_watching(["not-an-endpoint"], [], "")
     assert "Cannot watch" in window.view.status.text() and "not-an-endpoint" in window.view.status.text()
+
+
+def test_file_menu_opens_the_watch_window(qtbot, gui_settings):  # noqa: F811
+    from PySide6.QtWidgets import QMainWindow
+
+    from app.watch.gui import install_watch_action
+    main = QMainWindow()
+    qtbot.addWidget(main)
+    file_menu = main.menuBar().addMenu("&File")
+    file_menu.addAction("&Open model…")
+    file_menu.addAction("&Quit")
+    act = install_watch_action(main)
+    assert [a.text() for a in file_menu.actions()] == ["&Open model…", "&Watch a server…", "&Quit"]
+    act.trigger()
+    first = main._watch_window
+    assert first.isVisible() and first.isWindow() and first.parent() is main
+    act.trigger()  # once open, the same window comes back to the front
+    assert main._watch_window is first
+    first.close()

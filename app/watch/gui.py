@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import QTimer
+from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMainWindow, QWidget
 
 from ui.watch_view import WatchView
@@ -84,3 +85,27 @@ class WatchWindow(QMainWindow):
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt's name
         self.stop_watching()
         super().closeEvent(event)
+
+
+def install_watch_action(main_window: QMainWindow) -> QAction:
+    """Add File → "Watch a server…" to the app's main window (before Quit); it opens a WatchWindow."""
+    file_menu = next((a.menu() for a in main_window.menuBar().actions()
+                      if a.menu() is not None and a.text().replace("&", "") == "File"), None)
+    if file_menu is None:
+        file_menu = main_window.menuBar().addMenu("&File")
+    act = QAction("&Watch a server…", main_window)
+    act.setStatusTip("Watch serving engines' prefix caches from their KV events (vLLM's format)")
+
+    def open_window() -> None:
+        win = getattr(main_window, "_watch_window", None)
+        if win is None:
+            # A child of the main window (still its own window): it closes when the app does.
+            win = main_window._watch_window = WatchWindow(main_window)
+        win.show()
+        win.raise_()
+        win.activateWindow()
+
+    act.triggered.connect(open_window)
+    quit_action = next((a for a in file_menu.actions() if a.text().replace("&", "") == "Quit"), None)
+    file_menu.insertAction(quit_action, act) if quit_action else file_menu.addAction(act)
+    return act
