@@ -113,3 +113,19 @@ def test_command_line_options_make_a_bound_publisher_or_say_what_is_wrong():
         assert pub.endpoint.startswith("tcp://127.0.0.1:") and pub.topic == b"kv"
     finally:
         pub.close()
+
+
+def test_attaching_to_a_new_cache_clears_the_old_ones_blocks_first():
+    from engine import create_prefix_cache
+    old, new = create_prefix_cache(), create_prefix_cache()
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*").attach(old)
+    try:
+        pub.attach(new)
+        assert old.listeners == [] and new.listeners == [pub]
+        pub(Event("stored", (Page(1, None, (1,)),)))
+        assert pub.flush(5)
+        replayed = _replay_with(zmq.DEALER, pub.replay_endpoint, 0)
+        events = [e for _, p in replayed for e in decode_batch(p)[0].events]
+        assert [type(e).__name__ for e in events] == ["AllBlocksCleared", "BlockStored"]
+    finally:
+        pub.close()

@@ -68,6 +68,7 @@ class KVEventPublisher:
         self.queued_total = self.sent_total = 0   # cache events taken in / handed to ZeroMQ
         self.replay_requests = self.subscriptions = 0
         self._queue: deque = deque()
+        self._cache = None
         self._buffer: deque = deque(maxlen=buffer_steps)
         self._seq = 0
         self._wake = threading.Event()
@@ -98,15 +99,26 @@ class KVEventPublisher:
     # the engine thread's side ----------------------------------------------
     def __call__(self, event) -> None:
         """The cache listener: queue the event (never blocks; drops and counts past `max_queue`)."""
+        self._enqueue(event.kind, tuple(event.pages))
+
+    def _enqueue(self, kind: str, pages: tuple) -> None:
         if len(self._queue) >= self.max_queue:
             self.dropped_events += 1
             return
-        self._queue.append((event.kind, tuple(event.pages)))
+        self._queue.append((kind, pages))
         self.queued_total += 1
         self._wake.set()
 
     def attach(self, cache) -> KVEventPublisher:
-        """Listen to a prefix cache's changes; return self."""
+        """Listen to a prefix cache's changes; return self.
+
+        Attaching to a new cache (a server that rebuilt its scheduler) first publishes
+        `AllBlocksCleared`: the watchers drop the old cache's blocks.
+        """
+        if self._cache is not None and self._cache is not cache:
+            self._cache.remove_listener(self)
+            self._enqueue("cleared", ())
+        self._cache = cache
         cache.add_listener(self)
         return self
 
