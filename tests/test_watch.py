@@ -112,6 +112,12 @@ def test_cli_watch_writes_the_json_on_sigterm(tmp_path):
     assert json.loads(out.read_text())["engines"][0]["live_blocks"] == 2
 
 
+def test_data_parallel_ranks_are_watched_on_offset_ports():
+    from app.watch.cli import rank_endpoints
+    assert rank_endpoints(["tcp://h:5557", "tcp://g:6000"], 2) == ["tcp://h:5557", "tcp://h:5558",
+                                                                   "tcp://g:6000", "tcp://g:6001"]
+
+
 def test_cli_watch_refuses_bad_arguments_clearly(capsys):
     with pytest.raises(SystemExit, match="one of --kv-events"):
         cli_main(["watch"])
@@ -119,6 +125,8 @@ def test_cli_watch_refuses_bad_arguments_clearly(capsys):
         cli_main(["watch", "--kv-events", "tcp://127.0.0.1:1", "--kv-events-replay", "tcp://a:1", "tcp://b:2"])
     with pytest.raises(SystemExit, match="not a ZeroMQ endpoint: 'bogus'"):
         cli_main(["watch", "--kv-events", "tcp://127.0.0.1:1", "--kv-events-replay", "bogus"])
+    with pytest.raises(SystemExit, match="needs tcp://HOST:PORT endpoints, got ipc:///tmp/kv"):
+        cli_main(["watch", "--kv-events", "ipc:///tmp/kv", "--data-parallel-size", "2"])
     with pytest.raises(SystemExit, match="http"):
         cli_main(["watch", "--llama-server", "localhost:8080"])
 

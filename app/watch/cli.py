@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
                         "(e.g. tcp://127.0.0.1:5557)")
     p.add_argument("--kv-events-replay", nargs="+", metavar="ENDPOINT", default=[],
                    help="replay endpoints, in the same order as --kv-events (repairs sequence gaps)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="each endpoint is a vLLM started with this many data-parallel ranks: watch ports "
+                        "PORT..PORT+N-1 (vLLM adds the rank to the port), replay ports likewise")
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per block, for feeds whose events do not say")
@@ -40,6 +43,21 @@ def add_parser(sub) -> None:
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no line per batch")
     p.set_defaults(func=run)
+
+
+def rank_endpoints(endpoints: list[str], ranks: int) -> list[str]:
+    """Each tcp endpoint once per data-parallel rank, its port offset by the rank (as vLLM binds them)."""
+    if ranks < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {ranks}")
+    if ranks == 1:
+        return endpoints
+    out = []
+    for ep in endpoints:
+        base, _, port = ep.rpartition(":")
+        if not ep.startswith("tcp://") or not port.isdigit():
+            raise ValueError(f"--data-parallel-size needs tcp://HOST:PORT endpoints, got {ep}")
+        out.extend(f"{base}:{int(port) + r}" for r in range(ranks))
+    return out
 
 
 def _write_json(path: str | None, data: dict) -> None:
@@ -89,8 +107,9 @@ def run(args) -> int:
 
     from .subscriber import Watcher
     try:
-        endpoints = [normalize_endpoint(e) for e in args.kv_events]
-        replays = [normalize_endpoint(e) for e in args.kv_events_replay]
+        endpoints = rank_endpoints([normalize_endpoint(e) for e in args.kv_events], args.data_parallel_size)
+        replays = rank_endpoints([normalize_endpoint(e) for e in args.kv_events_replay],
+                                 args.data_parallel_size)
         watcher = Watcher(endpoints, replays, topic=args.topic, block_size=args.block_size,
                           max_blocks=args.max_blocks, max_frame=int(args.max_frame_mb * 1024 * 1024))
     except ValueError as e:
