@@ -49,6 +49,14 @@ def _busy_seconds() -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def _load_average() -> float:
+    """Runnable processes averaged over the last minute (0 where the OS does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
 def _own_seconds() -> float:
     t = os.times()
     return t.user + t.system
@@ -65,7 +73,9 @@ class BlasThreads:
         self.pinned: int | None = None  # a fixed count (the bench's 1-thread diagnostic)
         self._current: int | None = None
         self._sample = (time.monotonic(), _busy_seconds(), _own_seconds())
-        self.free = float(self.cores)  # cores the other processes left free in the last window
+        # cores the other processes left free in the last window; before the first window
+        # the load average says (it does not count this process, which has only just started)
+        self.free = max(0.0, float(self.cores) - _load_average())
 
     def _refresh(self) -> None:
         now = time.monotonic()

@@ -15,12 +15,13 @@ def blas_count() -> int:
 @pytest.fixture
 def machine(monkeypatch):
     """A clock and CPU counters the test moves: `busy` is every core's busy time, `own` ours."""
-    state = {"now": 100.0, "busy": 1000.0, "own": 10.0}
+    state = {"now": 100.0, "busy": 1000.0, "own": 10.0, "load": 0.0}
     monkeypatch.setattr(threads.time, "monotonic", lambda: state["now"])
     monkeypatch.setattr(threads, "_busy_seconds", lambda: state["busy"])
     monkeypatch.setattr(threads, "_own_seconds", lambda: state["own"])
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads, "_load_average", lambda: state["load"])
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):  # conftest caps the suite at 1
         monkeypatch.delenv(name, raising=False)
     yield state
@@ -50,6 +51,13 @@ def test_threads_follow_the_free_cores(machine):
         assert chooser.fit(256) == 1 and blas_count() == 1
     finally:
         threadpool_limits(before, user_api="blas")
+
+
+def test_a_loaded_machine_gets_one_thread_from_the_first_pass(machine):
+    machine["load"] = 5.0                                            # others keep both cores busy
+    assert threads.BlasThreads().choose(128) == 1                    # before any /proc/stat window
+    machine["load"] = 0.2
+    assert threads.BlasThreads().choose(128) == 2
 
 
 def test_the_users_thread_setting_is_a_cap(machine, monkeypatch):
