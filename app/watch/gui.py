@@ -101,6 +101,9 @@ def install_watch_action(main_window: QMainWindow) -> QAction:
         if win is None:
             # A child of the main window (still its own window): it closes when the app does.
             win = main_window._watch_window = WatchWindow(main_window)
+            closing = getattr(main_window, "closing", None)  # the app's window says when it closes
+            if closing is not None:
+                closing.connect(win.stop_watching)
         win.show()
         win.raise_()
         win.activateWindow()
