@@ -53,6 +53,7 @@ class WatchWindow(QMainWindow):
         self.store.setValue("watch/replay_endpoints", " ".join(replays))
         self.store.setValue("watch/topic", topic)
         self.store.sync()
+        self.view.set_fields(endpoints, replays, topic)
         self.view.clear()
         self.view.prepare(len(endpoints))
         self.view.set_connected(True, f"Watching {len(endpoints)} engine(s); waiting for events…")
