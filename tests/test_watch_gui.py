@@ -64,3 +64,14 @@ def test_file_menu_opens_the_watch_window(qtbot, gui_settings):
     act.trigger()  # once open, the same window comes back to the front
     assert main._watch_window is first
     first.close()
+
+
+def test_the_apps_file_menu_has_watch_a_server(qtbot, gui_settings):
+    from app.desktop import Desktop
+    desk = Desktop(autoload=False)
+    qtbot.addWidget(desk.window)
+    file_menu = next(a.menu() for a in desk.window.menuBar().actions() if a.text() == "&File")
+    (act,) = [a for a in file_menu.actions() if a.text() == "&Watch a server…"]
+    act.trigger()
+    assert desk.window._watch_window.isVisible()
+    desk.window.close()
