@@ -1,4 +1,4 @@
-"""The `prefixlab` command: the desktop app by default, or generate / run / bench."""
+"""The `prefixlab` command: the desktop app by default, or generate / run / bench / serve."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     run_headless.add_parser(sub)
     bench.add_parser(sub)
+    from .serve import cli as serve_cli
+    serve_cli.add_parser(sub)
     return parser
 
 
