@@ -12,7 +12,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-CONTEXT_TOKENS = 8   # tokens of shared text shown before a difference
+CONTEXT_TOKENS = 12  # tokens of shared text shown before a difference (as the cache panel)
 TOP_POSITIONS = 5
 
 
