@@ -1,0 +1,131 @@
+"""`prefixlab serve` with API keys: loading, authentication, tenants and salts, a full queue, a used port."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from app.cli import main
+from app.serve.runner import ServeError, Server, bind
+from engine.prefix_cache import blake2b_64
+from engine.scheduler import Scheduler
+from tests.serve_helpers import pages_held_by_sessions, wait_idle
+
+pytestmark = pytest.mark.model
+KEYS = ["key-alice", "key-bob"]
+SYSTEM = "You are the concierge of the Grand Hotel. Breakfast is served from seven to ten. Be brief."
+
+
+def namespace_blind(data: bytes) -> int:
+    """A forced collision: the root page's key ignores the namespace, so tenants' keys coincide."""
+    if data.startswith(b"ns:"):
+        data = data[data.index(b"\0") + 1:]
+    return blake2b_64(data)
+
+
+@pytest.fixture(scope="module")
+def served(real_model):
+    """A server whose model 'loads' until the gate opens; what it answered meanwhile."""
+    gate = threading.Event()
+
+    def factory():
+        gate.wait(60)
+        sch = Scheduler(real_model, max_streams=1, max_queue=1)
+        sch.cache.hash_fn = namespace_blind
+        return sch
+
+    srv = Server(factory, port=0, api_keys=KEYS).start()
+    headers = {"authorization": f"Bearer {KEYS[0]}"}
+    while_loading = {
+        "health": httpx.get(srv.url + "/health"),
+        "chat": httpx.post(srv.url + "/v1/chat/completions", headers=headers,
+                           json={"messages": [{"role": "user", "content": "hi"}]}),
+        "models": httpx.get(srv.url + "/v1/models", headers=headers),
+    }
+    gate.set()
+    srv.engine.ready.wait(60)
+    yield srv, while_loading
+    srv.stop()
+
+
+def client_for(srv, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+
+
+def cached(client, system: str = SYSTEM, salt: str | None = None) -> int:
+    extra = {"cache_salt": salt} if salt else None
+    r = client.chat.completions.create(model="m", max_tokens=1, extra_body=extra, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "When is breakfast?"}])
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_503_while_the_model_loads_then_200(served):
+    srv, loading = served
+    assert loading["health"].status_code == 503 and loading["health"].json()["status"] == "loading"
+    for name in ("chat", "models"):
+        assert loading[name].status_code == 503
+        assert "loading" in loading[name].json()["error"]["message"]
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_wrong_or_missing_key_is_401_and_the_right_one_is_served(served):
+    srv, _ = served
+    with pytest.raises(openai.AuthenticationError):
+        client_for(srv, "key-mallory").models.list()
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert [m.id for m in client_for(srv, KEYS[1]).models.list()]
+
+
+def test_two_tenants_never_share_a_page_even_when_their_keys_collide(served):
+    srv, _ = served
+    alice, bob = client_for(srv, KEYS[0]), client_for(srv, KEYS[1])
+    assert cached(alice) == 0
+    assert cached(alice) > 0           # alice hits her own pages
+    # Same prompt, same page key (the hash ignores the namespace), but bob is another tenant:
+    # tokens verify the namespace too, so he attaches nothing.
+    cache = srv.engine.scheduler.cache
+    page0 = next(iter(cache.pages.values()))
+    assert cache.page_key(None, page0.tokens, "another-tenant") == page0.key
+    assert cached(bob) == 0
+    assert cached(bob) == 0
+
+
+def test_cache_salt_is_its_own_namespace(served):
+    srv, _ = served
+    alice = client_for(srv, KEYS[0])
+    system = "You are the gardener of the Grand Hotel. Answer in one short sentence."
+    assert cached(alice, system, salt="s1") == 0
+    assert cached(alice, system, salt="s1") > 0
+    assert cached(alice, system, salt="s2") == 0
+
+
+def test_full_queue_is_503_and_the_server_keeps_serving(served):
+    srv, _ = served
+    headers = {"authorization": f"Bearer {KEYS[0]}"}
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300,
+            "stream": True}
+    url = srv.url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, headers=headers) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+        with httpx.stream("POST", url, json=body, headers=headers) as queued:
+            assert queued.status_code == 200  # accepted: it waits for the one stream
+            full = httpx.post(url, headers=headers, json={"messages": [{"role": "user", "content": "hi"}]})
+    assert full.status_code == 503 and full.json()["error"]["code"] == "server_busy"
+    wait_idle(srv)
+    assert pages_held_by_sessions(srv) == 0
+    ok = client_for(srv, KEYS[0]).chat.completions.create(
+        model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert ok.usage.completion_tokens == 2
+
+
+def test_port_in_use_is_a_clear_error_at_start(served):
+    srv, _ = served
+    with pytest.raises(ServeError, match=f"127.0.0.1:{srv.http.port}: the port is in use"):
+        bind("127.0.0.1", srv.http.port)
+    with pytest.raises(SystemExit, match="port is in use"):
+        main(["serve", "--port", str(srv.http.port)])  # refused before loading the model
