@@ -53,6 +53,7 @@ class ParsedRequest:
     model: str = ""
     user: str = ""
     cache_salt: str = ""
+    ignore_eos: bool = False
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -104,6 +105,7 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
     req.model = _typed(body, "model", str, "a string", "")
     req.user = _typed(body, "user", str, "a string", "")
     req.cache_salt = _typed(body, "cache_salt", str, "a string", "")
+    req.ignore_eos = _typed(body, "ignore_eos", bool, "true or false", False)  # vLLM's extension
     req.stream = _typed(body, "stream", bool, "true or false", False)
     options = _typed(body, "stream_options", dict, "an object", {})
     req.include_usage = _typed(options, "include_usage", bool, "true or false", False)

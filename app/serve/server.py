@@ -183,6 +183,8 @@ def _submit_kwargs(req: ParsedRequest, model, namespace: str) -> dict:
     """`Scheduler.submit` arguments: no token limit but the context unless the client sets one."""
     common = {"sampling": req.sampling, "max_new_tokens": req.max_tokens or model.config.context_length,
               "namespace": namespace}
+    if req.ignore_eos:
+        common["stop_ids"] = []  # exactly max_tokens tokens (benchmarks)
     if req.chat:
         last_user = next((m["content"] for m in reversed(req.messages) if m["role"] == "user"), "")
         return {"messages": req.messages, "preview": last_user[:60], **common}
