@@ -14,9 +14,9 @@ import importlib.util
 import os
 import socket
 
-from .bench_common import child_env, figure, ratio
-from .scenario import SCENARIO_DIR, load_scenario
-from .serve import loadtest
+from ..scenario import SCENARIO_DIR, load_scenario
+from ..serve import loadtest
+from .common import child_env, figure, ratio
 
 ISSUE = "OpenAI server"
 W8 = os.path.join(SCENARIO_DIR, "w8.json")
@@ -43,7 +43,9 @@ def serve_figures(model_path: str, quick: bool, eos_ids: tuple[int, ...]) -> tup
     sc = load_scenario(W8)
     prompts = sc.prompts[:2] if quick else sc.prompts
     max_new = 2 if quick else sc.max_new_tokens
-    env = child_env()
+    # Both servers get the same number of threads: OpenBLAS's for ours, n_threads for llama.cpp.
+    threads = int(os.environ.get("OPENBLAS_NUM_THREADS") or os.cpu_count() or 1)
+    env = child_env(OPENBLAS_NUM_THREADS=str(threads))
     port = free_port()
     ours = _measure([loadtest.python(), "-m", "app.cli", "serve", "--model", model_path, "--port", str(port),
                      "--max-streams", str(len(prompts))],
@@ -55,14 +57,15 @@ def serve_figures(model_path: str, quick: bool, eos_ids: tuple[int, ...]) -> tup
                                        "to last token, prefixlab serve"),
         "serve_w8_hit_rate": figure(ours["hit_rate"], "ratio", ISSUE, note="cached / prompt tokens (usage)"),
     }
-    details = {"scenario": W8, "clients": len(prompts), "max_new": max_new, "prefixlab": ours}
+    details = {"scenario": W8, "clients": len(prompts), "max_new": max_new, "threads": threads,
+               "prefixlab": ours}
     if importlib.util.find_spec("llama_cpp") is None:
         details["llama_cpp"] = "not installed: no comparison"
         return figures, details
     port = free_port()
     bias = {"logit_bias": {str(t): -100 for t in eos_ids}}
     cmd = [loadtest.python(), "-m", "llama_cpp.server", "--model", model_path, "--host", "127.0.0.1",
-           "--port", str(port), "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 1),
+           "--port", str(port), "--n_ctx", "2048", "--n_threads", str(threads),
            # its default lets each new request cut off the one streaming: queue them instead
            "--interrupt_requests", "False"]
     theirs = _measure(cmd,
