@@ -129,3 +129,18 @@ def test_port_in_use_is_a_clear_error_at_start(served):
         bind("127.0.0.1", srv.http.port)
     with pytest.raises(SystemExit, match="port is in use"):
         main(["serve", "--port", str(srv.http.port)])  # refused before loading the model
+
+
+def test_stopping_the_server_ends_open_streams_cleanly(real_model):
+    from tests.serve_helpers import scheduler_on, start_server
+
+    srv = start_server(scheduler_on(real_model))
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 500,
+            "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+        threading.Thread(target=srv.stop).start()
+        rest = list(lines)  # the stream ends: a finish chunk and [DONE], no broken connection
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    assert any('"finish_reason": "stop"' in line for line in rest)

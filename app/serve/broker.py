@@ -53,6 +53,7 @@ class Job:
     request_id: int | None = None
     prompt: list[int] | None = None
     probe: ProbeResult | None = None
+    probed_at: tuple[int, int] | None = None  # the cache's (inserted, evicted) counts at the probe
 
 
 def _submit(scheduler, job: Job) -> int:
@@ -151,10 +152,13 @@ class RequestBroker:
 
     def _probe_queued(self, scheduler) -> None:
         """Probe each of our queued prompts now: the last probe before admission explains its attach."""
+        c = scheduler.cache.counters
+        stamp = (c.inserted_pages, c.evicted_pages)
         for s in scheduler.queue:
             job = self._by_request.get(s.id)
-            if job is not None:
+            if job is not None and job.probed_at != stamp:  # the cache changed since the last probe
                 job.probe = prefix_probe(scheduler.cache, s.prompt, s.record.namespace)
+                job.probed_at = stamp
 
     def dispatch(self, events: list) -> None:
         """Send each of our requests' events to its sink (other requests' events are left alone)."""

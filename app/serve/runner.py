@@ -110,5 +110,6 @@ class Server:
         return self
 
     def stop(self) -> None:
-        self.http.stop()
+        """Cancel what runs (streams end with their finish chunk), then close the connections."""
         self.engine.stop()
+        self.http.stop()
