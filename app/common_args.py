@@ -58,7 +58,9 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults):
 
 def scheduler_settings_from_args(args) -> SchedulerSettings:
     """Checked SchedulerSettings from `add_scheduler_args` options (ValueError names the bad one)."""
-    settings = SchedulerSettings(args.max_streams, args.max_queue, args.chunk_tokens, args.page_rows,
-                                 args.pool_pages, args.cache_pages, not args.no_cache)
+    settings = SchedulerSettings(
+        max_streams=args.max_streams, max_queue=args.max_queue, chunk_tokens=args.chunk_tokens,
+        page_rows=args.page_rows, pool_pages=args.pool_pages, cache_pages=args.cache_pages,
+        cache_enabled=not args.no_cache)
     settings.validate()
     return settings

@@ -8,7 +8,7 @@ import httpx
 
 from app.serve.runner import Server
 from engine.metrics import PAGE_PRIVATE, PAGE_SHARED
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerSettings
 
 WAIT_S = 120.0
 
@@ -25,7 +25,7 @@ def start_server(factory, **kw) -> Server:
 
 def scheduler_on(model, **settings):
     """A factory for the engine thread: a Scheduler over an already loaded model."""
-    return lambda: Scheduler(model, **settings)
+    return lambda: Scheduler(model, SchedulerSettings(**settings))
 
 
 def wait_idle(server: Server) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from app.scenario import SCENARIO_DIR, load_scenario
 from engine import SamplingParams
-from engine.scheduler import FinishEvent, Scheduler
+from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings
 from tests.serve_helpers import pages_held_by_sessions, scheduler_on, start_server, wait_idle
 
 pytestmark = pytest.mark.model
@@ -53,7 +53,7 @@ def stream_one(client, messages, **kw) -> tuple[str, object, str]:
 
 def headless_texts(model, system: str, prompts: list[str], max_new: int) -> list[str]:
     """The same prompts through `prefixlab run`'s path: the scheduler, greedy."""
-    sch = Scheduler(model, max_streams=8, page_rows=PAGE_ROWS)
+    sch = Scheduler(model, SchedulerSettings(max_streams=8, page_rows=PAGE_ROWS))
     ids = [sch.submit(system=system, user=p, max_new_tokens=max_new, sampling=SamplingParams(temperature=0))
            for p in prompts]
     texts = {}

@@ -11,7 +11,7 @@ import pytest
 from app.cli import main
 from app.serve.runner import ServeError, Server, bind
 from engine.prefix_cache import blake2b_64
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerSettings
 from tests.serve_helpers import pages_held_by_sessions, wait_idle
 
 pytestmark = pytest.mark.model
@@ -33,7 +33,7 @@ def served(real_model):
 
     def factory():
         gate.wait(60)
-        sch = Scheduler(real_model, max_streams=1, max_queue=1)
+        sch = Scheduler(real_model, SchedulerSettings(max_streams=1, max_queue=1))
         sch.cache.hash_fn = namespace_blind
         return sch
 

@@ -56,14 +56,6 @@ class Job:
     probed_at: tuple[int, int] | None = None  # the cache's (inserted, evicted) counts at the probe
 
 
-def _submit(scheduler, job: Job) -> int:
-    # Until the scheduler takes `arrival` and `client` (issue 10), TTFT counts from submit.
-    import inspect
-    params = inspect.signature(scheduler.submit).parameters
-    extra = {k: v for k, v in (("arrival", job.arrival), ("client", job.client)) if k in params}
-    return scheduler.submit(**job.submit_kwargs, **extra)
-
-
 class RequestBroker:
     """Thread-safe inbox of submissions and cancels; routes a step's events to their sinks."""
 
@@ -130,7 +122,7 @@ class RequestBroker:
                               "retry later", 503)
             return False
         try:
-            rid = _submit(scheduler, job)
+            rid = scheduler.submit(**job.submit_kwargs, arrival=job.arrival, client=job.client)
         except (SubmitRefused, ValueError) as e:
             self._refuse(job, str(e), 400)
             return False

@@ -29,7 +29,7 @@ def scheduler_factory(model_path: str | None, settings):
     def build():
         from engine import load_model
         from engine.scheduler import Scheduler
-        return Scheduler(load_model(model_path), **settings.to_dict())
+        return Scheduler(load_model(model_path), settings)
     return build
 
 
