@@ -74,6 +74,7 @@ def test_eight_concurrent_streams_share_the_system_prompt(server, client, real_m
     assert [t for t, _, _ in results] == headless_texts(real_model, W8.system, W8.prompts, MAX_TOKENS)
     wait_idle(server)
     assert pages_held_by_sessions(server) == 0
+    assert server.engine.scheduler.conversations == {}  # served chats leave nothing behind
 
 
 def test_whole_conversation_resent_each_turn_hits_the_last_answer(client):

@@ -152,7 +152,7 @@ class RequestBroker:
                 job.probe = prefix_probe(scheduler.cache, s.prompt, s.record.namespace)
                 job.probed_at = stamp
 
-    def dispatch(self, events: list) -> None:
+    def dispatch(self, scheduler, events: list) -> None:
         """Send each of our requests' events to its sink (other requests' events are left alone)."""
         for ev in events:
             job = self._by_request.get(ev.request_id)
@@ -163,6 +163,9 @@ class RequestBroker:
             elif isinstance(ev, FinishEvent):
                 ev = FinishEvent(ev.request_id, ev.reason, copy.copy(ev.record))
                 self._forget(job)
+                # A client resends the whole chat each turn: the cache, not the scheduler's
+                # conversation, carries it over, so the one-turn conversation can go.
+                scheduler.conversations.pop(ev.record.conversation_id, None)
                 for observe in self.observers:
                     observe(job, ev)
                 job.sink(ev)

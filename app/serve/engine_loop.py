@@ -68,7 +68,7 @@ class EngineLoop:
                 self.step_error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
                 self._recover(s)
                 continue
-            self.broker.dispatch(events)
+            self.broker.dispatch(s, events)
             for fn in self.on_step:
                 fn(s, events)
         self._shutdown(s)
@@ -77,7 +77,7 @@ class EngineLoop:
         """After a failed step: cancel everything running so its pages go back."""
         s.cancel_all()
         try:
-            self.broker.dispatch(s.step())
+            self.broker.dispatch(s, s.step())
         except Exception:  # noqa: BLE001 - nothing more to save; the clients get an error
             pass
         self.broker.fail_all("the engine failed on this request; see the server log", 500)
@@ -87,5 +87,5 @@ class EngineLoop:
         for _ in range(3):  # one step reaps cancelled streams; the loop is only a guard
             if not s.has_work():
                 break
-            self.broker.dispatch(s.step())
+            self.broker.dispatch(s, s.step())
         self.broker.fail_all("the server is shutting down", 503)
