@@ -62,6 +62,8 @@ class EngineWorker(QObject):
     probe_ready = Signal(dict)
     cache_flushed = Signal(int)
     report_ready = Signal(str, object)   # path, report data (built here, rendered in the UI thread)
+    served_submitted = Signal(list)      # [(request_id, client, preview, n_prompt), ...] from HTTP clients
+    _served_waiting = Signal()           # an HTTP request arrived (emitted on the server's thread)
 
     def __init__(self):
         super().__init__()
@@ -82,12 +84,21 @@ class EngineWorker(QObject):
         self._timer = QTimer(self)
         self._timer.setInterval(0)
         self._timer.timeout.connect(self._pump)
+        self.broker = None  # app.serve.broker.RequestBroker while the Server toggle is on
+        self._served_waiting.connect(self._wake_for_served)
 
     # thread-safe flags (called from the UI thread) -------------------------
     def request_cancel(self, tags) -> None:
         """Stop these requests (by the tags they were submitted with) at the next step."""
         with self._lock:
             self._cancel_tags.update(tags)
+
+    def attach_broker(self, broker) -> None:
+        """Run HTTP requests from this broker on this worker's scheduler (None: stop taking them)."""
+        if broker is not None:
+            broker.wake = self._served_waiting.emit  # queued into this thread
+        self.broker = broker
+        self._served_waiting.emit()
 
     def request_shutdown(self) -> None:
         """Stop stepping at once; the queued `shutdown` slot then ends the thread."""
@@ -243,6 +254,7 @@ class EngineWorker(QObject):
             return
         try:
             self._apply_cancels(s)
+            self._take_served(s)
             if s.has_work():
                 self._emit_events(s.step())
         except Exception as e:  # noqa: BLE001 - a broken step must not kill the thread
@@ -254,7 +266,26 @@ class EngineWorker(QObject):
         else:
             self._emit_stats()
 
+    @Slot()
+    def _wake_for_served(self) -> None:
+        if self.broker is not None and self.scheduler is not None and not self._quitting \
+                and not self._timer.isActive():
+            self._busy = True
+            self._timer.start()
+
+    def _take_served(self, s: Scheduler) -> None:
+        broker = self.broker
+        if broker is None:
+            return
+        taken = broker.drain(s)
+        if taken:
+            self._busy = True
+            self.served_submitted.emit([(j.request_id, j.client, s.records[j.request_id].preview,
+                                         s.records[j.request_id].n_prompt) for j in taken])
+
     def _emit_events(self, events: list) -> None:
+        if self.broker is not None and self.scheduler is not None:
+            self.broker.dispatch(self.scheduler, events)
         pieces = [(ev.request_id, ev.text) for ev in events if isinstance(ev, TokenEvent)]
         if pieces:
             self.token_generated.emit(pieces)
@@ -315,6 +346,8 @@ class EngineWorker(QObject):
     def _new_scheduler(self) -> None:
         if self.model is None:
             return
+        if self.broker is not None:  # their requests lived in the old scheduler
+            self.broker.fail_all("the engine restarted (a new model or pool settings); retry")
         self.scheduler = Scheduler(self.model, SchedulerSettings(**self._settings.scheduler_kwargs()))
         self._maker = SnapshotMaker()
         self._tag_of.clear()

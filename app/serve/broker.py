@@ -86,6 +86,12 @@ class RequestBroker:
                 self._cancels.add(ticket)
         self.wake()
 
+    def cancel_all(self) -> None:
+        """Stop every job at the owner's next drain."""
+        with self._lock:
+            self._cancels.update(self._by_ticket)
+        self.wake()
+
     def pending(self) -> bool:
         """True while submissions or cancels wait for the owner."""
         with self._lock:

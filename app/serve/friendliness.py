@@ -61,16 +61,16 @@ class ClientStats:
 class Friendliness:
     """Per-client aggregates of served requests; fed by the broker, read by any thread."""
 
-    def __init__(self, tokenizer=None):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer_of=lambda: None):
+        self.tokenizer_of = tokenizer_of  # the loaded model's tokenizer, or None
         self._lock = threading.Lock()
         self._clients: dict[str, ClientStats] = {}
 
     def observe(self, job, finish) -> None:
         """Broker observer: one finished request (engine thread)."""
         r = finish.record
-        departure = explain(self.tokenizer, job.prompt, job.probe) \
-            if self.tokenizer is not None and job.prompt else None
+        tokenizer = self.tokenizer_of()
+        departure = explain(tokenizer, job.prompt, job.probe) if tokenizer and job.prompt else None
         if departure is not None and r.n_cached > departure.position:
             departure = None  # a stream prefilling the same prefix made it a hit after the probe
         with self._lock:

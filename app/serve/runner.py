@@ -73,31 +73,28 @@ class HttpThread:
         return self._thread.is_alive()
 
 
+def latest_row(scheduler) -> dict:
+    """The scheduler's last timeline row as a dict (a list's last item: safe from another thread)."""
+    rows = scheduler.timeline.rows if scheduler is not None else []
+    return rows[-1].to_dict() if rows else {}
+
+
 class Server:
     """`prefixlab serve` as an object: an EngineLoop over `factory()` behind the HTTP app."""
 
     def __init__(self, factory, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
                  cors: bool = False):
-        self.engine = EngineLoop(self._loaded(factory), RequestBroker())
+        self.engine = EngineLoop(factory, RequestBroker())
         self.backend = Backend(self.engine.broker, model=self._model, stats=self._stats,
                                load_error=lambda: self.engine.load_error)
         self.http = HttpThread(create_app(self.backend, api_keys, cors), host, port)
-
-    def _loaded(self, factory):
-        def build():
-            scheduler = factory()
-            self.backend.friendliness.tokenizer = scheduler.model.tokenizer
-            return scheduler
-        return build
 
     def _model(self):
         s = self.engine.scheduler
         return s.model if s is not None else None
 
     def _stats(self) -> dict:
-        s = self.engine.scheduler
-        rows = s.timeline.rows if s is not None else []
-        return rows[-1].to_dict() if rows else {}
+        return latest_row(self.engine.scheduler)
 
     @property
     def url(self) -> str:

@@ -50,10 +50,11 @@ class Backend:
     model: Callable[[], object | None]
     stats: Callable[[], dict]
     load_error: Callable[[], str | None] = lambda: None
-    friendliness: Friendliness = field(default_factory=Friendliness)
+    friendliness: Friendliness = field(init=False)
     ttft: metrics.TtftHistogram = field(default_factory=metrics.TtftHistogram)
 
     def __post_init__(self):
+        self.friendliness = Friendliness(lambda: getattr(self.model(), "tokenizer", None))
         self.broker.observers += [self.friendliness.observe, self.ttft.observe]
 
 

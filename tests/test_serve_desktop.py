@@ -1,0 +1,56 @@
+"""The app's Server toggle: HTTP requests run on the worker's own scheduler, beside typed prompts."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+from app.serve.desktop import DesktopServer  # noqa: E402
+from app.settings import AppSettings  # noqa: E402
+from app.worker import EngineClient  # noqa: E402
+
+SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint."
+
+
+@pytest.fixture
+def client(qtbot, tiny_gguf_path):
+    c = EngineClient()
+    try:
+        c.apply_settings(AppSettings(page_rows=4, max_streams=4))
+        with qtbot.waitSignal(c.worker.model_loaded, timeout=60_000):
+            c.load_model(tiny_gguf_path)
+        yield c
+    finally:
+        c.shutdown()
+
+
+def test_http_requests_run_on_the_apps_scheduler_and_reach_the_window(qtbot, client):
+    server = DesktopServer(client.worker)
+    url = server.start(port=0)
+    served, finished = [], []
+    client.worker.served_submitted.connect(served.extend)
+    client.worker.request_finished.connect(finished.append)
+    try:
+        # A typed prompt first: its pages are in the scheduler the HTTP request then uses.
+        with qtbot.waitSignal(client.worker.run_finished, timeout=60_000):
+            client.submit([{"tag": "t1", "system": SYSTEM, "user": "Do you sell drills?",
+                            "max_new_tokens": 4, "sampling": {"temperature": 0.0}}])
+        body = {"model": "gpt-4o", "user": "bob", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paint?"}]}
+        with qtbot.waitSignal(client.worker.run_finished, timeout=60_000):
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the typed prompt's pages
+        qtbot.waitUntil(lambda: len(finished) == 2)
+    finally:
+        server.stop()
+    (rid, label, preview, n_prompt), = served
+    assert label == "http 127.0.0.1 model=gpt-4o user=bob" and preview == "Paint?"
+    record = next(rec for rec in finished if rec.id == rid)
+    assert record.client == label and record.n_cached > 0 and record.n_prompt == n_prompt
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=2)  # the toggle is off: nothing listens
