@@ -37,7 +37,7 @@ def served(real_model):
         sch.cache.hash_fn = namespace_blind
         return sch
 
-    srv = Server(factory, port=0, api_keys=KEYS).start()
+    srv = Server(factory, port=0, api_keys=KEYS, default_max_tokens=3).start()
     headers = {"authorization": f"Bearer {KEYS[0]}"}
     while_loading = {
         "health": httpx.get(srv.url + "/health"),
@@ -101,6 +101,13 @@ def test_cache_salt_is_its_own_namespace(served):
     assert cached(alice, system, salt="s1") == 0
     assert cached(alice, system, salt="s1") > 0
     assert cached(alice, system, salt="s2") == 0
+
+
+def test_a_request_without_max_tokens_gets_the_servers_default(served):
+    srv, _ = served
+    r = client_for(srv, KEYS[0]).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Tell me a long story about a dragon."}])
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
 def test_full_queue_is_503_and_the_server_keeps_serving(served):

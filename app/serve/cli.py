@@ -7,6 +7,7 @@ import sys
 import threading
 
 from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
+from .server import DEFAULT_MAX_TOKENS
 
 SERVE_MAX_STREAMS = 8  # HTTP traffic comes in bursts of many clients: batch them
 
@@ -20,6 +21,9 @@ def add_parser(sub) -> None:
                    help="require this bearer key (repeat for several tenants; each key is its own "
                         "cache namespace); also read from PREFIXLAB_API_KEY")
     p.add_argument("--cors", action="store_true", help="allow cross-origin requests from any web page")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help="answer limit of a request that sets no max_tokens (pages are reserved for it "
+                        f"at admission; default {DEFAULT_MAX_TOKENS})")
     add_scheduler_args(p, max_streams=SERVE_MAX_STREAMS)
     p.set_defaults(func=run)
 
@@ -38,12 +42,14 @@ def run(args) -> int:
 
     try:
         settings = scheduler_settings_from_args(args)
+        if args.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     except ValueError as e:
         raise SystemExit(f"prefixlab serve: {e}") from None
     keys = list(args.api_key) + [k for k in [os.environ.get("PREFIXLAB_API_KEY")] if k]
     try:
         server = Server(scheduler_factory(getattr(args, "model", None), settings), args.host, args.port,
-                        api_keys=keys, cors=args.cors).start()
+                        api_keys=keys, cors=args.cors, default_max_tokens=args.default_max_tokens).start()
     except ServeError as e:
         raise SystemExit(f"prefixlab serve: {e}") from None
     print(f"prefixlab serve: listening on {server.url}/v1 (loading the model...)", flush=True)

@@ -10,7 +10,7 @@ import uvicorn
 
 from .broker import RequestBroker
 from .engine_loop import EngineLoop
-from .server import Backend, create_app
+from .server import DEFAULT_MAX_TOKENS, Backend, create_app
 
 START_TIMEOUT_S = 30.0
 
@@ -83,10 +83,11 @@ class Server:
     """`prefixlab serve` as an object: an EngineLoop over `factory()` behind the HTTP app."""
 
     def __init__(self, factory, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
-                 cors: bool = False):
+                 cors: bool = False, default_max_tokens: int = DEFAULT_MAX_TOKENS):
         self.engine = EngineLoop(factory, RequestBroker())
         self.backend = Backend(self.engine.broker, model=self._model, stats=self._stats,
-                               load_error=lambda: self.engine.load_error)
+                               load_error=lambda: self.engine.load_error,
+                               default_max_tokens=default_max_tokens)
         self.http = HttpThread(create_app(self.backend, api_keys, cors), host, port)
 
     def _model(self):

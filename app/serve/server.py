@@ -40,6 +40,11 @@ from .protocol import (
 )
 
 DISCONNECT_POLL_S = 0.5
+# The answer limit of a request that sets none. OpenAI's is the context, but the scheduler
+# reserves every page a request may fill when it admits it (8192 positions of SmolLM2 are
+# ~450 MB of K/V per request), so the server caps it as llama.cpp's slots do; a request's own
+# max_tokens is honoured up to the context.
+DEFAULT_MAX_TOKENS = 1024
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Backend:
     model: Callable[[], object | None]
     stats: Callable[[], dict]
     load_error: Callable[[], str | None] = lambda: None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     friendliness: Friendliness = field(init=False)
     ttft: metrics.TtftHistogram = field(default_factory=metrics.TtftHistogram)
 
@@ -157,8 +163,9 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
         remote = request.client.host if request.client else "?"
         client = f"http {remote} model={req.model or '-'} user={req.user or '-'}"
         call = _Call(backend.broker, asyncio.get_running_loop())
-        call.submit(Job(_submit_kwargs(req, model, namespace_of(ns_tenant, req.cache_salt)), call.sink,
-                        client=client, arrival=arrival))
+        namespace = namespace_of(ns_tenant, req.cache_salt)
+        kwargs = _submit_kwargs(req, model, namespace, backend.default_max_tokens)
+        call.submit(Job(kwargs, call.sink, client=client, arrival=arrival))
         first = await call.next()
         if isinstance(first, Refused):
             raise ApiError(first.status, first.message, None,
@@ -180,10 +187,10 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
     return app
 
 
-def _submit_kwargs(req: ParsedRequest, model, namespace: str) -> dict:
-    """`Scheduler.submit` arguments: no token limit but the context unless the client sets one."""
-    common = {"sampling": req.sampling, "max_new_tokens": req.max_tokens or model.config.context_length,
-              "namespace": namespace}
+def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens: int) -> dict:
+    """`Scheduler.submit` arguments (the context stops an answer before any max_tokens does)."""
+    max_new = min(req.max_tokens or default_max_tokens, model.config.context_length)
+    common = {"sampling": req.sampling, "max_new_tokens": max_new, "namespace": namespace}
     if req.ignore_eos:
         common["stop_ids"] = []  # exactly max_tokens tokens (benchmarks)
     if req.chat:
