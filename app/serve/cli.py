@@ -28,12 +28,16 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def scheduler_factory(model_path: str | None, settings):
-    """Load the model and build its scheduler (runs on the engine thread)."""
+def scheduler_factory(model_path: str | None, settings, prepare=None):
+    """Load the model and build its scheduler on the engine thread; `prepare(scheduler)` then
+    runs before the first request (e.g. a KV-event publisher attaching to its cache)."""
     def build():
         from engine import load_model
         from engine.scheduler import Scheduler
-        return Scheduler(load_model(model_path), settings)
+        scheduler = Scheduler(load_model(model_path), settings)
+        if prepare is not None:
+            prepare(scheduler)
+        return scheduler
     return build
 
 

@@ -30,7 +30,6 @@ class EngineLoop:
         self.ready = threading.Event()        # set once the scheduler exists (or loading failed)
         self.load_error: str | None = None
         self.step_error: str | None = None    # the last step that raised (the loop lives on)
-        self.on_step: list[Callable[[object, list], None]] = []  # (scheduler, events), engine thread
         self._thread = threading.Thread(target=self._run, name="prefixlab-serve-engine", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -69,8 +68,6 @@ class EngineLoop:
                 self._recover(s)
                 continue
             self.broker.dispatch(s, events)
-            for fn in self.on_step:
-                fn(s, events)
         self._shutdown(s)
 
     def _recover(self, s) -> None:
