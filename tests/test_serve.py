@@ -10,9 +10,8 @@ import httpx
 import openai
 import pytest
 
+from app.cli import main
 from app.scenario import SCENARIO_DIR, load_scenario
-from engine import SamplingParams
-from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings
 from tests.serve_helpers import pages_held_by_sessions, scheduler_on, start_server, wait_idle
 
 pytestmark = pytest.mark.model
@@ -51,18 +50,16 @@ def stream_one(client, messages, **kw) -> tuple[str, object, str]:
     return "".join(text), usage, finish
 
 
-def headless_texts(model, system: str, prompts: list[str], max_new: int) -> list[str]:
-    """The same prompts through `prefixlab run`'s path: the scheduler, greedy."""
-    sch = Scheduler(model, SchedulerSettings(max_streams=8, page_rows=PAGE_ROWS))
-    ids = [sch.submit(system=system, user=p, max_new_tokens=max_new, sampling=SamplingParams(temperature=0))
-           for p in prompts]
-    texts = {}
-    sch.run_until_done(lambda ev: texts.__setitem__(ev.request_id, ev.record.text)
-                       if isinstance(ev, FinishEvent) else None)
-    return [texts[i] for i in ids]
+def run_texts(tmp_path, scenario: str, max_new: int) -> list[str]:
+    """The answers `prefixlab run --scenario ... --json` gives (greedy), in prompt order."""
+    out = tmp_path / "run.json"
+    assert main(["run", "--scenario", scenario, "--max-new", str(max_new), "--max-streams", "8",
+                 "--page-rows", str(PAGE_ROWS), "--temp", "0", "--quiet", "--json", str(out)]) == 0
+    requests = sorted(json.loads(out.read_text())["requests"], key=lambda r: r["id"])
+    return [r["text"] for r in requests]
 
 
-def test_eight_concurrent_streams_share_the_system_prompt(server, client, real_model):
+def test_eight_concurrent_streams_share_the_system_prompt(server, client, tmp_path):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda q: stream_one(client, chat(W8.system, q), max_tokens=MAX_TOKENS),
                                 W8.prompts))
@@ -71,7 +68,7 @@ def test_eight_concurrent_streams_share_the_system_prompt(server, client, real_m
     assert sum(c > 0 for c in cached) >= 6, cached
     assert all(c % PAGE_ROWS == 0 for c in cached), cached
     assert all(usage.completion_tokens == MAX_TOKENS for _, usage, _ in results)
-    assert [t for t, _, _ in results] == headless_texts(real_model, W8.system, W8.prompts, MAX_TOKENS)
+    assert [t for t, _, _ in results] == run_texts(tmp_path, W8.path, MAX_TOKENS)
     wait_idle(server)
     assert pages_held_by_sessions(server) == 0
     assert server.engine.scheduler.conversations == {}  # served chats leave nothing behind
