@@ -151,3 +151,26 @@ def test_stopping_the_server_ends_open_streams_cleanly(real_model):
         rest = list(lines)  # the stream ends: a finish chunk and [DONE], no broken connection
     assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
     assert any('"finish_reason": "stop"' in line for line in rest)
+
+
+def test_an_engine_failure_is_a_500_error_object_and_the_next_request_is_served(served):
+    srv, _ = served
+    sch = srv.engine.scheduler
+    real_step = sch.step
+
+    def broken_step():
+        del sch.step  # fail once, then the real method again
+        raise FloatingPointError("a step broke")
+
+    sch.step = broken_step
+    headers = {"authorization": f"Bearer {KEYS[0]}"}
+    r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 500 and "Traceback" not in r.text and r.json()["error"]["message"]
+    assert "a step broke" in srv.engine.step_error
+    assert sch.step == real_step
+    wait_idle(srv)
+    assert pages_held_by_sessions(srv) == 0
+    ok = client_for(srv, KEYS[0]).chat.completions.create(
+        model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert ok.usage.completion_tokens == 2

@@ -71,13 +71,13 @@ class EngineLoop:
         self._shutdown(s)
 
     def _recover(self, s) -> None:
-        """After a failed step: cancel everything running so its pages go back."""
+        """After a failed step: every open request gets an error, and its pages go back."""
+        self.broker.fail_all(f"the engine failed: {self.step_error.splitlines()[0]}", 500)
         s.cancel_all()
         try:
-            self.broker.dispatch(s, s.step())
-        except Exception:  # noqa: BLE001 - nothing more to save; the clients get an error
+            s.step()  # reaps the cancelled streams
+        except Exception:  # noqa: BLE001 - the next request's step tries again
             pass
-        self.broker.fail_all("the engine failed on this request; see the server log", 500)
 
     def _shutdown(self, s) -> None:
         s.cancel_all()
