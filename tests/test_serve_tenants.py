@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
+from app.bench.serve import free_port
 from app.cli import main
+from app.scenario import REPO_ROOT
 from app.serve.runner import ServeError, Server, bind
 from engine.prefix_cache import blake2b_64
 from engine.scheduler import Scheduler, SchedulerSettings
@@ -174,3 +181,29 @@ def test_an_engine_failure_is_a_500_error_object_and_the_next_request_is_served(
     ok = client_for(srv, KEYS[0]).chat.completions.create(
         model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert ok.usage.completion_tokens == 2
+
+
+def test_the_prefixlab_serve_command_serves_until_interrupted():
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OPENBLAS_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--max-streams", "2"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "prefixlab serve did not start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            time.sleep(0.1)
+        r = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0).chat.completions.create(
+            model="gpt-4o", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert r.usage.completion_tokens == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert f"ready; point clients at OPENAI_BASE_URL=http://127.0.0.1:{port}/v1" in out
