@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     run_headless.add_parser(sub)
     bench.add_parser(sub)
+    from .watch import cli as watch_cli
+    watch_cli.add_parser(sub)
     from .serve import cli as serve_cli
     serve_cli.add_parser(sub)
     return parser

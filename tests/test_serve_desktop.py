@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 from app.serve.desktop import DesktopServer  # noqa: E402
 from app.settings import AppSettings  # noqa: E402
 from app.worker import EngineClient  # noqa: E402
+from engine import SamplingParams  # noqa: E402
 
 SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint."
 
@@ -20,9 +21,14 @@ SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint
 def client(qtbot, tiny_gguf_path):
     c = EngineClient()
     try:
+        # Signals of the worker's thread land in lists (waitSignal's timer may only stop in ours).
+        c.loaded, c.served, c.finished = [], [], []
+        c.worker.model_loaded.connect(c.loaded.append)
+        c.worker.served_submitted.connect(c.served.extend)
+        c.worker.request_finished.connect(c.finished.append)
         c.apply_settings(AppSettings(page_rows=4, max_streams=4))
-        with qtbot.waitSignal(c.worker.model_loaded, timeout=60_000):
-            c.load_model(tiny_gguf_path)
+        c.load_model(tiny_gguf_path)
+        qtbot.waitUntil(lambda: bool(c.loaded), timeout=60_000)
         yield c
     finally:
         c.shutdown()
@@ -31,18 +37,16 @@ def client(qtbot, tiny_gguf_path):
 def test_http_requests_run_on_the_apps_scheduler_and_reach_the_window(qtbot, client):
     server = DesktopServer(client.worker)
     url = server.start(port=0)
-    served, finished = [], []
-    client.worker.served_submitted.connect(served.extend)
-    client.worker.request_finished.connect(finished.append)
+    served, finished = client.served, client.finished
     try:
         # A typed prompt first: its pages are in the scheduler the HTTP request then uses.
-        with qtbot.waitSignal(client.worker.run_finished, timeout=60_000):
-            client.submit([{"tag": "t1", "system": SYSTEM, "user": "Do you sell drills?",
-                            "max_new_tokens": 4, "sampling": {"temperature": 0.0}}])
+        client.submit([{"tag": "t1", "system": SYSTEM, "user": "Do you sell drills?",
+                        "max_new_tokens": 4, "sampling": SamplingParams(temperature=0.0)}])
+        qtbot.waitUntil(lambda: len(finished) == 1, timeout=60_000)
+        assert finished[0].preview == "Do you sell drills?" and finished[0].finish_reason == "length"
         body = {"model": "gpt-4o", "user": "bob", "max_tokens": 4, "temperature": 0,
                 "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paint?"}]}
-        with qtbot.waitSignal(client.worker.run_finished, timeout=60_000):
-            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the typed prompt's pages
         qtbot.waitUntil(lambda: len(finished) == 2)

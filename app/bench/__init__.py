@@ -5,10 +5,10 @@ ratio divides two numbers of the same run. The table shows each figure with its 
 --json writes every figure, the raw measurements and the machine to a file.
 
 Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
-cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), serve ("OpenAI server":
-8 streaming clients against `prefixlab serve` and llama-cpp-python's server; not in --quick),
-and blas: a diagnostic of decode and prefill with 1 OpenBLAS thread vs the default (no target;
-not in --quick).
+cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
+the watcher's block events per second), serve ("OpenAI server": 8 streaming clients against
+`prefixlab serve` and llama-cpp-python's server; not in --quick), and blas: a diagnostic of
+decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 
-SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "serve", "blas")
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "blas")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 QUICK_SKIPS = ("blas", "serve")  # left out of --quick unless --only names them (serve: child servers)
 
@@ -142,6 +142,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("scheduler", lambda: bench_sched.scheduler_figures(m, quick))
         if "ui" in sections:
             section("ui", lambda: bench_ui.ui_figures(path, quick, tmp_cache if image_ready else None))
+        if "kv_events" in sections:
+            from .kv_events import kv_events_figures
+            section("kv_events", lambda: kv_events_figures(quick))
         if "serve" in sections:
             section("serve", lambda: bench_serve.serve_figures(path, quick, m.tokenizer.eos_ids))
     finally:
