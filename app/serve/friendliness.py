@@ -12,7 +12,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-CONTEXT_TOKENS = 12  # tokens of shared text shown before a difference (as the cache panel)
+from ..probe import departure
+
 TOP_POSITIONS = 5
 
 
@@ -31,9 +32,7 @@ def explain(tokenizer, prompt: list[int], probe) -> Departure | None:
     d = probe.first_diff_index if probe is not None else None
     if d is None or d >= len(prompt):
         return None
-    cached = tokenizer.decode([probe.cached_token]) if probe.cached_token is not None else None
-    return Departure(d, tokenizer.decode(prompt[max(0, d - CONTEXT_TOKENS):d]), tokenizer.decode([prompt[d]]),
-                     cached)
+    return Departure(d, *departure(tokenizer, prompt, probe))
 
 
 @dataclass
