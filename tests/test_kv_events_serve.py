@@ -139,3 +139,36 @@ def test_the_serve_command_publishes_its_cache_as_kv_events():
         out, _ = proc.communicate(timeout=60)
         guard.cancel()
     assert proc.returncode == 0, out
+
+
+def test_the_apps_server_toggle_publishes_the_workers_cache(qtbot, tiny_gguf_path):
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from app.serve.desktop import DesktopServer
+    from app.settings import AppSettings
+    from app.worker import EngineClient
+
+    assert "Server KV events: not a ZeroMQ endpoint" in AppSettings(server_kv_events="nope").errors()[0]
+    client, loaded = EngineClient(), []
+    client.worker.model_loaded.connect(loaded.append)
+    server, watcher = DesktopServer(client.worker), None
+    try:
+        client.apply_settings(AppSettings(page_rows=4, max_streams=4))
+        client.load_model(tiny_gguf_path)
+        qtbot.waitUntil(lambda: bool(loaded), timeout=60_000)
+        url = server.start(port=0, kv_events="127.0.0.1:0")
+        watcher = Watcher([server.publisher.endpoint])
+        assert server.publisher.wait_for_subscriber(10)
+        body = {"model": "m", "max_tokens": 3, "temperature": 0,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paint?"}]}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        cache = client.worker.scheduler.cache
+        state = watcher.states[0]
+        qtbot.waitUntil(lambda: watcher.poll(20) is not None and 0 < state.live == len(cache.pages),
+                        timeout=20_000)
+        assert state.block_hashes() == set(cache.pages)
+    finally:
+        server.stop()
+        if watcher is not None:
+            watcher.close()
+        client.shutdown()
+    assert server.publisher is None and cache.listeners == []
