@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-IMAGE_VERSION = 3  # 2: index.json carries its own checksum; 3: the output head [d, vocab]
+IMAGE_VERSION = 4  # 2: index.json carries its own checksum; 3: the output head [d, vocab]; 4: architectures
 ALIGN = 64
 CRC_BLOCK = 1 << 24
 
