@@ -86,9 +86,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def quant_mix(tensors) -> str:
-    """Tensor count per storage type, most common first: 'Q4_K x27, Q5_0 x81, ...' order by count."""
+    """Tensor count per storage type, quantized types first: 'Q4_K x27, Q5_0 x81, ..., F32 x109'."""
     counts = Counter(t.qtype.name for t in tensors)
-    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    order = sorted(counts, key=lambda k: (k.startswith(("F", "BF")), k))
+    return ", ".join(f"{k} x{counts[k]}" for k in order)
 
 
 def _quant_name(meta: dict, tensors: dict[str, TensorInfo]) -> str:
