@@ -30,7 +30,7 @@ def run(args) -> int:
         raise SystemExit("prefixlab generate: --max-new must be >= 1")
     m = load_model_or_exit(getattr(args, "model", None))
     if args.raw:
-        prompt = dl.encode(m, args.prompt)
+        prompt = m.tokenizer.encode_prompt(args.prompt)  # with the BOS a model like Gemma wants
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]

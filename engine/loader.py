@@ -206,7 +206,7 @@ def _tokenizer_info(gf: GGUFFile) -> tuple[dict, Tokenizer]:
 def _build(info: dict, arrays: dict[str, np.ndarray], path: str, size: int, t0: float,
            from_image: bool, tk: Tokenizer | None = None) -> Model:
     cfg = ModelConfig(**info["config"])
-    template, warning = checked_template(info["chat_template"])
+    template, warning = checked_template(info["chat_template"], info["arch"])
     tokenizer = TextTokenizer(
         tokenizer=tk or Tokenizer.from_str(info["tokenizer_json"]), chat_template=template,
         eos_ids=tuple(info["eos_ids"]), bos_id=info["bos_id"], add_bos=info["add_bos"],

@@ -10,6 +10,7 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from .chat_templates import BASE_MODEL_NOTE, family_template
 from .errors import ModelLoadError, TemplateError
 
 # llama.cpp token types (llama_token_type): CONTROL, USER_DEFINED and UNKNOWN tokens are
@@ -32,14 +33,19 @@ FALLBACK_TEMPLATE = (
 )
 
 
+# llama.cpp's "qwen2" split: Llama 3's with single digits.
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+SPLITS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+
+
 def _pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("smollm",):
         # llama.cpp splits digits one by one before the GPT-2 regex.
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3"):
+    if pre in SPLITS:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     return byte_level
@@ -305,14 +311,19 @@ def render_template(template: str, messages: list[dict], add_generation_prompt: 
         raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
 
-def checked_template(template: str | None) -> tuple[str, str]:
-    """The template to use and a warning when the GGUF's own one is unusable."""
+def checked_template(template: str | None, arch: str | None = None) -> tuple[str, str]:
+    """The template to use and a warning when the GGUF's own one is missing or unusable.
+
+    The fallback is the architecture's known turn format (Gemma's for gemma3), else plain ChatML.
+    """
+    family = family_template(arch)
+    name, fallback = family if family else ("plain ChatML", FALLBACK_TEMPLATE)
     if not template:
-        return FALLBACK_TEMPLATE, "the model has no chat template; using plain ChatML"
+        return fallback, f"the model has no chat template; using {name} ({BASE_MODEL_NOTE})"
     probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
              {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
     try:
         render_template(template, probe, True, bos_token="", eos_token="")
     except TemplateError as e:
-        return FALLBACK_TEMPLATE, f"{e}; using plain ChatML instead"
+        return fallback, f"{e}; using {name} instead"
     return template, ""

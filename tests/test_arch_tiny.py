@@ -143,3 +143,18 @@ def test_sliding_layers_read_only_the_pages_in_their_window(arch_models):
     pool.k[5, s.page_table[:4]] += 1.0                            # the global layer reads them all
     assert not np.allclose(dl.eval(m, s, [200]), clean)
     dl.release_kv_pages(s)
+
+
+def test_gemma_without_a_chat_template_uses_gemma_turns(arch_models):
+    tk = arch_models["gemma3"].tokenizer
+    assert "Gemma" in tk.template_warning and "continues text" in tk.template_warning
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]
+    text = tk.render_chat(messages)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n"
+                    "hello<end_of_turn>\n<start_of_turn>user\nand?<end_of_turn>\n<start_of_turn>model\n")
+    ids = tk.encode(text)
+    assert ids[:2] == [2, 4] and ids.count(2) == 1          # one BOS, then <start_of_turn>
+    assert tk.encode_prompt(text) == ids
+    # other families keep the ChatML fallback and its warning
+    assert "ChatML" in arch_models["llama-spm"].tokenizer.template_warning
