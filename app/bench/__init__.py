@@ -84,7 +84,7 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
 
     log = log or (lambda msg: None)
     sections = list(sections)
-    path = os.path.abspath(model_path) if model_path else dl.default_model_path()
+    path = dl.resolve_model(model_path)  # a file, or a built-in name such as gemma3-270m
     t_start = time.perf_counter()
     result: dict = {"schema": 1, "quick": quick, "sections_run": sections, "machine": machine_info(),
                     "model": {"path": path}, "figures": {}, "details": {}, "errors": {}}
@@ -125,7 +125,8 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             result["model"].update({
                 "name": m.name, "arch": m.arch, "quant": m.quant, "n_params": m.n_params,
                 "file_size": m.file_size, "matmul_bytes": m.weights.matmul_bytes(),
-                "from_image": m.from_image, "config": dict(m.config.__dict__)})
+                "from_image": m.from_image, "config": dict(m.config.__dict__),
+                "description": m.describe(), "quant_mix": m.quant_mix})
             if "prefill" in sections:
                 section("prefill", lambda: bench_engine.prefill_figures(m, quick))
             if "decode" in sections or "batch" in sections:  # the batch speedup needs single-stream

@@ -51,6 +51,7 @@ class ModelInfo:
     context_length: int
     n_layers: int
     vocab_size: int
+    description: str = ""   # architecture, tokenizer type and quantization mix (Model.describe)
 
 
 @dataclass
@@ -166,7 +167,8 @@ def model_info(model: Model) -> ModelInfo:
     return ModelInfo(file_name=os.path.basename(model.path), sha256=sha, file_size=int(model.file_size),
                      name=model.name, architecture=model.arch, quantization=model.quant,
                      parameters=int(model.n_params), context_length=int(cfg.context_length),
-                     n_layers=int(cfg.n_layers), vocab_size=int(cfg.vocab_size))
+                     n_layers=int(cfg.n_layers), vocab_size=int(cfg.vocab_size),
+                     description=model.describe())
 
 
 def machine_info() -> MachineInfo:
