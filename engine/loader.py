@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
+from .chat import checked_template
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, open_gguf, quant_mix, read_float_array, read_int_array, read_string_array
 from .registry import resolve_model
-from .tokenizer import TextTokenizer, build_tokenizer, checked_template
+from .tokenizer import TextTokenizer, build_tokenizer
 from .weight_image import read_image, write_image
 
 TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
