@@ -20,6 +20,8 @@ import traceback
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 import engine
+from engine.chat import chat_prompt as first_turn_prompt
+from engine.chat import turn_messages
 from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused, TokenEvent
 from engine.snapshot import SnapshotMaker
 
@@ -355,10 +357,7 @@ class EngineWorker(QObject):
 # probe -------------------------------------------------------------------------
 def chat_prompt(model, system: str, user: str) -> list[int]:
     """The tokens a first turn of (system, user) submits, exactly as the scheduler builds them."""
-    tok = model.tokenizer
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": user}]
-    return tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+    return first_turn_prompt(model.tokenizer, turn_messages(system, user))
 
 
 def probe_prompt(scheduler: Scheduler, system: str, user: str, namespace: str = "") -> dict:

@@ -159,8 +159,12 @@ def turn_messages(system: str | None, user: str) -> list[dict]:
 
 
 def chat_prompt(tok: TextTokenizer, messages: list[dict]) -> list[int]:
-    """The tokens of a first turn: the template over `messages`, with the generation prompt."""
-    return tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+    """The tokens of a first turn: the template over `messages`, with the generation prompt.
+
+    A whole prompt: it starts with BOS when the model wants one (Gemma), whether or not the
+    template writes it, and never with two.
+    """
+    return tok.encode_prompt(tok.render_chat(messages, add_generation_prompt=True))
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,7 @@ def start_turn(tok: TextTokenizer, conv: Conversation, new: list[dict]) -> Turn:
     if conv.history_tokens and after.startswith(before):
         prompt = conv.history_tokens + tuple(tok.encode(after[len(before):]))
     else:
-        prompt = tuple(tok.encode(after))
+        prompt = tuple(tok.encode_prompt(after))
     return Turn(conv, messages, prompt)
 
 

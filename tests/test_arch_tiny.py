@@ -158,3 +158,14 @@ def test_gemma_without_a_chat_template_uses_gemma_turns(arch_models):
     assert tk.encode_prompt(text) == ids
     # other families keep the ChatML fallback and its warning
     assert "ChatML" in arch_models["llama-spm"].tokenizer.template_warning
+
+
+def test_chat_prompts_start_with_one_bos_where_the_model_wants_it(arch_models):
+    from engine.chat import Conversation, chat_prompt, start_turn, turn_messages
+    first = {a: chat_prompt(m.tokenizer, turn_messages("Be brief.", "hi")) for a, m in arch_models.items()}
+    assert first["gemma3"][0] == 2 and first["gemma3"].count(2) == 1   # template writes <bos>
+    assert first["llama-spm"][0] == 1 and first["llama-spm"].count(1) == 1  # ChatML: BOS added
+    assert first["qwen2"] == dl.encode(  # add_bos_token false: nothing added
+        arch_models["qwen2"], arch_models["qwen2"].tokenizer.render_chat(turn_messages("Be brief.", "hi")))
+    turn = start_turn(arch_models["gemma3"].tokenizer, Conversation("c"), turn_messages("Be brief.", "hi"))
+    assert list(turn.prompt) == first["gemma3"]
