@@ -6,7 +6,9 @@ ratio divides two numbers of the same run. The table shows each figure with its 
 
 Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
 cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), and blas: a diagnostic
-of decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick).
+of decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick), and
+llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is installed
+(no target; not in --quick).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import shutil
 import sys
 import time
 
-SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "blas")
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "blas", "llama_cpp")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
-QUICK_SKIPS = ("blas",)  # diagnostics --quick leaves out unless --only names them
+QUICK_SKIPS = ("blas", "llama_cpp")  # diagnostics --quick leaves out unless --only names them
 
 
 def add_parser(sub) -> None:
@@ -33,7 +35,7 @@ def add_parser(sub) -> None:
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=argparse.SUPPRESS,
-                   help="GGUF model file (default: the bundled SmolLM2-135M-Instruct)")
+                   help="GGUF model file or built-in name (gemma3-270m; default: the bundled SmolLM2)")
     p.add_argument("--json", metavar="OUT.json", help="write every figure and the machine to this file")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for tests); not for targets")
     p.add_argument("--only", metavar="NAME,...",
@@ -140,6 +142,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("scheduler", lambda: bench_sched.scheduler_figures(m, quick))
         if "ui" in sections:
             section("ui", lambda: bench_ui.ui_figures(path, quick, tmp_cache if image_ready else None))
+        if "llama_cpp" in sections:
+            from .llama_cpp import llama_cpp_figures
+            section("llama_cpp", lambda: llama_cpp_figures(path, quick, result["figures"]))
     finally:
         shutil.rmtree(tmp_cache, ignore_errors=True)
     result["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -185,6 +190,8 @@ def format_table(result: dict) -> str:
     head = (f"prefixlab bench{' --quick' if result['quick'] else ''}: {m['cpu_model']}, "
             f"{m['cpus_usable']} CPUs, numpy {m['numpy']} "
             f"({m['blas'].get('name', '?')} {m['blas'].get('version', '')}), {m['timestamp']}")
+    if result["model"].get("description"):
+        head += f"\nmodel: {result['model'].get('name', '')}: {result['model']['description']}"
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
                                                             if t["missed"] else "")]
     ui = result["details"].get("ui")
