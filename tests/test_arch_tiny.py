@@ -13,6 +13,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import engine as dl
 from engine import model as em
@@ -169,3 +171,14 @@ def test_chat_prompts_start_with_one_bos_where_the_model_wants_it(arch_models):
         arch_models["qwen2"], arch_models["qwen2"].tokenizer.render_chat(turn_messages("Be brief.", "hi")))
     turn = start_turn(arch_models["gemma3"].tokenizer, Conversation("c"), turn_messages("Be brief.", "hi"))
     assert list(turn.prompt) == first["gemma3"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_characters="<"), max_size=40))
+def test_sentencepiece_round_trip(arch_models, text):
+    """Byte fallback covers every character; decode gives the text back (the SPM prefix space dropped)."""
+    for arch in ("gemma3", "llama-spm"):
+        m = arch_models[arch]
+        ids = dl.encode(m, text)
+        assert all(0 <= i < m.config.vocab_size for i in ids)
+        assert dl.decode(m, ids) == text, (arch, ids)
