@@ -194,7 +194,8 @@ def test_page_map_says_which_layers_still_read_a_page(arch_models):
     sch.step()                                                  # the whole prompt, one step
     snap = SnapshotMaker().take(sch)
     owned = sorted((p.first_position, p.read_by) for p in snap.pages.values() if rid in p.owners)
-    assert owned[0] == (0, "1 full-attention layer only (it lies before the 8-position window of the other 5)")
+    assert owned[0] == (0, "1 full-attention layer only "
+                           "(it lies before the 8-position window of the other 5)")
     assert owned[-1][1] == "all layers"
     while sch.has_work():
         sch.step()
