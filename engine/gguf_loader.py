@@ -128,6 +128,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     tied = "output.weight" not in tensors
     if not tied:
         shapes["output.weight"] = (cfg.vocab_size, cfg.d_model)
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+ scales RoPE frequencies by these divisors
+        shapes["rope_freqs.weight"] = (cfg.head_dim // 2,)
     for name, shape in shapes.items():
         t = tensors.get(name)
         if t is None:

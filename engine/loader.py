@@ -42,6 +42,7 @@ class Weights:
     attn_k_norm: np.ndarray | None = None     # [L, head_dim]
     post_attn_norm: np.ndarray | None = None  # [L, d]: norms of the block outputs (gemma3)
     post_ffn_norm: np.ndarray | None = None   # [L, d]
+    rope_freqs: np.ndarray | None = None      # [head_dim/2]: RoPE frequency divisors (Llama 3.1+)
 
     column_blocks: dict = field(default_factory=dict, repr=False)  # small-batch copies, made on first use
 
@@ -145,6 +146,8 @@ def _weight_arrays(gf: GGUFFile):
     if c.post_norms:
         arrays += [("post_attn_norm", per_layer((d,), "post_attention_norm")),
                    ("post_ffn_norm", per_layer((d,), "post_ffw_norm"))]
+    if "rope_freqs.weight" in gf.header.tensors:
+        arrays.append(("rope_freqs", lambda: gf.tensor("rope_freqs.weight")))
     if not gf.tied_output:  # tied: the embedding rows are read from the output head's columns
         arrays.append(("token_embd", lambda: gf.tensor("token_embd.weight")))
     head = "token_embd.weight" if gf.tied_output else "output.weight"
@@ -153,6 +156,8 @@ def _weight_arrays(gf: GGUFFile):
         arr = make()
         if not np.isfinite(arr).all():
             raise ModelLoadError(f"{gf.path}: weights '{name}' contain NaN or infinity")
+        if name == "rope_freqs" and not (arr > 0).all():
+            raise ModelLoadError(f"{gf.path}: rope_freqs.weight has a factor <= 0")
         yield name, arr
 
 

@@ -15,9 +15,11 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
 
 
-def rope_angles(positions: np.ndarray, head_dim: int, base: float,
-                scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def rope_angles(positions: np.ndarray, head_dim: int, base: float, scale: float = 1.0,
+                factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
+    if factors is not None:
+        inv_freq = inv_freq / factors                                               # Llama 3's rope_freqs
     angles = (positions[:, None] * scale).astype(np.float64) * inv_freq[None, :]  # [N, hd/2]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
@@ -178,14 +180,15 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
     return x + out                                               # [N, d]
 
 
-def layer_angles(cfg: ModelConfig, positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+def layer_angles(cfg: ModelConfig, positions: np.ndarray,
+                 factors: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """(cos, sin) [N, hd/2] of every layer; layers that share a RoPE base share the arrays."""
     made: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
     out = []
     for layer in range(cfg.n_layers):
         key = cfg.layer_rope(layer)
         if key not in made:
-            made[key] = rope_angles(positions, cfg.head_dim, *key)
+            made[key] = rope_angles(positions, cfg.head_dim, *key, factors)
         out.append(made[key])
     return out
 
@@ -202,7 +205,7 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
     counts = [len(t) for t in token_lists]
     tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
     positions = np.concatenate([np.arange(s.n_past, s.n_past + n) for s, n in zip(sessions, counts)])
-    angles = layer_angles(cfg, positions)                           # per layer: [N, hd/2] x 2
+    angles = layer_angles(cfg, positions, w.rope_freqs)             # per layer: [N, hd/2] x 2
     slots = page_slots(pool.page_rows, sessions, counts)
     x = np.asarray(w.token_embd[tokens], dtype=np.float32)          # [N, d]
     if cfg.scale_embeddings:

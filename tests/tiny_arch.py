@@ -2,7 +2,7 @@
 
 `write_arch_gguf(path, arch)` writes a small model of that architecture with seeded random
 float32 weights (so llama.cpp computes in float32 too) and the tokenizer the family uses:
-byte-level BPE for qwen2/qwen3 (tests/tiny_gguf.py's vocabulary), SentencePiece for
+byte-level BPE for qwen2/qwen3/llama3 (tests/tiny_gguf.py's vocabulary), SentencePiece for
 llama-spm and gemma3. The files are byte-identical on every run, so the llama.cpp logits
 stored in tests/data/tiny_arch_reference.json stay valid; `python -m tests.tiny_arch`
 regenerates them with llama-cpp-python.
@@ -19,7 +19,7 @@ from gguf import GGUFWriter, LlamaFileType
 
 from tests.tiny_gguf import tiny_vocab
 
-ARCHS = ("qwen2", "qwen3", "llama-spm", "gemma3")
+ARCHS = ("qwen2", "qwen3", "llama-spm", "gemma3", "llama3")
 REFERENCE_FILE = os.path.join(os.path.dirname(__file__), "data", "tiny_arch_reference.json")
 D_MODEL, N_HEADS, N_KV_HEADS, N_FF, CONTEXT = 64, 4, 2, 96, 256
 SPM_SPACE = "\u2581"
@@ -32,12 +32,15 @@ SHAPES = {
     # six layers: five sliding (window 8) and one global, as Gemma 3's pattern of 6
     "gemma3": ("gemma3", 6, 32, {"attention.key_length": 32, "attention.value_length": 32,
                                  "attention.sliding_window": 8}),
+    # Llama 3.1+: byte-level BPE with the llama-bpe split, RoPE frequencies divided by rope_freqs
+    "llama3": ("llama", 2, 16, {}),
 }
 PIECES = ["▁t", "he", "▁the", "▁a", "in", "er", "▁s", "ll", "▁w", "ou", "an", "▁and", "ing",
           "▁in", "▁he", "▁wh", "en", "on", "▁o", "or", "is", "▁is", "at", "▁c", "it", "▁it"]
 TEXTS = ["the wheel and the hill", "  two  spaces\nand a newline", "digits 12345, bytes é中🎉!",
          "<start_of_turn>user\nhi<end_of_turn>\n", "which is it?"]
 TOKENS = {"qwen2": [40, 41, 42, 3, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 5, 6],
+          "llama3": [7, 17, 27, 37, 47, 57, 67, 77, 87, 97, 107, 117, 127, 137, 147, 157, 167, 177],
           "qwen3": [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177, 188, 199]}
 
 
@@ -89,6 +92,8 @@ def _weights(arch: str, vocab: int, seed: int) -> dict[str, np.ndarray]:
         if gguf_arch == "gemma3":
             out |= {p + "post_attention_norm.weight": norm(), p + "post_ffw_norm.weight": norm()}
     out["output_norm.weight"] = norm()
+    if arch == "llama3":  # frequency divisors from 1 (high frequencies) to 8 (low), as Llama 3.1's
+        out["rope_freqs.weight"] = np.linspace(1.0, 8.0, hd // 2).astype(np.float32)
     if gguf_arch == "qwen2":  # untied, as Qwen2 7B; the others tie the head to the embedding
         out["output.weight"] = mat(vocab, d, 4.0)
     return out
@@ -105,9 +110,10 @@ def arch_metadata(arch: str) -> dict:
     meta[f"{gguf_arch}.rope.freq_base"] = 1e6 if gguf_arch == "gemma3" else 10000.0
     meta[f"{gguf_arch}.attention.layer_norm_rms_epsilon"] = 1e-6
     t = "tokenizer.ggml."
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "llama3"):
         tokens, merges, types = tiny_vocab()
-        meta |= {t + "model": "gpt2", t + "pre": "qwen2", t + "tokens": tokens, t + "token_type": types,
+        pre = "llama-bpe" if arch == "llama3" else "qwen2"
+        meta |= {t + "model": "gpt2", t + "pre": pre, t + "tokens": tokens, t + "token_type": types,
                  t + "merges": merges, t + "eos_token_id": 2, t + "add_bos_token": False}
     else:
         tokens, scores, types, ids = spm_vocab(arch)
