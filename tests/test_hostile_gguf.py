@@ -378,3 +378,13 @@ def test_hostile_architecture_metadata(tmp_path, case):
     message = load_error(_arch_file(tmp_path, "gemma3", **metadata))
     assert re.search(expected, message), f"{case}: {message}"
 
+
+
+@pytest.mark.parametrize("factors, expected", [
+    (np.zeros(8, np.float32), r"rope_freqs.weight has a factor <= 0"),
+    (np.ones(5, np.float32), r"'rope_freqs.weight' has shape \(5,\), expected \(8,\)"),
+])
+def test_hostile_rope_freqs(tmp_path, factors, expected):
+    from tests.tiny_arch import write_arch_gguf
+    path = write_arch_gguf(tmp_path / "l3.gguf", "llama3", tensors={"rope_freqs.weight": factors})
+    assert re.search(expected, load_error(path))

@@ -137,15 +137,16 @@ def _add(w: GGUFWriter, key: str, value) -> None:
         w.add_array(key, list(value))
 
 
-def write_arch_gguf(path, arch: str, seed: int = 7, metadata: dict | None = None) -> str:
-    """Write the tiny model of `arch` (one of ARCHS); `metadata` replaces or adds keys."""
+def write_arch_gguf(path, arch: str, seed: int = 7, metadata: dict | None = None,
+                    tensors: dict[str, np.ndarray] | None = None) -> str:
+    """Write the tiny model of `arch` (one of ARCHS); `metadata` and `tensors` replace or add entries."""
     path = os.fspath(path)
     meta = arch_metadata(arch) | (metadata or {})
     w = GGUFWriter(path, SHAPES[arch][0])
     for key, value in meta.items():
         _add(w, key, value)
     n_vocab = len(arch_metadata(arch)["tokenizer.ggml.tokens"])
-    for name, arr in _weights(arch, n_vocab, seed).items():
+    for name, arr in (_weights(arch, n_vocab, seed) | (tensors or {})).items():
         w.add_tensor(name, np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
