@@ -174,14 +174,19 @@ def test_chat_prompts_start_with_one_bos_where_the_model_wants_it(arch_models):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_characters="<"), max_size=40))
+@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_characters="<\u2581"), max_size=40))
 def test_sentencepiece_round_trip(arch_models, text):
-    """Byte fallback covers every character; decode gives the text back (the SPM prefix space dropped)."""
+    """Byte fallback covers every character; decode gives the text back (the SPM prefix space dropped).
+
+    Not '▁' itself: SentencePiece's space marker decodes as a space, in llama.cpp too.
+    """
     for arch in ("gemma3", "llama-spm"):
         m = arch_models[arch]
         ids = dl.encode(m, text)
         assert all(0 <= i < m.config.vocab_size for i in ids)
         assert dl.decode(m, ids) == text, (arch, ids)
+        stream = m.tokenizer.stream()                           # what the app shows as it streams
+        assert "".join(stream.step(i) for i in ids) == text, (arch, ids)
 
 
 def test_page_map_says_which_layers_still_read_a_page(arch_models):
