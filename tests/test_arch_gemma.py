@@ -97,3 +97,12 @@ def test_cache_hit_equals_miss_also_past_the_sliding_window(gemma_model, n_token
     dl.prefix_release(cache, pool)
     pool.check()
     assert pool.num_used_pages == 0
+
+
+def test_text_round_trips_and_streams(gemma_model):
+    text = "naïve café — 中文 and émoji 🎉🙂🙃 Ελληνικά\n\tdef f(x):  return x\x01"
+    ids = dl.encode(gemma_model, text)
+    assert dl.decode(gemma_model, ids) == text
+    stream = gemma_model.tokenizer.stream()
+    pieces = [stream.step(i) for i in ids]
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
