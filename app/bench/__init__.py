@@ -5,10 +5,11 @@ ratio divides two numbers of the same run. The table shows each figure with its 
 --json writes every figure, the raw measurements and the machine to a file.
 
 Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
-cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), and blas: a diagnostic
-of decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick), and
-llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is installed
-(no target; not in --quick).
+cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
+the watcher's block events per second), and blas: a diagnostic of decode and prefill with 1
+OpenBLAS thread vs the default (no target; not in --quick), and llama_cpp: llama.cpp's
+prefill and decode on the same GGUF, when llama-cpp-python is installed (no target; not in
+--quick).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import shutil
 import sys
 import time
 
-SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "blas", "llama_cpp")
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "blas",
+            "llama_cpp")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 QUICK_SKIPS = ("blas", "llama_cpp")  # diagnostics --quick leaves out unless --only names them
 
@@ -142,6 +144,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("scheduler", lambda: bench_sched.scheduler_figures(m, quick))
         if "ui" in sections:
             section("ui", lambda: bench_ui.ui_figures(path, quick, tmp_cache if image_ready else None))
+        if "kv_events" in sections:
+            from .kv_events import kv_events_figures
+            section("kv_events", lambda: kv_events_figures(quick))
         if "llama_cpp" in sections:
             from .llama_cpp import llama_cpp_figures
             section("llama_cpp", lambda: llama_cpp_figures(path, quick, result["figures"]))
