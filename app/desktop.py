@@ -17,6 +17,7 @@ from ui.about import AboutDialog
 from ui.main_window import MainWindow
 from ui.settings_dialog import SettingsDialog
 
+from .builtin_menu import ModelInstalls
 from .controller import Controller
 from .scenario import Scenario, bundled_scenarios, load_scenario
 from .settings import AppSettings, qsettings, recent_models
@@ -38,6 +39,7 @@ class Desktop(QObject):
         self._wire_controller()
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
+        self._installs = ModelInstalls(self)
         self._restore_session()
         w.show_state(c.ready, c.loading, c.running)
         w.prompt_pane.show_settings(c.settings.to_dict())
@@ -61,6 +63,7 @@ class Desktop(QObject):
         w.prompt_list.run_requested.connect(self.run_prompt)
         w.recent_menu.aboutToShow.connect(lambda: w.set_recent_models(recent_models(self.store)))
         w.recent_chosen.connect(self.open_model_path)
+        w.builtin_chosen.connect(self.open_builtin)
         w.recent_cleared.connect(self._clear_recent)
         w.scenario_chosen.connect(self.load_scenario)
         w.file_dropped.connect(self.handle_dropped_file)
@@ -118,6 +121,10 @@ class Desktop(QObject):
 
     def open_model_path(self, path: str) -> bool:
         return self.load_model(os.path.abspath(path))
+
+    def open_builtin(self, name: str) -> bool:
+        """Open a built-in model; one that is not installed is installed first, once the user agrees."""
+        return self._installs.open(name)
 
     def open_model_dialog(self) -> None:
         recent = recent_models(self.store)
