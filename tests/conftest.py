@@ -81,6 +81,19 @@ def gemma_model():
         pytest.fail(f"the Gemma 3 reference tests need gemma3-270m ({e})", pytrace=False)
 
 
+@pytest.fixture
+def gemma_missing(monkeypatch):
+    """gemma3-270m's packages look uninstalled (find_spec finds none of them); returns its BuiltinModel."""
+    import importlib.util
+    real = importlib.util.find_spec
+
+    def fake(name, *args, **kwargs):
+        return None if name.startswith("gemma3_270m") else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+    return engine.BUILTIN_MODELS["gemma3-270m"]
+
+
 @pytest.fixture(scope="session")
 def reference() -> dict:
     """llama.cpp's tokenizations and greedy runs of the bundled model."""

@@ -12,6 +12,7 @@ import pytest
 
 import engine as dl
 from tests import fidelity
+from tests.prefix_helpers import teardown
 
 pytestmark = pytest.mark.gemma
 
@@ -92,11 +93,7 @@ def test_cache_hit_equals_miss_also_past_the_sliding_window(gemma_model, n_token
     # and the next decode step agrees too (its sliding layers read only the window's pages)
     nxt = int(miss.argmax())
     np.testing.assert_allclose(dl.eval(m, s2, [nxt]), dl.eval(m, s1, [nxt]), rtol=0, atol=2e-4 * scale)
-    for s in (s1, s2):
-        dl.release_kv_pages(s)
-    dl.prefix_release(cache, pool)
-    pool.check()
-    assert pool.num_used_pages == 0
+    teardown((s1, s2), cache, pool)
 
 
 def test_text_round_trips_and_streams(gemma_model):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 
@@ -30,17 +29,6 @@ def test_gemma_name_resolves_to_the_assembled_file():
     with open(path, "rb") as fh:
         assert fh.read(4) == b"GGUF"
     assert BUILTIN_MODELS["gemma3-270m"].terms_path().endswith("GEMMA_TERMS.html")
-
-
-@pytest.fixture
-def gemma_missing(monkeypatch):
-    real = importlib.util.find_spec
-
-    def fake(name, *args, **kwargs):
-        return None if name.startswith("gemma3_270m") else real(name, *args, **kwargs)
-
-    monkeypatch.setattr(importlib.util, "find_spec", fake)
-    return BUILTIN_MODELS["gemma3-270m"]
 
 
 def test_missing_builtin_names_its_pip_command_and_terms(gemma_missing):

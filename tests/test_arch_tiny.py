@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import engine as dl
 from engine import model as em
+from tests.prefix_helpers import teardown
 from tests.tiny_arch import ARCHS, KEPT_POSITIONS, REFERENCE_FILE, llama_cpp_outputs, write_arch_gguf
 
 LOGIT_TOL = 4e-3  # of the largest |logit|: llama.cpp keeps K and V in float16
@@ -114,10 +115,7 @@ def test_cache_hit_equals_miss(arch_models, arch):
     matched = dl.prefix_attach(cache, pool, s2, ids)
     assert matched == 28
     np.testing.assert_allclose(dl.eval(m, s2, ids[matched:]), miss, rtol=1e-5, atol=1e-5)
-    for s in (s1, s2):
-        dl.release_kv_pages(s)
-    dl.prefix_release(cache, pool)
-    assert pool.num_used_pages == 0
+    teardown((s1, s2), cache, pool)
 
 
 def test_sliding_layers_read_only_the_pages_in_their_window(arch_models):

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
-import pytest
-
 from engine.registry import BUILTIN_MODELS, BuiltinModel
-
-
-@pytest.fixture
-def gemma_missing(monkeypatch):
-    real = importlib.util.find_spec
-
-    def fake(name, *args, **kwargs):
-        return None if name.startswith("gemma3_270m") else real(name, *args, **kwargs)
-
-    monkeypatch.setattr(importlib.util, "find_spec", fake)
 
 
 def menu_texts(d) -> list[str]:
