@@ -18,6 +18,7 @@ from .tokenizer import TextTokenizer, build_tokenizer
 from .weight_image import read_image, write_image
 
 TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+BIG_HEAD_BYTES = 256 << 20  # an output head this large is worth naming in the description
 
 COLUMN_BLOCK = 64
 BLOCKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "output_t")
@@ -90,7 +91,11 @@ class Model:
     def describe(self) -> str:
         """Architecture, tokenizer type and quantization mix in one line (model bar, report, bench)."""
         kind = TOKENIZER_KINDS.get(self.tokenizer_model, self.tokenizer_model or "unknown")
-        return f"{self.arch} ({self.config.describe()}), {kind} tokenizer, {self.quant_mix or self.quant}"
+        text = f"{self.arch} ({self.config.describe()}), {kind} tokenizer, {self.quant_mix or self.quant}"
+        head = self.weights.output_t.nbytes
+        if head >= BIG_HEAD_BYTES:  # e.g. Gemma's 262,144-token vocabulary: the head bounds decode speed
+            text += f"; every decoded token reads a {head / 1e6:.0f} MB output head"
+        return text
 
 
 def default_model_path() -> str:

@@ -34,6 +34,7 @@ def test_describes_architecture_tokenizer_and_quant_mix(gemma_model):
     assert m.quant_mix == "Q4_K x27, Q5_0 x81, Q6_K x9, Q8_0 x10, F32 x109"
     text = m.describe()
     assert "gemma3" in text and "SentencePiece" in text and "sliding window 512 on 15/18" in text
+    assert text.endswith("every decoded token reads a 671 MB output head")
     assert m.tokenizer.prompt_prefix_ids == [2] and m.tokenizer.add_bos
 
 
