@@ -26,6 +26,7 @@ MAX_TENSORS = 100_000
 MAX_NAME = 1 << 16      # bytes of a metadata key or tensor name
 MAX_TENSOR_DIMS = 4     # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 2
+MAX_STRING_ITEMS = 1 << 24  # strings in one array (each a Python object): a vocabulary is < 1M
 _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
             10: "<u8", 11: "<i8", 12: "<f8"}
 _BOOL, _STRING, _ARRAY = 7, 8, 9
@@ -122,8 +123,9 @@ class _HeaderScan:
         if etype not in (_STRING, _ARRAY):
             self.fail(f"{what}: unknown array element type {etype}")
         min_item = 8 if etype == _STRING else 12
-        if count * min_item > left:
-            self.fail(f"{what}: absurd array length {count} for the {left} bytes left in the file")
+        if count * min_item > left or (etype == _STRING and count > MAX_STRING_ITEMS):
+            self.fail(f"{what}: absurd array length {count} for the {left} bytes left in the file "
+                      f"(at most {MAX_STRING_ITEMS} strings)")
         if etype == _STRING:
             return [self.string(f"{what}[{i}]", strict=False) for i in range(count)]
         return [self.array(f"{what}[{i}]", depth + 1) for i in range(count)]

@@ -388,3 +388,11 @@ def test_hostile_rope_freqs(tmp_path, factors, expected):
     from tests.tiny_arch import write_arch_gguf
     path = write_arch_gguf(tmp_path / "l3.gguf", "llama3", tensors={"rope_freqs.weight": factors})
     assert re.search(expected, load_error(path))
+
+
+def test_string_arrays_are_capped(tmp_path, monkeypatch):
+    """Each string is a Python object: a file of millions of empty strings must not become them."""
+    from engine import gguf_header
+    monkeypatch.setattr(gguf_header, "MAX_STRING_ITEMS", 100)
+    message = load_error(write_tiny_gguf(tmp_path / "many.gguf"))
+    assert re.search(r"tokenizer.ggml.tokens': absurd array length 269 .*at most 100 strings", message)
