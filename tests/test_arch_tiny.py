@@ -202,3 +202,12 @@ def test_page_map_says_which_layers_still_read_a_page(arch_models):
     assert owned[-1][1] == "all layers"
     while sch.has_work():
         sch.step()
+
+
+def test_served_text_completions_start_with_the_models_bos(arch_models):
+    from app.serve.protocol import ParsedRequest
+    from app.serve.server import _submit_kwargs
+    for arch, bos in (("llama-spm", [1]), ("gemma3", [2]), ("qwen2", [])):
+        m = arch_models[arch]
+        kw = _submit_kwargs(ParsedRequest(chat=False, prompt_text="the hill"), m, "", 8)
+        assert kw["prompt"] == bos + dl.encode(m, "the hill"), arch
