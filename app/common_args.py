@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from engine import ModelLoadError, SamplingParams, load_model
+from engine import ModelLoadError, ModelNotInstalled, SamplingParams, load_model
+from engine.scheduler import SchedulerSettings
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -30,12 +31,49 @@ def sampling_from_args(args) -> SamplingParams:
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=argparse.SUPPRESS,
-                   help="GGUF model file (default: the bundled SmolLM2-135M-Instruct)")
+                   help="GGUF model file or built-in name (smollm2-135m, gemma3-270m; "
+                        "default: the bundled SmolLM2-135M-Instruct)")
 
 
 def load_model_or_exit(path: str | None):
-    """Load the model, or print the loader's message and exit with status 2."""
+    """Load the model (a file or a built-in name, installed on demand), or say why and exit (status 2)."""
     try:
         return load_model(path)
+    except ModelNotInstalled as e:
+        from .builtin_models import offer_install
+        try:
+            if offer_install(e.model):
+                return load_model_or_exit(path)
+        except RuntimeError as failed:
+            raise SystemExit(f"prefixlab: {failed}") from None
+        raise SystemExit(f"prefixlab: cannot load model: {e}") from None
     except ModelLoadError as e:
         raise SystemExit(f"prefixlab: cannot load model: {e}") from None
+
+
+def add_scheduler_args(p: argparse.ArgumentParser, **defaults):
+    """The scheduler's settings as options (`defaults` overrides SchedulerSettings' own)."""
+    g = p.add_argument_group("scheduler")
+    d = SchedulerSettings(**defaults)
+    g.add_argument("--max-streams", type=int, default=d.max_streams, help="requests decoded together")
+    g.add_argument("--max-queue", type=int, default=d.max_queue, help="requests that may wait")
+    g.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, help="prompt tokens per prefill chunk")
+    g.add_argument("--page-rows", type=int, default=d.page_rows, help="positions per KV page")
+    g.add_argument("--pool-pages", type=int, default=None, help="bound the KV pool (default: grows)")
+    g.add_argument("--cache-pages", type=int, default=d.cache_pages, help="cache budget in pages (0: none)")
+    g.add_argument("--no-cache", action="store_true", help="turn the prefix cache off")
+    g.add_argument("--spec-k", type=int, default=d.spec_k,
+                   help=f"speculative decoding: tokens drafted per stream and step (default {d.spec_k})")
+    g.add_argument("--no-spec", action="store_true",
+                   help="turn speculative decoding (n-gram drafts from the prompt) off")
+    return g
+
+
+def scheduler_settings_from_args(args) -> SchedulerSettings:
+    """Checked SchedulerSettings from `add_scheduler_args` options (ValueError names the bad one)."""
+    settings = SchedulerSettings(
+        max_streams=args.max_streams, max_queue=args.max_queue, chunk_tokens=args.chunk_tokens,
+        page_rows=args.page_rows, pool_pages=args.pool_pages, cache_pages=args.cache_pages,
+        cache_enabled=not args.no_cache, spec_enabled=not args.no_spec, spec_k=args.spec_k)
+    settings.validate()
+    return settings

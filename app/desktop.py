@@ -13,14 +13,18 @@ import os
 
 from PySide6.QtCore import QObject, QSettings
 
+from engine import BUILTIN_MODELS
 from ui.about import AboutDialog
 from ui.main_window import MainWindow
 from ui.settings_dialog import SettingsDialog
 
+from .builtin_menu import ModelInstalls
 from .controller import Controller
 from .scenario import Scenario, bundled_scenarios, load_scenario
+from .server_toggle import ServerToggle
 from .settings import AppSettings, qsettings, recent_models
 from .system_info import about_versions
+from .watch.gui import install_watch_action
 
 SESSION_KEY = "session/json"
 
@@ -32,12 +36,14 @@ class Desktop(QObject):
         super().__init__()
         self.store = store or qsettings()
         self.controller = c = Controller(self.store, self)
+        self.server = ServerToggle(c, self)
         self.window = w = MainWindow(self.store)
         self._closed = False
         self._wire_actions()
         self._wire_controller()
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
+        self._installs = ModelInstalls(self)
         self._restore_session()
         w.show_state(c.ready, c.loading, c.running)
         w.prompt_pane.show_settings(c.settings.to_dict())
@@ -57,14 +63,17 @@ class Desktop(QObject):
         w.act_flush.triggered.connect(c.flush_cache)
         w.act_probe.triggered.connect(self.probe_selected)
         w.act_settings.triggered.connect(self.open_settings)
+        w.act_server.toggled.connect(self.server.set_on)
         w.act_about.triggered.connect(self.show_about)
         w.prompt_list.run_requested.connect(self.run_prompt)
         w.recent_menu.aboutToShow.connect(lambda: w.set_recent_models(recent_models(self.store)))
         w.recent_chosen.connect(self.open_model_path)
+        w.builtin_chosen.connect(self.open_builtin)
         w.recent_cleared.connect(self._clear_recent)
         w.scenario_chosen.connect(self.load_scenario)
         w.file_dropped.connect(self.handle_dropped_file)
         w.closing.connect(self.shutdown)
+        install_watch_action(w)
 
     def _wire_controller(self) -> None:
         w, c = self.window, self.controller
@@ -84,6 +93,8 @@ class Desktop(QObject):
         c.turn_finished.connect(lambda uid: self._card(uid).show_finished())
         c.turn_refused.connect(lambda uid, why: self._card(uid).show_refused(why))
         c.request_finished.connect(w.requests_table.add_record)
+        c.request_finished.connect(lambda _: w.served_view.set_report(self.server.friendliness()))
+        self.server.changed.connect(w.show_server)
         c.stats.connect(w.show_stats)
         c.scheduler_reset.connect(w.charts.clear)
         c.probe_ready.connect(w.cache_panel.show_probe)
@@ -105,7 +116,10 @@ class Desktop(QObject):
 
     # the model --------------------------------------------------------------------------
     def load_model(self, path: str | None) -> bool:
-        """Load a model (None: the bundled one); asks first if streams run."""
+        """Load a model (None: the bundled one; a built-in name: installed first if need be); asks
+        first if streams run."""
+        if path in BUILTIN_MODELS and not os.path.exists(path):
+            return self.open_builtin(path)
         c = self.controller
         if c.running:
             if not self.window.confirm("Switch model?",
@@ -118,6 +132,10 @@ class Desktop(QObject):
 
     def open_model_path(self, path: str) -> bool:
         return self.load_model(os.path.abspath(path))
+
+    def open_builtin(self, name: str) -> bool:
+        """Open a built-in model; one that is not installed is installed first, once the user agrees."""
+        return self._installs.open(name)
 
     def open_model_dialog(self) -> None:
         recent = recent_models(self.store)
@@ -265,4 +283,5 @@ class Desktop(QObject):
         self._save_session()
         self.store.sync()
         self._closed = True
+        self.server.shutdown()  # ends served streams and closes their connections first
         self.controller.shutdown()

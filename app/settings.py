@@ -12,6 +12,8 @@ from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerSettings
 from engine.stream import reserved_positions
 
+from .serve.kv_events import normalize_endpoint
+
 ORGANIZATION = "PrefixLab"
 APPLICATION = "PrefixLab"
 MAX_RECENT_MODELS = 8
@@ -41,6 +43,10 @@ class AppSettings:
     repeat_penalty: float = 1.1
     seed: int = -1               # -1: a fresh seed per request
     max_new_tokens: int = 64
+    server_host: str = "127.0.0.1"   # the Server toggle's address (this machine only by default)
+    server_port: int = 8000
+    server_api_key: str = ""         # empty: no key asked
+    server_kv_events: str = ""       # empty: off; else where the Server publishes the cache (vLLM's events)
 
     # validation -----------------------------------------------------------
     def errors(self) -> list[str]:
@@ -61,6 +67,16 @@ class AppSettings:
         need_int("top_k", 0, 1_000_000)
         need_int("seed", -1, 2**31 - 1)
         need_int("max_new_tokens", 1, 65_536)
+        need_int("server_port", 1, 65_535)
+        if not self.server_host or len(self.server_host) > 253 or any(c.isspace() for c in self.server_host):
+            errs.append(f"Server host must be a host name or address, got {self.server_host!r}")
+        if any(ord(c) < 33 for c in self.server_api_key) or len(self.server_api_key) > 200:
+            errs.append("Server API key must be at most 200 characters, without spaces")
+        if self.server_kv_events:
+            try:
+                normalize_endpoint(self.server_kv_events)
+            except ValueError as e:
+                errs.append(f"Server KV events: {e}")
         if not 0.0 <= self.temperature <= 10.0:
             errs.append(f"Temperature must be from 0 (greedy) to 10, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -139,7 +155,8 @@ LABELS = {
     "max_streams": "Max streams", "chunk_tokens": "Chunk tokens", "cache_enabled": "Prefix cache",
     "namespace": "Namespace", "temperature": "Temperature", "top_k": "Top-k", "top_p": "Top-p",
     "min_p": "Min-p", "repeat_penalty": "Repetition penalty", "seed": "Seed",
-    "max_new_tokens": "Max new tokens",
+    "max_new_tokens": "Max new tokens", "server_host": "Server host", "server_port": "Server port",
+    "server_api_key": "Server API key", "server_kv_events": "Server KV events",
 }
 
 

@@ -19,7 +19,7 @@ import zlib
 
 import numpy as np
 
-IMAGE_VERSION = 4  # 2: index.json carries its own checksum; 3: the output head [d, vocab]; 4: column blocks
+IMAGE_VERSION = 6  # 2: index checksum; 3: head [d, vocab]; 5: architectures, one head copy; 6: blocks
 ALIGN = 64
 CRC_BLOCK = 1 << 24
 

@@ -19,6 +19,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "prefill_flops_fraction": (0.55, ">="), "decode_bw_fraction": (0.8, ">="), "batch_speedup": (2.5, ">="),
     "warm_load_s": (1.5, "<="), "peak_rss_gb": (1.2, "<="), "sched_wall_ratio": (0.45, "<="),
     "ttft_hit_miss_ratio": (0.3, "<="), "ui_max_gap_ms": (100.0, "<="),
+    "watch_block_events_per_s": (50_000, ">="), "watch_ui_stall_ms": (100, "<="),
     # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
     "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),
     "peer_w8_wall_ratio": (0.8, "<="),
@@ -114,3 +115,8 @@ def child_env(**extra: str) -> dict:
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)
     return env
+
+
+def blas_threads() -> int | None:
+    """The BLAS's current thread count, or None when threadpoolctl finds no BLAS."""
+    return blas_runtime().get("threads")

@@ -198,15 +198,15 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
         "peer_batch8_ratio": figure(
             ratio(our_b, peer_dec), "x", ISSUE, **target("peer_batch8_ratio"),
             note=f"{streams} streams aggregate {our_b:.1f} tok/s vs llama.cpp's one stream"),
-        "llama_cpp_prefill_tok_s": figure(peer_pf, "tok/s", ISSUE,
+        "peer_llama_cpp_prefill_tok_s": figure(peer_pf, "tok/s", ISSUE,
                                           note=f"llama-cpp-python {version}, {PEER_THREADS} threads"),
-        "llama_cpp_decode_tok_s": figure(peer_dec, "tok/s", ISSUE),
+        "peer_llama_cpp_decode_tok_s": figure(peer_dec, "tok/s", ISSUE),
     }
     if walls["ours"]:
         ours_w, peer_w = min(walls["ours"]), min(walls["peer"])
         figures["w8_wall_s"] = figure(ours_w, "s", ISSUE,
                                       note="`prefixlab run` W8, default settings, whole process")
-        figures["llama_cpp_w8_wall_s"] = figure(peer_w, "s", ISSUE,
+        figures["peer_llama_cpp_w8_wall_s"] = figure(peer_w, "s", ISSUE,
                                                 note="llama.cpp process, questions in turn")
         figures["peer_w8_wall_ratio"] = figure(ratio(ours_w, peer_w), "x", ISSUE,
                                                **target("peer_w8_wall_ratio"),
