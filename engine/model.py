@@ -74,7 +74,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
 
 
 def padding_bias(lengths: np.ndarray, S: int, window: int = 0) -> np.ndarray:
-    # [B, S]: 0 on the keys session b's query (at position lengths[b] - 1) sees, -inf on the
+    # [B, S]: 0 on the keys session b's query (key index lengths[b] - 1) sees, -inf on the
     # padding after them and, with a window, on keys `window` or more positions before it
     s = np.arange(S)[None, :]                                                     # [1, S]
     hidden = s >= lengths[:, None]                                                # [B, S]
@@ -159,33 +159,37 @@ class AttentionPlan:
     """Which rows attend how: single-token sessions together (padded), the others one by one."""
 
     decode_rows: np.ndarray     # [B] rows of x holding one session's only new token
-    decode_pages: np.ndarray    # [B, P] each such session's pages, padded with its last page
+    decode_tables: list         # [B] each such session's page table
     decode_lengths: np.ndarray  # [B] positions each such session holds after this pass
     spans: list                 # (first row, rows, page table, n_past) of every multi-token session
     page_rows: int
-    biases: dict = field(default_factory=dict)  # window -> [B, P*rows] padding bias, made once
+    keys: dict = field(default_factory=dict)  # window -> (pages [B, P], bias [B, P*rows]), made once
 
-    def decode_bias(self, window: int) -> np.ndarray:
-        if window not in self.biases:
-            width = self.decode_pages.shape[1] * self.page_rows
-            self.biases[window] = padding_bias(self.decode_lengths, width, window)
-        return self.biases[window]
+    def decode_keys(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """The pages every single-token session reads at a layer with this window (padded with its
+        last one) and the bias that hides padding and keys outside the window."""
+        if window not in self.keys:
+            rows, lengths = self.page_rows, self.decode_lengths
+            firsts = np.array([window_first_page(n - 1, window, rows) for n in lengths], dtype=np.int64)
+            tables = [t[f:-(-n // rows)] for t, f, n in zip(self.decode_tables, firsts, lengths)]
+            pages = np.empty((len(tables), max(map(len, tables))), dtype=np.int64)   # [B, P]
+            for j, t in enumerate(tables):
+                pages[j, :len(t)] = t
+                pages[j, len(t):] = t[-1]   # padding reads a real page; the bias hides it
+            bias = padding_bias(lengths - firsts * rows, pages.shape[1] * rows, window)  # [B, P*rows]
+            self.keys[window] = (pages, bias)
+        return self.keys[window]
 
 
 def attention_plan(rows: int, sessions: list[SeqSlots], counts: list[int]) -> AttentionPlan:
     """Group the batch once per forward, so every layer reuses the same index arrays."""
     starts = np.cumsum([0] + counts[:-1])
     single = [i for i, n in enumerate(counts) if n == 1]
-    width = max((len(sessions[i].page_table) for i in single), default=0)
-    pages = np.empty((len(single), width), dtype=np.int64)                  # [B, P]
-    for j, i in enumerate(single):
-        table = sessions[i].page_table
-        pages[j, :len(table)] = table
-        pages[j, len(table):] = table[-1]   # padding reads a real page; the bias hides it
     lengths = np.array([sessions[i].n_past + 1 for i in single], dtype=np.int64)  # [B]
     spans = [(int(starts[i]), n, sessions[i].page_table, sessions[i].n_past)
              for i, n in enumerate(counts) if n != 1]
-    return AttentionPlan(starts[single].astype(np.int64), pages, lengths, spans, rows)
+    return AttentionPlan(starts[single].astype(np.int64), [sessions[i].page_table for i in single],
+                         lengths, spans, rows)
 
 
 def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int,
@@ -211,9 +215,10 @@ def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan
     out = np.empty((N, H * hd), dtype=np.float32)                        # [N, H*hd]
     if len(plan.decode_rows):
         B = len(plan.decode_rows)
-        k = pool.k[layer][plan.decode_pages].reshape(B, -1, KV, hd)      # [B, P*rows, KV, hd]
-        v = pool.v[layer][plan.decode_pages].reshape(B, -1, KV, hd)      # [B, P*rows, KV, hd]
-        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], k, v, plan.decode_bias(window))
+        pages, bias = plan.decode_keys(window)                           # [B, P], [B, P*rows]
+        k = pool.k[layer][pages].reshape(B, -1, KV, hd)                  # [B, P*rows, KV, hd]
+        v = pool.v[layer][pages].reshape(B, -1, KV, hd)                  # [B, P*rows, KV, hd]
+        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], k, v, bias)
     for start, n, table, n_past in plan.spans:
         first = window_first_page(n_past, window, rows)
         ks, vs = gather_kv(pool, layer, table, n_past + n, first)       # [m, KV, hd] each
