@@ -94,9 +94,8 @@ def run(args) -> int:
 
 
 def write_report(path: str, sch: Scheduler, m, system: str, sampling, title: str) -> None:
-    from engine.report import ReportWriteError, build_report
-
-    from .report_render import export_report
+    from .report import ReportWriteError, build_report
+    from .report.render import export_report
     report = build_report(sch, m, system, sampling, title=title)
     try:
         export_report(path, report)

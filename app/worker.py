@@ -219,7 +219,7 @@ class EngineWorker(QObject):
         """Build the session's report data here (it reads the scheduler); the UI thread renders it."""
         if self.scheduler is None or self.model is None:
             raise RuntimeError("no model is loaded, so there is nothing to report")
-        from engine.report import build_report  # the reports module; imported only when used
+        from app.report import build_report  # the reports module; imported only when used
 
         report = build_report(self.scheduler, self.model, request.get("system", ""),
                               self._settings.sampling(), request.get("title", ""),

@@ -12,11 +12,14 @@ from .api import (
     eval_batch,
     release_kv_pages,
 )
+from .block_manager import BlockManager
 from .config import ModelConfig
 from .errors import ModelLoadError, PoolExhausted, TemplateError
 from .kv_pool import KVPool, Session
 from .loader import Model, default_model_path, load_model
 from .prefix_cache import (
+    CachedPageInfo,
+    CacheEvent,
     ChainRecord,
     PrefixCache,
     ProbeResult,
@@ -24,6 +27,7 @@ from .prefix_cache import (
     prefix_attach,
     prefix_chain_list,
     prefix_held_groups,
+    prefix_held_pages,
     prefix_insert,
     prefix_probe,
     prefix_release,
@@ -31,9 +35,10 @@ from .prefix_cache import (
 from .sampler import Sampler, SamplingParams
 
 __all__ = [
-    "ChainRecord", "KVPool", "Model", "ModelConfig", "ModelLoadError", "PoolExhausted",
-    "PrefixCache", "ProbeResult", "Sampler", "SamplingParams", "Session", "TemplateError",
-    "create_kv_pool", "create_prefix_cache", "create_session", "decode", "default_model_path",
-    "encode", "eval", "eval_batch", "load_model", "prefix_attach", "prefix_chain_list",
-    "prefix_held_groups", "prefix_insert", "prefix_probe", "prefix_release", "release_kv_pages",
+    "BlockManager", "CacheEvent", "CachedPageInfo", "ChainRecord", "KVPool", "Model", "ModelConfig",
+    "ModelLoadError", "PoolExhausted", "PrefixCache", "ProbeResult", "Sampler", "SamplingParams",
+    "Session", "TemplateError", "create_kv_pool", "create_prefix_cache", "create_session", "decode",
+    "default_model_path", "encode", "eval", "eval_batch", "load_model", "prefix_attach",
+    "prefix_chain_list", "prefix_held_groups", "prefix_held_pages", "prefix_insert", "prefix_probe",
+    "prefix_release", "release_kv_pages",
 ]

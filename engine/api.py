@@ -16,7 +16,7 @@ def create_kv_pool(m: Model, page_rows: int = 16, max_pages: int | None = None) 
 
 def create_session(m: Model, pool: KVPool) -> Session:
     """A fresh session (n_past 0, empty page table) over `pool`."""
-    if pool.cfg != m.config:
+    if getattr(pool, "cfg", None) != m.config:
         raise ValueError("this KV pool was made for another model")
     return Session(pool=pool)
 
@@ -52,15 +52,24 @@ def _check_eval(m: Model, s: Session, tokens, pool: KVPool) -> list[int]:
     return toks
 
 
-def eval_batch(m: Model, sessions: list[Session], token_lists: list) -> np.ndarray:
-    """One forward pass for many sessions; float32[B, vocab] logits after each last token."""
+def eval_batch(m: Model, sessions: list[Session], token_lists: list,
+               all_positions: bool = False) -> np.ndarray:
+    """One forward pass for many sessions; float32[B, vocab] logits after each last token.
+
+    The pool allocates the new tokens' slots first (all or nothing: PoolExhausted changes
+    nothing), the forward pass writes their K/V, then the pool records the tokens.
+    `all_positions` returns logits after every new token instead (teacher forcing).
+    """
     if len(sessions) != len(token_lists) or not sessions:
         raise ValueError("eval_batch needs one token list per session, and at least one session")
     if len({s.id for s in sessions}) != len(sessions):
         raise ValueError("eval_batch got the same session twice")
     pool = sessions[0].pool
     toks = [_check_eval(m, s, t, pool) for s, t in zip(sessions, token_lists)]
-    return forward(m, sessions, toks)
+    slots = pool.allocate(sessions, [len(t) for t in toks])
+    logits = forward(m, pool, slots, toks, all_positions)
+    pool.commit(sessions, toks)
+    return logits
 
 
 def eval(m: Model, s: Session, tokens) -> np.ndarray:  # noqa: A001 - the tutorial's name
@@ -69,5 +78,5 @@ def eval(m: Model, s: Session, tokens) -> np.ndarray:  # noqa: A001 - the tutori
 
 
 def release_kv_pages(s: Session) -> None:
-    """Hand the session's pages back to its pool."""
-    s.release()
+    """Hand the session's pages back to its pool (a cache over budget evicts at once)."""
+    s.pool.free_session(s)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .block_manager import SeqSlots
 from .config import ModelConfig
-from .kv_pool import KVPool, Session
+from .kv_pool import KVPool
 from .loader import Model, Weights
 
 
@@ -88,9 +89,8 @@ def swiglu(x: np.ndarray, w: Weights, layer: int) -> np.ndarray:
     return linear(act, w, "w_down", layer)     # [N, d]
 
 
-def page_slots(sessions: list[Session], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def page_slots(rows: int, sessions: list[SeqSlots], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Pool page and row of every new position, sessions concatenated."""
-    rows = sessions[0].pool.page_rows
     pages, offsets = [], []
     for s, n in zip(sessions, counts):
         pos = np.arange(s.n_past, s.n_past + n)
@@ -108,7 +108,7 @@ def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int) -> tuple[
 
 
 def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
-          sessions: list[Session], counts: list[int], cos: np.ndarray, sin: np.ndarray,
+          sessions: list[SeqSlots], counts: list[int], cos: np.ndarray, sin: np.ndarray,
           slots: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """One transformer block over the concatenated new tokens of every session."""
     d, kv, H, KV, hd = cfg.d_model, cfg.kv_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -131,32 +131,24 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
     return x + swiglu(h, w, layer)                               # [N, d]
 
 
-def forward(model: Model, sessions: list[Session], token_lists: list[list[int]],
+def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: list[list[int]],
             all_positions: bool = False) -> np.ndarray:
-    """Evaluate new tokens of several sessions in one pass.
+    """Evaluate new tokens of several sessions in one pass, into the slots the caller allocated.
 
-    Returns logits after each session's last token [B, vocab], or after every
-    new token [N, vocab] with `all_positions` (teacher forcing, tests).
+    Reads each session's page table and start, writes K/V of the new positions only, and
+    changes no session. Returns logits after each session's last token [B, vocab], or
+    after every new token [N, vocab] with `all_positions` (teacher forcing, tests).
     """
     cfg, w = model.config, model.weights
-    pool = sessions[0].pool
     counts = [len(t) for t in token_lists]
-    for s, n in zip(sessions, counts):
-        s.ensure_pages(s.n_past + n)
     tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
     positions = np.concatenate([np.arange(s.n_past, s.n_past + n) for s, n in zip(sessions, counts)])
     cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_base)   # [N, hd/2] each
-    slots = page_slots(sessions, counts)
-    if (pool.refcount[slots[0]] != 1).any():
-        # A shared page is immutable: writing into it would corrupt every holder.
-        raise RuntimeError("refusing to write K/V into a shared or free page")
+    slots = page_slots(pool.page_rows, sessions, counts)
     x = np.asarray(w.token_embd[tokens], dtype=np.float32)          # [N, d]
     for layer in range(cfg.n_layers):
         x = block(x, w, cfg, layer, pool, sessions, counts, cos, sin, slots)
     rows = slice(None) if all_positions else np.cumsum(counts) - 1
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
     logits = linear(h, w, "output_t")                                # [B or N, vocab]
-    for s, t in zip(sessions, token_lists):
-        s.tokens.extend(int(i) for i in t)
-        s.n_past += len(t)
     return logits.astype(np.float32, copy=False)

@@ -8,20 +8,24 @@ namespace equal the prompt's. The cache holds one pool reference per page.
 Eviction gives back least-recently-used pages that no session holds, and only
 leaves (pages with no cached child), so the deepest page of a chain goes first
 and no cached page is ever stranded behind an evicted head.
+
+The cache works over any BlockManager (a KVPool, or a bare manager with no K/V
+storage, as the trace replay uses): it only moves page ids and references.
+Listeners (`add_listener`) hear every change: pages stored, removed, or all cleared.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import heapq
 import itertools
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from .kv_pool import KVPool, Session
+from .block_manager import BlockManager, Session
 
 HashFn = Callable[[bytes], int]
 
@@ -58,6 +62,29 @@ class ChainRecord:
     last_hit_at: float | None = None
     namespace: str = ""
     first_page_depth: int = 0
+
+
+@dataclass(frozen=True)
+class CachedPageInfo:
+    """A cached page as listeners see it: its key, its parent's key, its tokens, its namespace."""
+
+    key: int
+    parent: int | None
+    tokens: tuple[int, ...]
+    namespace: str
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """A change of the cache: "stored" (one insert's new pages, root to leaf), "removed"
+    (one eviction batch) or "cleared" (`prefix_release`, no pages)."""
+
+    kind: str
+    pages: tuple[CachedPageInfo, ...] = ()
+
+
+def _info(entry: CachedPage) -> CachedPageInfo:
+    return CachedPageInfo(entry.key, entry.parent, entry.tokens, entry.namespace)
 
 
 @dataclass
@@ -106,12 +133,27 @@ class PrefixCache:
         self.chains: dict[int, ChainRecord] = {}
         self.counters = CacheCounters()
         self.page_rows: int | None = None
-        self.pool: KVPool | None = None
+        self.pool: BlockManager | None = None
         self._clock = itertools.count(1)
         self._chain_ids = itertools.count(1)
         self._leaf_heap: list[tuple[int, int]] = []  # (last_used, key), stale entries skipped
         self.by_page: dict[int, int] = {}            # pool page -> key
         self.siblings: dict[tuple[str, int | None], _Trie] = {}  # (namespace, parent) -> tokens
+        self.listeners: list[Callable[[CacheEvent], None]] = []
+
+    # listeners --------------------------------------------------------
+    def add_listener(self, fn: Callable[[CacheEvent], None]) -> None:
+        """Call `fn(event)` with a CacheEvent after every change (in the engine's thread)."""
+        self.listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[CacheEvent], None]) -> None:
+        self.listeners.remove(fn)
+
+    def _emit(self, kind: str, entries=()) -> None:
+        if self.listeners:
+            event = CacheEvent(kind, tuple(_info(e) for e in entries))
+            for fn in list(self.listeners):
+                fn(event)
 
     # keys -------------------------------------------------------------
     def page_key(self, parent: int | None, tokens, namespace: str) -> int:
@@ -119,7 +161,7 @@ class PrefixCache:
             salt = b"ns:" + namespace.encode("utf-8") + b"\0"
         else:
             salt = parent.to_bytes(8, "little")
-        return self.hash_fn(salt + np.asarray(tokens, dtype=np.int64).tobytes())
+        return self.hash_fn(salt + struct.pack(f"<{len(tokens)}q", *tokens))  # int64 LE
 
     def verify(self, entry: CachedPage, parent: int | None, tokens, namespace: str) -> bool:
         return (entry.parent == parent and entry.namespace == namespace
@@ -143,20 +185,20 @@ class PrefixCache:
             self._leaf_heap = [item for item in self._leaf_heap if self._current(*item)]
             heapq.heapify(self._leaf_heap)
 
-    def bind(self, pool: KVPool) -> None:
+    def bind(self, pool: BlockManager) -> None:
         if self.pool is None:
             self.pool, self.page_rows = pool, pool.page_rows
-            pool.add_reclaimer(self)
+            pool.add_cache(self)
         elif self.pool is not pool:
             raise ValueError("this prefix cache belongs to another KV pool")
 
     # eviction ---------------------------------------------------------
     def _evictable(self, entry: CachedPage) -> bool:
-        return not entry.children and self.pool.refcount[entry.page] == 1
+        return not entry.children and self.pool.refs[entry.page] == 1
 
     def evict(self, n: int) -> int:
         """Give back up to n least-recently-used leaf pages no session holds; return how many."""
-        evicted, held = 0, []
+        evicted, held, removed = 0, [], []
         while evicted < n and self._leaf_heap:
             stamp, key = heapq.heappop(self._leaf_heap)
             if not self._current(stamp, key):
@@ -166,13 +208,13 @@ class PrefixCache:
                 held.append((stamp, key))
                 continue
             self._remove(entry)
+            removed.append(entry)
             evicted += 1
         for item in held:
             heapq.heappush(self._leaf_heap, item)
+        if removed:
+            self._emit("removed", removed)
         return evicted
-
-    def evict_for_pool(self, pool: KVPool, n: int) -> int:
-        return self.evict(n) if pool is self.pool else 0
 
     def link(self, entry: CachedPage) -> None:
         """Add a new page to the tree: its parent's children (or the roots) and the sibling trie."""
@@ -221,6 +263,7 @@ class PrefixCache:
         self.pool.release(entry.page)
 
     def enforce_budget(self) -> None:
+        """Evict down to the budget as far as pages can be given back (after inserts and releases)."""
         if self.max_pages and len(self.pages) > self.max_pages:
             self.evict(len(self.pages) - self.max_pages)
 
@@ -260,33 +303,38 @@ def create_prefix_cache(max_pages: int = 0, hash_fn: HashFn | None = None) -> Pr
     return PrefixCache(max_pages=max_pages, hash_fn=hash_fn)
 
 
-def _check_session(pool: KVPool, s: Session) -> None:
+def _check_session(pool: BlockManager, s: Session) -> None:
     if s.released:
         raise ValueError(f"session {s.id} was released; create a new session")
     if s.pool is not pool:
         raise ValueError(f"session {s.id} belongs to another KV pool")
 
 
-def prefix_insert(cache: PrefixCache, pool: KVPool, s: Session, tokens, preview: str = "",
+def prefix_insert(cache: PrefixCache, pool: BlockManager, s: Session, tokens, preview: str = "",
                   namespace: str = "", chain_id: int | None = None) -> int:
     """Donate the session's full pages covering `tokens`; return how many pages were new.
 
     `chain_id` appends the new pages to that live chain instead of making a new
-    record (the scheduler publishes a prompt page by page as prefill computes it).
+    record (the scheduler publishes a prompt page by page as prefill computes it);
+    a chain that no longer exists is an error.
     """
     _check_session(pool, s)
+    if chain_id is not None and chain_id not in cache.chains:
+        raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
+                         f"(its pages were evicted or released)")
     cache.bind(pool)
     rows = pool.page_rows
-    covered = min(len(tokens), s.n_past)
-    if list(tokens[:covered]) != s.tokens[:covered]:
-        first = next((i for i, (a, b) in enumerate(zip(tokens, s.tokens, strict=False)) if a != b),
-                     min(len(s.tokens), covered))
+    evaluated, table = pool.tokens(s), pool.table(s)
+    covered = min(len(tokens), len(evaluated))
+    if list(tokens[:covered]) != evaluated[:covered]:
+        first = next((i for i, (a, b) in enumerate(zip(tokens, evaluated, strict=False)) if a != b),
+                     min(len(evaluated), covered))
         raise ValueError(
             f"tokens differ from what session {s.id} evaluated, first at position {first}")
     chain: ChainRecord | None = cache.chains.get(chain_id) if chain_id is not None else None
     parent: int | None = None
-    added = 0
     path: list[CachedPage] = []
+    new: list[CachedPage] = []
     for i in range(covered // rows):
         toks = tuple(int(t) for t in tokens[i * rows:(i + 1) * rows])
         key = cache.page_key(parent, toks, namespace)
@@ -297,7 +345,7 @@ def prefix_insert(cache: PrefixCache, pool: KVPool, s: Session, tokens, preview:
             path.append(entry)
             parent = key
             continue
-        page = s.page_table[i]
+        page = table[i]
         if page in cache.by_page:
             break  # this pool page already caches another prefix (e.g. another namespace)
         if chain is None:
@@ -312,26 +360,25 @@ def prefix_insert(cache: PrefixCache, pool: KVPool, s: Session, tokens, preview:
         cache.by_page[page] = key
         cache.link(entry)
         path.append(entry)
+        new.append(entry)
         chain.n_tokens += rows
         chain.pages_live += 1
-        added += 1
         parent = key
     # Touch root to leaf once the links exist: parents stay older than their children
     # and only the path's leaf enters the LRU heap (no stale entry per inner page).
     for entry in path:
         cache.touch(entry)
-    cache.counters.inserted_pages += added
+    cache.counters.inserted_pages += len(new)
+    if new:
+        cache._emit("stored", new)
     cache.enforce_budget()
-    return added
+    return len(new)
 
 
-def prefix_attach(cache: PrefixCache, pool: KVPool, s: Session, prompt, namespace: str = "") -> int:
+def prefix_attach(cache: PrefixCache, pool: BlockManager, s: Session, prompt, namespace: str = "") -> int:
     """Attach cached pages matching the prompt's start to a fresh session; return tokens matched."""
     _check_session(pool, s)
-    if s.n_past != 0 or s.page_table:
-        raise ValueError(
-            f"prefix_attach needs a fresh session (n_past 0, no pages); session {s.id} has "
-            f"n_past {s.n_past} and {len(s.page_table)} pages")
+    pool.check_fresh(s)
     if cache.pool is not None and cache.pool is not pool:
         raise ValueError("this prefix cache belongs to another KV pool")
     cache.counters.queries += 1
@@ -344,13 +391,10 @@ def prefix_attach(cache: PrefixCache, pool: KVPool, s: Session, prompt, namespac
         if not ok:
             break
         matched.append(entry)
-    for entry in matched:
-        pool.retain(entry.page)
-        s.page_table.append(entry.page)
-        cache.touch(entry)
     n = len(matched) * rows
-    s.n_past = n
-    s.tokens = [int(t) for t in prompt[:n]]
+    pool.attach(s, [e.page for e in matched], prompt[:n])
+    for entry in matched:
+        cache.touch(entry)
     if matched:
         chain = cache.chains[matched[-1].chain_id]
         chain.hits += 1
@@ -404,16 +448,21 @@ def _departure(matched: int, rows: int, reason: str, diff: int | None, lcp: int,
 
 
 def prefix_chain_list(cache: PrefixCache) -> list[ChainRecord]:
-    """Every chain that still has a live page, oldest first."""
-    return [c for c in cache.chains.values() if c.pages_live > 0]
+    """Snapshots (copies) of every chain that still has a live page, oldest first."""
+    return [copy.copy(c) for c in cache.chains.values() if c.pages_live > 0]
 
 
-def prefix_held_groups(cache: PrefixCache) -> list[int]:
-    """The pool pages the cache holds a reference on."""
+def prefix_held_groups(cache: PrefixCache) -> int:
+    """How many pool pages the cache holds a reference on."""
+    return len(cache.by_page)
+
+
+def prefix_held_pages(cache: PrefixCache) -> list[int]:
+    """The pool pages the cache holds a reference on, ascending."""
     return sorted(cache.by_page)
 
 
-def prefix_release(cache: PrefixCache, pool: KVPool) -> int:
+def prefix_release(cache: PrefixCache, pool: BlockManager) -> int:
     """Hand every cached page back to the pool; return how many."""
     if cache.pool is not None and cache.pool is not pool:
         raise ValueError("this prefix cache belongs to another KV pool")
@@ -426,4 +475,5 @@ def prefix_release(cache: PrefixCache, pool: KVPool) -> int:
     cache.siblings.clear()
     cache.chains.clear()
     cache._leaf_heap.clear()
+    cache._emit("cleared")
     return n

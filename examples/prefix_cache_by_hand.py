@@ -105,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     for c in dl.prefix_chain_list(cache):
         print(f"chain {c.id}: {c.n_tokens} tokens, {c.pages_live} pages live, {c.hits} hits, "
               f"{c.preview!r}")
-    held = dl.prefix_held_groups(cache)
-    shared = [p for p in held if pool.refcount[p] > 1]
-    print(f"held pages: {held} ({len(shared)} shared with B)")
+    held = dl.prefix_held_pages(cache)
+    refs = pool.refcount
+    shared = [p for p in held if refs[p] > 1]
+    print(f"held pages: {held} ({dl.prefix_held_groups(cache)} pages, {len(shared)} shared with B)")
 
     # Teardown, in order: sessions first, then the cache; the pool must come back empty.
     dl.release_kv_pages(s2)

@@ -50,16 +50,13 @@ def fake_eval(s: dl.Session, tokens) -> None:
     if not toks:
         raise ValueError("no tokens to evaluate")
     pool, rows, start = s.pool, s.pool.page_rows, s.n_past
-    s.ensure_pages(start + len(toks))  # may raise PoolExhausted, as a real eval does
+    [slots] = pool.allocate([s], [len(toks)])  # may raise PoolExhausted, as a real eval does
     pos = np.arange(start, start + len(toks))
-    pages = np.asarray(s.page_table, dtype=np.int64)[pos // rows]
-    if (pool.refcount[pages] != 1).any():
-        raise RuntimeError("refusing to write K/V into a shared or free page")
+    pages = np.asarray(slots.page_table, dtype=np.int64)[pos // rows]
     k, v = expected_kv(s.tokens + toks)
     pool.k[:, pages, pos % rows] = k[:, start:]
     pool.v[:, pages, pos % rows] = v[:, start:]
-    s.tokens.extend(toks)
-    s.n_past += len(toks)
+    pool.commit([s], [toks])
 
 
 def evaluated(pool: dl.KVPool, tokens) -> dl.Session:

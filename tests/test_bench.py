@@ -14,9 +14,9 @@ import math
 import pytest
 
 from app import bench
-from app.bench_cache import cache_figures
-from app.bench_common import figure, ratio
-from app.bench_engine import prefill_flops
+from app.bench.cache import cache_figures
+from app.bench.common import figure, ratio
+from app.bench.engine import prefill_flops
 
 ENGINE = ["prefill_tok_s", "prefill_gflop_s", "matmul_ref_gflop_s", "prefill_flops_fraction",
           "decode_tok_s", "decode_weight_gb_s", "mem_read_gb_s", "decode_bw_fraction",

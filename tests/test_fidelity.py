@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import engine as dl
-from engine import model as em
 
 pytestmark = pytest.mark.model
 
@@ -25,7 +24,7 @@ def teacher_forced(real_model, reference):
     for run in reference["runs"]:
         ids = (run["prompt_ids"] + run["greedy_ids"])[:len(run["argmax"])]
         s = dl.create_session(m, dl.create_kv_pool(m, page_rows=16))
-        logits = em.forward(m, [s], [ids], all_positions=True)       # [N, vocab]
+        logits = dl.eval_batch(m, [s], [ids], all_positions=True)       # [N, vocab]
         assert logits.shape == (len(ids), m.config.vocab_size)
         out.append({"argmax": logits.argmax(axis=1),
                     "last_prompt": logits[len(run["prompt_ids"]) - 1].copy()})

@@ -1,4 +1,5 @@
-"""The engine is a library: it never imports Qt, pyqtgraph, app or ui (DESIGN §1)."""
+"""The engine is a library: it imports only the standard library, numpy, gguf, tokenizers,
+jinja2 and threadpoolctl, never Qt, pyqtgraph, app or ui (DESIGN §1)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = os.path.join(ROOT, "engine")
 FORBIDDEN = ("PySide6", "pyqtgraph", "app", "ui", "PyQt5", "PyQt6", "shiboken6")
+# Besides the standard library, the engine may import only these (DESIGN §1, issue 10).
+ENGINE_ALLOWED = ("numpy", "gguf", "tokenizers", "jinja2", "threadpoolctl")
 
 
 def _top(name: str) -> str:
@@ -47,15 +50,31 @@ def _imports(path: str) -> list[tuple[int, str]]:
     return found
 
 
-def test_no_engine_file_imports_gui_or_app():
-    files = [os.path.join(d, f) for d, _, fs in os.walk(ENGINE) for f in fs if f.endswith(".py")]
-    assert len(files) >= 8
+def engine_import_offenders(root: str) -> list[str]:
+    """Imports under `root` of anything but the standard library and ENGINE_ALLOWED."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
     offenders = []
     for path in files:
         for line, name in _imports(path):
-            if _top(name) in FORBIDDEN or name == "..":
+            top = _top(name)
+            if name == ".." or not (top in sys.stdlib_module_names or top in ENGINE_ALLOWED):
                 offenders.append(f"{os.path.relpath(path, ROOT)}:{line} imports {name}")
+    return offenders
+
+
+def test_engine_imports_only_the_standard_library_and_its_few_dependencies():
+    assert len([f for _, _, fs in os.walk(ENGINE) for f in fs if f.endswith(".py")]) >= 8
+    offenders = engine_import_offenders(ENGINE)
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_engine_rule_catches_a_stray_dependency(tmp_path):
+    (tmp_path / "ok.py").write_text("import os, json\nimport numpy as np\nfrom gguf import GGUFReader\n"
+                                    "from .block_manager import BlockManager\nimport threadpoolctl\n")
+    assert engine_import_offenders(str(tmp_path)) == []
+    (tmp_path / "bad.py").write_text("import requests\nfrom PySide6 import QtCore\nimport app.cli\n")
+    bad = engine_import_offenders(str(tmp_path))
+    assert [b.rsplit(" ", 1)[1] for b in bad] == ["requests", "PySide6", "app.cli"]
 
 
 def test_the_checker_sees_imports(tmp_path):

@@ -46,7 +46,7 @@ def test_insert_keeps_full_pages_of_min_tokens_and_n_past():
     pool, cache = setup(page_rows=4)
     a = evaluated(pool, SYSTEM)                          # 10 tokens: 2 full pages + 2 rows
     assert dl.prefix_insert(cache, pool, a, SYSTEM, "sys") == 2
-    assert dl.prefix_held_groups(cache) == sorted(a.page_table[:2])
+    assert dl.prefix_held_pages(cache) == sorted(a.page_table[:2])
     assert [int(pool.refcount[p]) for p in a.page_table] == [2, 2, 1]
     [chain] = dl.prefix_chain_list(cache)
     assert (chain.n_tokens, chain.pages_live, chain.hits, chain.preview) == (8, 2, 0, "sys")
@@ -121,7 +121,7 @@ def test_attach_needs_a_fresh_session():
     with pytest.raises(ValueError, match="fresh session"):
         dl.prefix_attach(cache, pool, a, seq(0, 9))       # n_past > 0
     b = dl.Session(pool=pool)
-    b.ensure_pages(1)                                     # a page but n_past 0
+    pool.reserve(b, 1)                                    # a page but n_past 0
     with pytest.raises(ValueError, match="fresh session"):
         dl.prefix_attach(cache, pool, b, seq(0, 9))
     c = dl.Session(pool=pool)
@@ -179,17 +179,21 @@ def test_deepest_matched_page_gives_its_chain_the_hit():
     dl.prefix_insert(cache, pool, a, a.tokens, "system")
     b = evaluated(pool, SYSTEM[:8] + seq(500, 8))
     assert dl.prefix_insert(cache, pool, b, b.tokens, "turn") == 2
-    sys_chain, turn_chain = dl.prefix_chain_list(cache)
+
+    def hits():
+        sys_chain, turn_chain = dl.prefix_chain_list(cache)
+        return sys_chain.hits, turn_chain.hits
 
     s1, n1 = attached(cache, pool, SYSTEM[:8] + seq(500, 8) + [1])
     assert n1 == 16
-    assert (sys_chain.hits, turn_chain.hits) == (0, 1)
+    assert hits() == (0, 1)
+    sys_chain, turn_chain = dl.prefix_chain_list(cache)
     assert turn_chain.last_hit_at is not None and sys_chain.last_hit_at is None
     s2, n2 = attached(cache, pool, SYSTEM[:8] + seq(500, 3) + [9, 9])
     assert n2 == 8
-    assert (sys_chain.hits, turn_chain.hits) == (1, 1)
+    assert hits() == (1, 1)
     s3, n3 = attached(cache, pool, seq(700, 20))
-    assert n3 == 0 and (sys_chain.hits, turn_chain.hits) == (1, 1)
+    assert n3 == 0 and hits() == (1, 1)
     teardown([a, b, s1, s2, s3], cache, pool)
 
 
@@ -328,7 +332,7 @@ def test_budget_evicts_lru_leaves_deepest_first_never_held_never_stranding():
     assert dl.prefix_insert(cache, pool, b, b.tokens, "b") == 3
     # a is least recently used and goes deepest page first (a parent is never newer than its
     # child, so the whole chain goes before c); b's pages are held by b.
-    assert dl.prefix_held_groups(cache) == sorted(b.page_table[:3] + c_pages)
+    assert dl.prefix_held_pages(cache) == sorted(b.page_table[:3] + c_pages)
     assert [int(pool.refcount[p]) for p in a_pages] == [0, 0, 0]
     assert cache.counters.evicted_pages == 3
     assert [(ch.preview, ch.pages_live) for ch in dl.prefix_chain_list(cache)] == \
@@ -337,11 +341,11 @@ def test_budget_evicts_lru_leaves_deepest_first_never_held_never_stranding():
     # b is still running: none of its pages may go, even when asked directly.
     assert cache.evict(10) == 1                           # only c's page was evictable
     b_pages = b.page_table[:3]
-    assert dl.prefix_held_groups(cache) == sorted(b_pages)
+    assert dl.prefix_held_pages(cache) == sorted(b_pages)
     assert_session_sees(b, seq(40, 6))
     b.release()
     assert cache.evict(1) == 1                            # now b's deepest page
-    assert dl.prefix_held_groups(cache) == sorted(b_pages[:2])
+    assert dl.prefix_held_pages(cache) == sorted(b_pages[:2])
     assert_cache_consistent(cache, pool)
     teardown([], cache, pool)
 
@@ -508,7 +512,7 @@ def test_teardown_in_either_order_leaves_the_pool_empty():
     fake_eval(b, [8])
     # The cache may let go first: the sessions still hold the pages until they release.
     assert dl.prefix_release(cache, pool) == 2
-    assert dl.prefix_held_groups(cache) == [] and dl.prefix_chain_list(cache) == []
+    assert dl.prefix_held_groups(cache) == 0 and dl.prefix_chain_list(cache) == []
     assert_session_sees(b, seq(0, 9))
     a.release()
     b.release()

@@ -59,6 +59,17 @@ def common_prefix(a, b) -> int:
     return n
 
 
+def assert_close_to_scale(got: np.ndarray, want: np.ndarray, rel: float = 1e-4) -> None:
+    """Equal up to float32 rounding: the largest difference is tiny against the largest value.
+
+    The same math summed in another BLAS blocking order differs by a few ulps of the
+    largest terms (seen: 1.2e-5 at values near 10), so the bound scales with the data.
+    """
+    scale = float(np.max(np.abs(want)))
+    diff = float(np.max(np.abs(got - want)))
+    assert diff <= rel * scale, f"differ by {diff:.3g}, more than {rel:g} of the scale {scale:.3g}"
+
+
 def test_a_hit_gives_the_same_logits_and_continuation_as_a_miss(m):
     pool = dl.create_kv_pool(m, page_rows=ROWS)
     cache = dl.create_prefix_cache()
@@ -75,10 +86,11 @@ def test_a_hit_gives_the_same_logits_and_continuation_as_a_miss(m):
     assert matched >= 3 * ROWS                            # the system prompt is cached
     logits_hit = dl.eval(m, hit, p2[matched:])            # only the tail computed
     assert logits_hit.shape == logits_miss.shape == (m.config.vocab_size,)
-    assert float(np.max(np.abs(logits_hit - logits_miss))) <= 1e-4
+    assert_close_to_scale(logits_hit, logits_miss)
     # The cached K/V is the one the miss computed itself.
     for i, page in enumerate(hit.page_table[:matched // ROWS]):
-        np.testing.assert_allclose(pool.k[:, page], pool.k[:, miss.page_table[i]], atol=1e-5)
+        assert_close_to_scale(pool.k[:, page], pool.k[:, miss.page_table[i]])
+        assert_close_to_scale(pool.v[:, page], pool.v[:, miss.page_table[i]])
     assert greedy(m, hit, logits_hit, 32) == greedy(m, miss, logits_miss, 32)
 
     for s in (miss, hit):
@@ -101,10 +113,11 @@ def test_the_tutorial_facts(m):
     assert added == (len(p1) + 3) // ROWS
     [chain] = dl.prefix_chain_list(cache)
     assert (chain.n_tokens, chain.pages_live, chain.hits) == (added * ROWS, added, 0)
-    assert dl.prefix_held_groups(cache) == sorted(a.page_table[:added])
-    held = dl.prefix_held_groups(cache)
+    assert dl.prefix_held_pages(cache) == sorted(a.page_table[:added])
+    assert dl.prefix_held_groups(cache) == added
+    held = dl.prefix_held_pages(cache)
     dl.release_kv_pages(a)
-    assert pool.num_used_pages == added and dl.prefix_held_groups(cache) == held
+    assert pool.num_used_pages == added and dl.prefix_held_pages(cache) == held
 
     # B attaches: whole pages only, never the prompt's last token, one hit on A's chain.
     b = dl.create_session(m, pool)
@@ -142,7 +155,7 @@ def test_the_tutorial_facts(m):
 
     for s in (b, c, d, e):
         dl.release_kv_pages(s)
-    assert pool.num_used_pages == len(dl.prefix_held_groups(cache))
+    assert pool.num_used_pages == dl.prefix_held_groups(cache)
     dl.prefix_release(cache, pool)
     pool.check()
     assert pool.num_used_pages == 0

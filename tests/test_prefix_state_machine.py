@@ -96,13 +96,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert set(s.page_table) <= with_cache
 
     def _eval(self, s, tokens) -> bool:
+        before = (s.page_table, s.tokens)
         try:
             fake_eval(s, tokens)
         except dl.PoolExhausted as e:
             event("eval: PoolExhausted")
-            assert self.pool.max_pages is not None and self.pool.num_free_pages == 0
+            rows = self.pool.page_rows
+            needed = -(-(s.n_past + len(tokens)) // rows) - len(s.page_table)
+            assert self.pool.max_pages is not None and needed > self.pool.num_free_pages
             assert evictable_pages(self.cache, self.pool) == [], "raised with pages to evict"
             assert "nothing it can evict" in str(e)
+            assert (s.page_table, s.tokens) == before, "a refused eval kept pages"
             return False
         return True
 
@@ -204,7 +208,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             n = len(self.cache.pages)
             assert dl.prefix_release(self.cache, self.pool) == n
             self.flushed += n
-            assert dl.prefix_held_groups(self.cache) == [] and dl.prefix_chain_list(self.cache) == []
+            assert dl.prefix_held_groups(self.cache) == 0 and dl.prefix_chain_list(self.cache) == []
             return
         n = self.cache.evict(k)
         event(f"evict: {'all asked' if n == k else 'fewer'}")
@@ -248,6 +252,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert c.inserted_pages == len(self.cache.pages) + c.evicted_pages + self.flushed
         assert c.hits <= c.queries and c.tokens_saved == c.hit_pages * self.pool.page_rows
         assert all(ch.pages_live > 0 for ch in dl.prefix_chain_list(self.cache))
+        if self.cache.max_pages and len(self.cache.pages) > self.cache.max_pages:
+            # the budget holds whenever pages can be given back (after releases too)
+            assert evictable_pages(self.cache, self.pool) == [], "over budget with pages to evict"
 
     def teardown(self):
         teardown(self.sessions, self.cache, self.pool)

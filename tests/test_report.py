@@ -22,8 +22,7 @@ from html.parser import HTMLParser
 import pytest
 
 import engine
-from app.report_render import export_report, render_pdf
-from engine.report import (
+from app.report import (
     SCHEMA,
     Report,
     ReportWriteError,
@@ -33,6 +32,7 @@ from engine.report import (
     report_to_dict,
     snapshot_from_report,
 )
+from app.report.render import export_report, render_pdf
 from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -162,8 +162,8 @@ def test_report_holds_the_run(run):
     assert {p for p, info in snap.pages.items() if info.chain_id is not None} == set(sch.cache.by_page)
 
 
-def test_engine_report_imports_no_qt():
-    code = ("import sys, engine.report; "
+def test_report_files_import_no_qt():
+    code = ("import sys, app.report; "
             "sys.exit(any(m.startswith(('PySide6', 'pyqtgraph')) for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
@@ -401,7 +401,7 @@ def test_unknown_extension_is_refused(report, tmp_path):
 
 
 def test_html_without_charts_says_so(report):
-    from app.report_render import page_map_image, render_html
+    from app.report.render import page_map_image, render_html
     page_map = page_map_image(report)
     assert page_map.png.startswith(b"\x89PNG")
     page = Parsed()

@@ -58,7 +58,7 @@ def test_logits_match_naive_reference(request, variant, prompt_ids):
     ref = reference_logits(m.path, ids, read_weights(m.path))
     pool = dl.create_kv_pool(m, page_rows=16)
     s = dl.create_session(m, pool)
-    got = em.forward(m, [s], [ids], all_positions=True)
+    got = dl.eval_batch(m, [s], [ids], all_positions=True)
     assert got.shape == (len(ids), m.config.vocab_size) and got.dtype == np.float32
     assert np.abs(ref).max() > 1.0, "degenerate reference: logits too small to compare"
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

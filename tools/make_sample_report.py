@@ -18,9 +18,9 @@ if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import engine  # noqa: E402
-from app.report_render import export_report  # noqa: E402
+from app.report import build_report, load_report  # noqa: E402
+from app.report.render import export_report  # noqa: E402
 from app.scenario import SCENARIO_DIR, load_scenario  # noqa: E402
-from engine.report import build_report, load_report  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from engine.scheduler import FinishEvent, Scheduler  # noqa: E402
 

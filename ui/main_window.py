@@ -755,7 +755,7 @@ class MainWindow(QMainWindow):
     @staticmethod
     def reports_available() -> bool:
         try:
-            return all(importlib.util.find_spec(m) for m in ("engine.report", "app.report_render"))
+            return all(importlib.util.find_spec(m) for m in ("app.report", "app.report.render"))
         except (ImportError, ValueError):
             return False
 
@@ -775,7 +775,7 @@ class MainWindow(QMainWindow):
     @Slot(str, object)
     def _on_report_ready(self, path: str, report) -> None:
         try:
-            from app.report_render import export_report
+            from app.report.render import export_report
             written = export_report(path, report)
         except Exception as e:  # noqa: BLE001 - show any rendering problem
             self.report_error("Could not export the report", f"{path}: {type(e).__name__}: {e}")
@@ -794,7 +794,7 @@ class MainWindow(QMainWindow):
     def open_report_path(self, path: str) -> bool:
         """Show a saved report's charts, pool and chains (live data returns with the next run)."""
         try:
-            from engine.report import load_report, snapshot_from_report
+            from app.report import load_report, snapshot_from_report
             report = load_report(path)
             snap = snapshot_from_report(report)
         except Exception as e:  # noqa: BLE001

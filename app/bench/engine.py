@@ -3,7 +3,7 @@ batched decode, cold and warm load, and peak RSS (load + generate in a child pro
 
 Every ratio divides two numbers measured in this one process, interleaved rep by rep and
 each taken as the best of its reps, so a noisy shared machine moves both sides together.
-Run `python -m app.bench_engine --child ...` only through `load_figures`.
+Run `python -m app.bench.engine --child ...` only through `load_figures`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 import engine as dl
 
-from .bench_common import blas_threads, child_env, figure, ratio, set_blas_threads
+from .common import blas_threads, child_env, figure, ratio, set_blas_threads
 
 ISSUE = "Engine core"
 BW_BYTES = 512 * 1024 ** 2  # the bandwidth probe reads a float32 array this large
@@ -92,7 +92,7 @@ def bandwidth_probe():
 
 def bench_prompt(m, n: int) -> list[int]:
     """n real-text token ids (the eight-questions system prompt, repeated)."""
-    from .scenario import SCENARIO_DIR, load_scenario
+    from ..scenario import SCENARIO_DIR, load_scenario
     text = load_scenario(os.path.join(SCENARIO_DIR, "eight_questions.json")).system
     ids = dl.encode(m, text)
     return (ids * (n // len(ids) + 1))[:n]
@@ -275,7 +275,7 @@ def _child(path: str, prompt_tokens: int, new_tokens: int) -> dict:
 
 def _run_child(path: str, cache_dir: str, quick: bool) -> dict:
     n_prompt, n_new = (16, 2) if quick else (256, 32)
-    cmd = [sys.executable, "-m", "app.bench_engine", "--child", path, str(n_prompt), str(n_new)]
+    cmd = [sys.executable, "-m", "app.bench.engine", "--child", path, str(n_prompt), str(n_new)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                          env=child_env(PREFIXLAB_CACHE_DIR=cache_dir))
     if out.returncode != 0:

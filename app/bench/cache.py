@@ -1,7 +1,8 @@
 """Bench section "Prefix cache": attach, insert and eviction cost per page with 10,000 cached pages.
 
-No model math: a tiny ModelConfig pool and fake sessions whose tokens and n_past are set by
-hand, so the figures are the cache's own bookkeeping (hashing, verification, the LRU heap).
+No model math: a tiny ModelConfig pool and fake sessions whose pages are allocated and
+tokens committed with no forward pass, so the figures are the cache's own bookkeeping
+(hashing, verification, the LRU heap).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 from engine import ModelConfig, create_prefix_cache, prefix_attach, prefix_insert
 from engine.kv_pool import KVPool, Session
 
-from .bench_common import figure
+from .common import figure
 
 ISSUE = "Prefix cache"
 PAGE_ROWS = 16
@@ -25,9 +26,8 @@ TINY = ModelConfig(n_layers=1, d_model=8, n_ff=8, n_heads=1, n_kv_heads=1, head_
 def fake_session(pool: KVPool, tokens: list[int]) -> Session:
     """A session that 'evaluated' tokens: pages allocated, tokens and n_past set, no math."""
     s = Session(pool=pool)
-    s.ensure_pages(len(tokens))
-    s.tokens = list(tokens)
-    s.n_past = len(tokens)
+    pool.allocate([s], [len(tokens)])
+    pool.commit([s], [tokens])
     return s
 
 

@@ -3,7 +3,7 @@
 The HTML is one self-contained file (inline CSS, charts and the page map as base64
 PNG); prompts and answers are escaped text, never markup (Jinja2 autoescape). The
 PDF is the same content laid out by QTextDocument on A4 pages through QPdfWriter.
-JSON and CSV come from `engine.report`, which needs no Qt.
+JSON and CSV come from `app.report.files`, which needs no Qt.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from dataclasses import dataclass
 import jinja2
 
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
-from engine.report import (
-    Report,
+
+from .files import (
     ReportWriteError,
     check_target,
     csv_paths,
     format_cell,
-    snapshot_from_report,
     write_bytes,
     write_csv,
     write_json,
 )
+from .model import Report, snapshot_from_report
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATE_DIR = os.path.join(ROOT, "resources", "report")
 CHART_WIDTH, CHART_HEIGHT = 900, 300
 PAGE_MAP_WIDTH = 900

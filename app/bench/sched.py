@@ -14,8 +14,8 @@ import numpy as np
 
 from engine.scheduler import Scheduler
 
-from .bench_common import figure, ratio
-from .scenario import SCENARIO_DIR, load_scenario
+from ..scenario import SCENARIO_DIR, load_scenario
+from .common import figure, ratio
 
 ISSUE = "Scheduler"
 SCENARIO = os.path.join(SCENARIO_DIR, "eight_questions.json")

@@ -76,8 +76,11 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
     """Run the chosen sections; return the whole result (what --json writes)."""
     import engine as dl
 
-    from . import bench_cache, bench_engine, bench_sched, bench_ui
-    from .bench_common import machine_info
+    from . import cache as bench_cache
+    from . import engine as bench_engine
+    from . import sched as bench_sched
+    from . import ui as bench_ui
+    from .common import machine_info
 
     log = log or (lambda msg: None)
     sections = list(sections)

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from .bench_common import child_env, figure
+from .common import child_env, figure
 
 ISSUE = "desktop app"
 TICK_MS = 10
@@ -37,7 +37,7 @@ def ui_figures(model_path: str, quick: bool, cache_dir: str | None) -> tuple[dic
     extra = {"QT_QPA_PLATFORM": "offscreen"}
     if cache_dir:
         extra["PREFIXLAB_CACHE_DIR"] = cache_dir
-    cmd = [sys.executable, "-m", "app.bench_ui", "--child", model_path, str(n_new), str(n_prompts),
+    cmd = [sys.executable, "-m", "app.bench.ui", "--child", model_path, str(n_new), str(n_prompts),
            str(sentences)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env(**extra))
@@ -70,7 +70,7 @@ def _child(model_path: str, n_new: int, n_prompts: int, sentences: int) -> dict:
     from app.settings import AppSettings
     from app.worker import EngineClient
 
-    from .scenario import SCENARIO_DIR, load_scenario
+    from ..scenario import SCENARIO_DIR, load_scenario
 
     class Ui(QObject):
         """The UI thread's receiver: a QObject here, so the worker's signals arrive queued."""
@@ -171,7 +171,7 @@ def _child(model_path: str, n_new: int, n_prompts: int, sentences: int) -> dict:
 
 def _main() -> int:
     if len(sys.argv) != 6 or sys.argv[1] != "--child":
-        print("usage: python -m app.bench_ui --child MODEL NEW_TOKENS PROMPTS SYSTEM_SENTENCES (0: all)",
+        print("usage: python -m app.bench.ui --child MODEL NEW_TOKENS PROMPTS SYSTEM_SENTENCES (0: all)",
               file=sys.stderr)
         return 2
     try:

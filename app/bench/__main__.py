@@ -1,0 +1,7 @@
+"""`python -m app.bench`: the bench command without the rest of the CLI."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

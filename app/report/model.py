@@ -1,0 +1,286 @@
+"""A session report's data model and `build_report`, which copies it out of a scheduler (no Qt here).
+
+The JSON schema is `prefixlab.report/1`, documented field by field in
+docs/report-schema.md; `app.report.files` writes and reads it (and CSV),
+`app.report.render` draws HTML and PDF with Qt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import platform
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+
+import numpy as np
+
+from engine.loader import Model
+from engine.metrics import PAGE_STATE_NAMES, RequestRecord, TimelineRow
+from engine.prefix_cache import ChainRecord, prefix_chain_list
+from engine.sampler import SamplingParams
+from engine.snapshot import PageInfo, Snapshot
+
+SCHEMA_NAME = "prefixlab.report"
+SCHEMA_VERSION = 1
+SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+
+# Distributions whose versions a report records (PySide6 under either wheel name).
+_VERSIONED = ("numpy", "gguf", "tokenizers", "jinja2", "pyqtgraph")
+
+_SHA_CHUNK = 1 << 20
+_sha_cache: dict[tuple[str, int, int], str] = {}
+
+
+# --- the data model --------------------------------------------------------------------
+
+
+@dataclass
+class ModelInfo:
+    """The model the session ran."""
+
+    file_name: str
+    sha256: str
+    file_size: int
+    name: str
+    architecture: str
+    quantization: str
+    parameters: int
+    context_length: int
+    n_layers: int
+    vocab_size: int
+
+
+@dataclass
+class ReportSettings:
+    """The scheduler's settings and the sampling the requests used."""
+
+    page_rows: int
+    pool_pages: int | None  # the configured bound; None: the pool grows
+    pool_capacity: int      # pages the pool had at the end
+    cache_pages: int        # the cache's page budget; 0: unbounded
+    cache_enabled: bool
+    max_streams: int
+    max_queue: int
+    chunk_tokens: int
+    namespace: str
+    sampling: SamplingParams
+
+
+@dataclass
+class Totals:
+    """Session totals, in the words of DESIGN §5."""
+
+    requests: int
+    finished: int
+    steps: int
+    wall_s: float
+    queries: int
+    hits: int
+    hit_pages: int
+    hit_rate: float             # prefill_saved / (prefill_saved + prefill_computed)
+    prefill_computed: int
+    prefill_saved: int
+    prefill_tok_s: float        # measured prefill rate of this session
+    seconds_saved: float        # prefill_saved / prefill_tok_s
+    decode_tokens: int          # tokens made by batched decode passes
+    generated_tokens: int       # sum of n_gen over requests
+    decode_tok_s: float         # decode_tokens / (step time not spent on prefill)
+    mean_request_decode_tok_s: float
+    peak_pages_in_use: int      # max over steps of pages with a reference (sessions or cache)
+    peak_pages_sessions: int    # max over steps of pages a session holds
+
+
+@dataclass
+class PageMapState:
+    """Every pool page at the end of the session."""
+
+    page_rows: int
+    capacity: int
+    state_names: dict[str, str]      # state code (as a string) -> name
+    states: list[int]                # per page: 0 free, 1 private, 2 shared, 3 cached
+    refcounts: list[int]             # per page
+    chain_ids: list[int | None]      # per page: the owning chain for cached pages
+
+    def count(self, state: int) -> int:
+        return sum(1 for s in self.states if s == state)
+
+
+@dataclass
+class MachineInfo:
+    """Where the session ran."""
+
+    platform: str
+    machine: str
+    processor: str
+    cpu_count: int | None
+    python: str
+    python_implementation: str
+
+
+@dataclass
+class Report:
+    """Everything one session report holds; JSON, CSV, HTML and PDF are views of it."""
+
+    title: str
+    created_at: str
+    model: ModelInfo
+    settings: ReportSettings
+    system_prompt: str
+    totals: Totals
+    requests: list[RequestRecord]
+    timeline: list[TimelineRow]
+    chains: list[ChainRecord]
+    pages: PageMapState
+    machine: MachineInfo
+    versions: dict[str, str | None]
+    schema: str = SCHEMA
+
+
+# --- building ---------------------------------------------------------------------------
+
+
+def file_sha256(path: str) -> str:
+    """SHA-256 of a file, read in 1 MiB chunks; remembered per (path, size, mtime)."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    digest = _sha_cache.get(key)
+    if digest is None:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while chunk := fh.read(_SHA_CHUNK):
+                h.update(chunk)
+        digest = _sha_cache[key] = h.hexdigest()
+    return digest
+
+
+def model_info(model: Model) -> ModelInfo:
+    """Name, hash and shape of a loaded model."""
+    cfg = model.config
+    try:
+        sha = file_sha256(model.path)
+    except OSError:
+        sha = ""  # the file went away after loading; the report still says which model ran
+    return ModelInfo(file_name=os.path.basename(model.path), sha256=sha, file_size=int(model.file_size),
+                     name=model.name, architecture=model.arch, quantization=model.quant,
+                     parameters=int(model.n_params), context_length=int(cfg.context_length),
+                     n_layers=int(cfg.n_layers), vocab_size=int(cfg.vocab_size))
+
+
+def machine_info() -> MachineInfo:
+    return MachineInfo(platform=platform.platform(), machine=platform.machine(),
+                       processor=platform.processor(), cpu_count=os.cpu_count(),
+                       python=platform.python_version(),
+                       python_implementation=platform.python_implementation())
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _prefixlab_version() -> str | None:
+    v = _dist_version("prefixlab")
+    if v is not None:
+        return v
+    # A source checkout that is not installed: read the version from pyproject.toml.
+    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    try:
+        import tomllib
+        with open(pyproject, "rb") as fh:
+            return str(tomllib.load(fh)["project"]["version"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of PrefixLab and the libraries it runs on (None: not installed); no imports of Qt."""
+    out = {"prefixlab": _prefixlab_version()}
+    out.update({name: _dist_version(name) for name in _VERSIONED})
+    out["PySide6"] = _dist_version("PySide6-Essentials", "PySide6")
+    return out
+
+
+def _totals(scheduler, records: list[RequestRecord], rows: list[TimelineRow]) -> Totals:
+    c = scheduler.cache.counters
+    computed, saved = scheduler.prefill_computed, scheduler.prefill_saved
+    step_seconds = sum(r.step_s for r in rows)
+    decode_seconds = max(0.0, step_seconds - scheduler.prefill_seconds)
+    rates = [r.decode_tps for r in records if r.decode_tps is not None]
+    if rows:
+        peak_used = max(r.pages_private + r.pages_shared + r.pages_cached for r in rows)
+        peak_sessions = max(r.pages_private + r.pages_shared for r in rows)
+    else:
+        peak_used = peak_sessions = int(scheduler.pool.num_used_pages)
+    return Totals(
+        requests=len(records), finished=sum(1 for r in records if r.finish_reason is not None),
+        steps=len(rows), wall_s=rows[-1].wall_s if rows else 0.0,
+        queries=int(c.queries), hits=int(c.hits), hit_pages=int(c.hit_pages),
+        hit_rate=saved / (saved + computed) if saved + computed else 0.0,
+        prefill_computed=int(computed), prefill_saved=int(saved),
+        prefill_tok_s=float(scheduler.prefill_rate()), seconds_saved=float(scheduler.seconds_saved()),
+        decode_tokens=int(scheduler.decode_tokens), generated_tokens=sum(r.n_gen for r in records),
+        decode_tok_s=scheduler.decode_tokens / decode_seconds if decode_seconds > 0 else 0.0,
+        mean_request_decode_tok_s=sum(rates) / len(rates) if rates else 0.0,
+        peak_pages_in_use=int(peak_used), peak_pages_sessions=int(peak_sessions))
+
+
+def _page_map(scheduler) -> PageMapState:
+    states = scheduler.page_states()
+    pool, cache = scheduler.pool, scheduler.cache
+    chain_ids: list[int | None] = [None] * len(states)
+    for page, key in cache.by_page.items():
+        chain_ids[page] = int(cache.pages[key].chain_id)
+    return PageMapState(page_rows=int(pool.page_rows), capacity=int(pool.capacity),
+                        state_names={str(k): v for k, v in PAGE_STATE_NAMES.items()},
+                        states=[int(s) for s in states], refcounts=[int(n) for n in pool.refcount],
+                        chain_ids=chain_ids)
+
+
+def build_report(scheduler, model: Model, system_prompt: str, sampling: SamplingParams | None,
+                 title: str = "", *, namespace: str | None = None) -> Report:
+    """Copy everything a report shows out of a scheduler (call it between steps, on its thread)."""
+    s = scheduler.settings
+    records = [dataclasses.replace(r) for r in scheduler.records.values()]
+    rows = [dataclasses.replace(r) for r in scheduler.timeline.rows]
+    if namespace is None:
+        names = sorted({r.namespace for r in records})
+        namespace = names[0] if len(names) == 1 else ""
+    settings = ReportSettings(
+        page_rows=s.page_rows, pool_pages=s.pool_pages, pool_capacity=int(scheduler.pool.capacity),
+        cache_pages=s.cache_pages, cache_enabled=s.cache_enabled, max_streams=s.max_streams,
+        max_queue=s.max_queue, chunk_tokens=s.chunk_tokens, namespace=namespace,
+        sampling=dataclasses.replace(sampling) if sampling is not None else SamplingParams())
+    return Report(
+        title=title or f"PrefixLab session report: {model.name}",
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        model=model_info(model), settings=settings, system_prompt=system_prompt,
+        totals=_totals(scheduler, records, rows), requests=records, timeline=rows,
+        chains=[dataclasses.replace(c) for c in prefix_chain_list(scheduler.cache)],
+        pages=_page_map(scheduler), machine=machine_info(), versions=versions())
+
+
+def snapshot_from_report(report: Report) -> Snapshot:
+    """An engine Snapshot of the report's end state, so the GUI's panels can show a loaded report."""
+    p = report.pages
+    states = np.array(p.states, dtype=np.int8)
+    pages = {i: PageInfo(i, p.refcounts[i], p.states[i], p.chain_ids[i], first_position=None)
+             for i in range(len(p.states)) if p.chain_ids[i] is not None}
+    return Snapshot(timeline=list(report.timeline), page_states=states,
+                    refcounts=np.array(p.refcounts, dtype=np.int64), pages=pages,
+                    chains=[dataclasses.replace(c) for c in report.chains],
+                    records=[dataclasses.replace(r) for r in report.requests], page_rows=p.page_rows,
+                    prefill_tok_s=report.totals.prefill_tok_s, seconds_saved=report.totals.seconds_saved)
+
+
+__all__ = [
+    "SCHEMA", "SCHEMA_NAME", "SCHEMA_VERSION", "MachineInfo", "ModelInfo", "PageMapState", "Report",
+    "ReportSettings", "Totals", "build_report", "file_sha256", "machine_info", "model_info",
+    "snapshot_from_report", "versions",
+]

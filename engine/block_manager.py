@@ -1,0 +1,289 @@
+"""The pages: one owner for page ids, reference counts, the free list and every session's
+page table and tokens (DESIGN §1, nano-vllm's BlockManager).
+
+The manager never touches tensors: `KVPool` (engine/kv_pool.py) adds the K/V arrays, and
+the trace replay drives a bare manager with no storage at all. Everything here is plain
+lists and dicts, O(1) per page. A bounded manager that runs out of pages asks its prefix
+caches to evict; releasing a session goes through it so a cache over its budget gives
+pages back at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PoolExhausted
+
+INITIAL_PAGES = 64
+_pool_ids = itertools.count(1)
+_session_ids = itertools.count(1)
+
+
+@dataclass
+class _Seq:
+    """A session's state, written only by its BlockManager."""
+
+    pages: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class SeqSlots:
+    """One session's part of a forward pass: its pages (covering the new tokens) and start."""
+
+    page_table: list[int]
+    n_past: int
+
+
+def pages_for(n_positions: int, page_rows: int) -> int:
+    """Pages that hold `n_positions` positions: the one definition of "pages needed"."""
+    return -(-n_positions // page_rows)
+
+
+class Session:
+    """One sequence's handle: `.page_table`, `.tokens`, `.n_past` read its manager's record."""
+
+    def __init__(self, pool: BlockManager):
+        self.pool = pool
+        self.id = next(_session_ids)
+        self._seq = pool._open(self)
+
+    @property
+    def page_table(self) -> list[int]:
+        return list(self._seq.pages)
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._seq.tokens)
+
+    @property
+    def n_past(self) -> int:
+        """Positions evaluated (or attached from the cache): derived from the tokens."""
+        return len(self._seq.tokens)
+
+    @property
+    def released(self) -> bool:
+        return self._seq.released
+
+    def release(self) -> None:
+        """Hand every page back; the session cannot be used after."""
+        self.pool.free_session(self)
+
+    def __repr__(self) -> str:
+        return f"Session(id={self.id}, n_past={self.n_past}, pages={len(self._seq.pages)})"
+
+
+class BlockManager:
+    """Reference-counted page ids of `page_rows` positions; grows by doubling or is bounded.
+
+    A page is free when its count is 0. Sessions and the prefix cache each hold one
+    reference on a page they use; sharing is by reference only.
+    """
+
+    def __init__(self, page_rows: int = 16, max_pages: int | None = None):
+        if not isinstance(page_rows, int) or isinstance(page_rows, bool) or page_rows < 1:
+            raise ValueError(f"page_rows must be a positive integer, got {page_rows!r}")
+        if max_pages is not None and (not isinstance(max_pages, int) or max_pages < 1):
+            raise ValueError(f"max_pages must be a positive integer or None, got {max_pages!r}")
+        self.id = next(_pool_ids)
+        self.page_rows = page_rows
+        self.max_pages = max_pages
+        start = max_pages if max_pages is not None else INITIAL_PAGES
+        self.refs: list[int] = [0] * start
+        self._free: list[int] = list(range(start - 1, -1, -1))  # pop() gives the lowest id
+        self._seqs: dict[int, _Seq] = {}
+        self.caches: list = []  # prefix caches bound to these pages (they evict on request)
+
+    # counts -----------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return len(self.refs)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return len(self.refs) - len(self._free)
+
+    @property
+    def refcount(self) -> np.ndarray:
+        """Every page's reference count, as a new int64 array (for charts, checks and tests)."""
+        return np.array(self.refs, dtype=np.int64)
+
+    # pages ------------------------------------------------------------
+    def _grow(self) -> None:
+        old = len(self.refs)
+        self.refs.extend([0] * old)
+        self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
+        self._on_grow(old, 2 * old)
+
+    def _on_grow(self, old: int, new: int) -> None:
+        """Storage hook: a KVPool extends its K/V arrays here."""
+
+    def alloc(self) -> int:
+        """A free page with reference count 1; grows, asks the caches to evict, or raises."""
+        if not self._free:
+            if self.max_pages is None:
+                self._grow()
+            else:
+                for cache in self.caches:
+                    if cache.evict(1):
+                        break
+        if not self._free:
+            raise PoolExhausted(
+                f"KV pool is full: all {self.capacity} pages are in use by sessions "
+                f"and the prefix cache has nothing it can evict")
+        page = self._free.pop()
+        self.refs[page] = 1
+        return page
+
+    def retain(self, page: int) -> None:
+        """Take one more reference on a page in use."""
+        if self.refs[page] <= 0:
+            raise ValueError(f"page {page} is free; cannot take a reference on it")
+        self.refs[page] += 1
+
+    def release(self, page: int) -> None:
+        """Drop one reference; the page returns to the free list at 0."""
+        if self.refs[page] <= 0:
+            raise ValueError(f"page {page} is already free; released twice")
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self._free.append(page)
+
+    def add_cache(self, cache) -> None:
+        """Bind a prefix cache: it evicts when a bounded manager runs out of pages."""
+        if cache not in self.caches:
+            self.caches.append(cache)
+
+    # sessions ---------------------------------------------------------
+    def _open(self, s: Session) -> _Seq:
+        seq = self._seqs[s.id] = _Seq()
+        return seq
+
+    def _live(self, s: Session) -> _Seq:
+        if s.pool is not self:
+            raise ValueError(f"session {s.id} belongs to another KV pool")
+        if s._seq.released:
+            raise ValueError(f"session {s.id} was released; create a new session")
+        return s._seq
+
+    def table(self, s: Session) -> list[int]:
+        """The session's page table itself (read-only for callers; no copy)."""
+        return s._seq.pages
+
+    def tokens(self, s: Session) -> list[int]:
+        """The session's evaluated tokens themselves (read-only for callers; no copy)."""
+        return s._seq.tokens
+
+    def reserve(self, s: Session, n_positions: int) -> None:
+        """Allocate pages until the session's table covers `n_positions`; all or nothing."""
+        seq = self._live(s)
+        need = pages_for(n_positions, self.page_rows)
+        start = len(seq.pages)
+        try:
+            while len(seq.pages) < need:
+                seq.pages.append(self.alloc())
+        except PoolExhausted:
+            for page in seq.pages[start:]:
+                self.release(page)
+            del seq.pages[start:]
+            raise
+
+    def allocate(self, sessions: list[Session], counts: list[int]) -> list[SeqSlots]:
+        """Pages for `counts[i]` new tokens of each session (all or nothing), checked writable."""
+        taken: list[tuple[Session, int]] = []
+        try:
+            for s, n in zip(sessions, counts):
+                taken.append((s, len(self._live(s).pages)))
+                self.reserve(s, s.n_past + n)
+        except PoolExhausted:
+            for s, had in taken:
+                seq = s._seq
+                for page in seq.pages[had:]:
+                    self.release(page)
+                del seq.pages[had:]
+            raise
+        rows = self.page_rows
+        for s, n in zip(sessions, counts):
+            pages = s._seq.pages
+            start = s.n_past
+            for i in range(start // rows, pages_for(start + n, rows)):
+                if self.refs[pages[i]] != 1:
+                    # The one shared-page write guard: a shared page is immutable, and
+                    # writing into it would corrupt every holder.
+                    raise RuntimeError(f"refusing to write K/V into shared or free page {pages[i]} "
+                                       f"of session {s.id}")
+        return [SeqSlots(list(s._seq.pages), s.n_past) for s in sessions]
+
+    def commit(self, sessions: list[Session], token_lists: list[list[int]]) -> None:
+        """Record tokens whose K/V the forward pass wrote into the allocated slots."""
+        for s, toks in zip(sessions, token_lists):
+            seq = self._live(s)
+            if pages_for(len(seq.tokens) + len(toks), self.page_rows) > len(seq.pages):
+                raise RuntimeError(f"session {s.id}: committing tokens past its allocated pages")
+            seq.tokens.extend(int(t) for t in toks)
+
+    def check_fresh(self, s: Session) -> None:
+        """Raise unless the session is live, of this pool, and has no page and no token."""
+        seq = self._live(s)
+        if seq.tokens or seq.pages:
+            raise ValueError(
+                f"prefix_attach needs a fresh session (n_past 0, no pages); session {s.id} has "
+                f"n_past {len(seq.tokens)} and {len(seq.pages)} pages")
+
+    def attach(self, s: Session, pages: list[int], tokens: list[int]) -> None:
+        """Give a fresh session cached pages (one reference each) holding `tokens`."""
+        self.check_fresh(s)
+        seq = s._seq
+        if len(tokens) != len(pages) * self.page_rows:
+            raise ValueError(f"attach: {len(tokens)} tokens do not fill {len(pages)} pages")
+        for page in pages:
+            self.retain(page)
+        seq.pages.extend(pages)
+        seq.tokens.extend(int(t) for t in tokens)
+
+    def free_session(self, s: Session) -> None:
+        """Release every page of the session; a cache over its budget gives pages back now."""
+        if s.pool is not self:
+            raise ValueError(f"session {s.id} belongs to another KV pool")
+        seq = s._seq
+        if seq.released:
+            raise ValueError(f"session {s.id} was already released")
+        for page in seq.pages:
+            self.release(page)
+        seq.pages.clear()
+        seq.released = True
+        del self._seqs[s.id]
+        for cache in self.caches:
+            cache.enforce_budget()
+
+    # checks -----------------------------------------------------------
+    def check(self) -> None:
+        """Verify free + in use == capacity, counts >= 0, the free list is exact, and every
+        session's pages are counted."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("free list holds a page twice")
+        negative = [p for p, n in enumerate(self.refs) if n < 0]
+        if negative:
+            raise AssertionError(f"negative reference count on pages {negative[:8]}")
+        zero = {p for p, n in enumerate(self.refs) if n == 0}
+        if zero != free:
+            raise AssertionError(f"free list {sorted(free)[:8]} differs from unreferenced pages "
+                                 f"{sorted(zero)[:8]}")
+        if self.num_free_pages + self.num_used_pages != self.capacity:
+            raise AssertionError("free + in use != capacity")
+        held: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for page in seq.pages:
+                held[page] = held.get(page, 0) + 1
+        over = [p for p, n in held.items() if n > self.refs[p]]
+        if over:
+            raise AssertionError(f"sessions hold more references than counted on pages {over[:8]}")
