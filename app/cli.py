@@ -1,4 +1,4 @@
-"""The `prefixlab` command: the desktop app by default, or generate / run / bench."""
+"""The `prefixlab` command: the desktop app by default, or generate / run / bench / replay."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="GGUF model file (default: the bundled SmolLM2-135M-Instruct)")
     sub = parser.add_subparsers(dest="command")
     from . import bench, generate, run_headless
+    from .replay import cli as replay_cli
     generate.add_parser(sub)
     run_headless.add_parser(sub)
     bench.add_parser(sub)
+    replay_cli.add_parser(sub)
     return parser
 
 

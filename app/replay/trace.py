@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
-from engine.report import ReportWriteError, atomic_write
+from ..report.files import ReportWriteError, atomic_write
 
 FORMATS = ("mooncake", "openai", "prefixlab")
 PREFIXLAB_TAG = "prefixlab.trace/1"
