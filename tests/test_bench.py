@@ -29,6 +29,7 @@ SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_
 TARGETS = {"prefill_flops_fraction": (">=", 0.55), "decode_bw_fraction": (">=", 0.8),
            "batch_speedup": (">=", 2.5), "warm_load_s": ("<=", 1.5), "peak_rss_gb": ("<=", 1.2),
            "sched_wall_ratio": ("<=", 0.45), "ttft_hit_miss_ratio": ("<=", 0.3)}
+REPLAY = ["replay_one_config_s", "replay_10k_blocks_s", "replay_sweep_wall_s", "replay_sweep_cores_busy"]
 QUEUE_WAITS = {"queue_wait_mean_s", "queue_wait_max_s", "plain_queue_wait_mean_s"}
 
 
@@ -97,7 +98,7 @@ def test_quick_bench_has_every_figure_finite_and_positive(quick_run):
     assert quick_run["errors"] == {}
     assert quick_run["quick"] is True
     figs = quick_run["figures"]
-    for name in ENGINE + CACHE + SCHED:
+    for name in ENGINE + CACHE + SCHED + REPLAY:
         assert name in figs, f"missing figure {name}"
         v = figs[name]["value"]
         assert isinstance(v, float) and math.isfinite(v), f"{name} = {v!r}"
