@@ -30,6 +30,7 @@ class ReplayResult:
     tokens_saved: int = 0          # blocks_hit x page_rows: prefill tokens the cache spared
     input_tokens: int = 0
     evicted: int = 0
+    cached_pages: int = 0          # pages cached at the end (infinite capacity: the working set)
     seconds: float = 0.0           # wall time of this replay
     over_time: list[dict] = field(default_factory=list)  # {t, requests, token_hit_ratio} per window
 

@@ -52,6 +52,7 @@ def replay(source: TraceSource, config: ReplayConfig) -> ReplayResult:
             gc.enable()
     res = run.result
     res.evicted = run.cache.counters.evicted_pages
+    res.cached_pages = len(run.cache.pages)
     res.over_time = run.over_time.series()
     res.seconds = time.perf_counter() - t0
     return res
