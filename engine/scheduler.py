@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from array import array
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
@@ -28,6 +29,7 @@ from .metrics import (
     PAGE_PRIVATE,
     PAGE_SHARED,
     RequestRecord,
+    RequestTokens,
     Timeline,
     TimelineRow,
     page_states,
@@ -156,6 +158,7 @@ class Scheduler:
         self.queue: deque[Stream] = deque()
         self.active: list[Stream] = []
         self.records: dict[int, RequestRecord] = {}
+        self.tokens: dict[int, RequestTokens] = {}  # finished requests' prompts and donations
         self.conversations: dict[str, Conversation] = {}
         self.timeline = Timeline()
         self._ids = itertools.count(1)
@@ -474,11 +477,16 @@ class Scheduler:
         r.text = "".join(s.pieces)
         if s.first_token_at is not None and r.n_gen > 1:
             r.decode_tps = (r.n_gen - 1) / max(now - s.first_token_at, 1e-9)
+        donated = None
         if s.session is not None:
+            donated = s.session.tokens
             if self.settings.cache_enabled:
                 # A cancelled stream donates what actually ran; others their whole turn.
-                self._publish(s, s.session.tokens)
+                self._publish(s, donated)
             s.session.release()
+        self.tokens[r.id] = RequestTokens(
+            array("i", s.prompt), None if donated is None else array("i", donated),
+            s.admitted_at - self._t0 if s.session is not None else None, r.finished_s)
         if s.conversation is not None:
             s.conversation.busy = False
             if s.finish_reason == "cancelled":

@@ -1,8 +1,9 @@
-"""Make traces: redacted, or converted from an OpenAI request log.
+"""Make traces: from a scheduler's finished requests, redacted, or from an OpenAI request log.
 
-A redacted trace is the Mooncake form: chained
-block hashes (renumbered 0, 1, 2... in order of first use), lengths and times,
-no token ids, so it can be shared without the text it came from.
+`save_session_trace` is the one call the app, the server and `prefixlab run` use to
+save what a scheduler did. A redacted trace is the Mooncake form: chained block
+hashes (renumbered 0, 1, 2... in order of first use), lengths and times, no token
+ids, so it can be shared without the text it came from.
 """
 
 from __future__ import annotations
@@ -11,7 +12,37 @@ from collections.abc import Iterator
 
 from engine.prefix_cache import PrefixCache
 
-from .trace import TraceError, TraceHeader, TraceSource, write_mooncake, write_trace
+from .trace import TraceError, TraceHeader, TraceRequest, TraceSource, write_mooncake, write_trace
+
+
+def session_requests(sch) -> list[TraceRequest]:
+    """The scheduler's finished requests as a timed trace, in admission order (never-run ones last)."""
+    out = []
+    for rid, toks in sch.tokens.items():
+        rec = sch.records[rid]
+        out.append(TraceRequest(
+            arrival_s=rec.submitted_s, input_length=len(toks.prompt), output_length=rec.n_gen,
+            namespace=rec.namespace, client=getattr(rec, "client", ""), prompt=toks.prompt.tolist(),
+            donated=None if toks.donated is None else toks.donated.tolist(),
+            admitted_s=toks.admitted_s, finish_s=toks.donated_s))
+    out.sort(key=lambda r: (r.admitted_s is None, r.admitted_s or 0.0))
+    return out
+
+
+def session_header(sch, model_name: str = "", source: str = "session") -> TraceHeader:
+    """A session trace's header: its page size and scheduler settings."""
+    return TraceHeader(page_rows=sch.settings.page_rows, model=model_name, source=source,
+                       settings=sch.settings.to_dict())
+
+
+def save_session_trace(path: str, sch, model_name: str = "", source: str = "session",
+                       redact: bool = False) -> int:
+    """Write the scheduler's finished requests as a trace (or, redacted, its Mooncake form with
+    blocks of the session's page size); return how many requests."""
+    requests = session_requests(sch)
+    if redact:
+        return write_mooncake(path, redacted_rows(requests, sch.settings.page_rows))
+    return write_trace(path, session_header(sch, model_name, source), requests)
 
 
 def redacted_rows(requests, block_size: int) -> Iterator[dict]:
