@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import engine
 from app.cli import main
 from app.replay.results import ReplayConfig
 from app.replay.simulate import replay
@@ -96,3 +97,26 @@ def test_redacted_trace_replays_like_the_tokens(tmp_path, capsys):
     tokens = replay(open_trace(trace), ReplayConfig(page_rows=8, budget=6))
     hashed = replay(open_trace(str(redacted), block_size=8), ReplayConfig(budget=6))
     assert figures([hashed])[0][3:] == figures([tokens])[0][3:]
+
+
+def test_openai_log_is_tokenized_with_the_model_template(tiny_gguf_path, tmp_path, capsys):
+    """A multi-turn history shares its pages: turn 2 hits turn 1's whole prompt, not just the system."""
+    system = {"role": "system", "content": "You answer questions about the hardware store, briefly."}
+    turn1 = [system, {"role": "user", "content": "Do you sell hammers and nails?"}]
+    turn2 = turn1 + [{"role": "assistant", "content": "Yes, aisle four."},
+                     {"role": "user", "content": [{"type": "text", "text": "And screws?"}]}]
+    other = [system, {"role": "user", "content": "Are you open today?"}]
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(json.dumps({"model": "gpt-4o", "messages": m, "user": "bob"}) + "\n"
+                           for m in (turn1, turn2, other)))
+    out = tmp_path / "rows.json"
+    assert main(["replay", str(log), "--model", tiny_gguf_path, "--page-rows", "4", "--json", str(out),
+                 "--quiet"]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    tok = engine.load_model(tiny_gguf_path).tokenizer
+    as_text = turn2[:-1] + [{"role": "user", "content": "And screws?"}]  # the parts, joined
+    p1, p2, p3 = (tok.encode(tok.render_chat(m, add_generation_prompt=True)) for m in (turn1, as_text, other))
+    assert p2[:len(p1)] == p1  # the template renders turn 2 as turn 1 and more
+    shared_system = next(i for i, (a, b) in enumerate(zip(p1, p3)) if a != b)
+    assert row["tokens_saved"] == len(p1) // 4 * 4 + shared_system // 4 * 4
+    assert row["hits"] == 2 and row["requests"] == 3
