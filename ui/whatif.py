@@ -64,7 +64,9 @@ class WhatIfChart(QWidget):
             item.getAxis("left").enableAutoSIPrefix(False)
             item.getAxis("bottom").enableAutoSIPrefix(False)
             item.showGrid(x=True, y=True, alpha=0.25)
-            item.addLegend(offset=(-10, -10), brush=pg.mkBrush(255, 255, 255, 200))
+            # Under the x axis, in the plot's own layout: the legend never covers a curve.
+            item.legend = pg.LegendItem(frame=False, labelTextSize="8.5pt", horSpacing=12)
+            item.layout.addItem(item.legend, 4, 1, alignment=Qt.AlignmentFlag.AlignHCenter)
             layout.addWidget(pw)
         self.capacity.getPlotItem().setLogMode(x=True, y=False)
         self.rows: list[dict] = []
@@ -91,9 +93,6 @@ class WhatIfChart(QWidget):
                 axis.setPen(pg.mkPen(theme.grid))
                 axis.setTextPen(pg.mkPen(theme.muted))
             item.titleLabel.setAttr("color", theme.foreground)
-            background = QColor(theme.background)
-            background.setAlpha(210)
-            item.legend.setBrush(pg.mkBrush(background))
             item.legend.setLabelTextColor(theme.foreground)
         self._draw()
 
@@ -105,7 +104,7 @@ class WhatIfChart(QWidget):
         several_sizes = len({r["page_rows"] for r in self.rows}) > 1
         policies = sorted({pol for _, pol in lines})
         xs = [b for bs, _ in lines.values() for b in bs]
-        for (rows, policy), (budgets, ratios) in sorted(lines.items()):
+        for (rows, policy), (budgets, ratios) in sorted(lines.items(), key=_engine_last):
             name = f"{policy}, {rows}-token pages" if several_sizes else policy
             pen = pg.mkPen(policy_color(policy, policies.index(policy)), width=2.2)
             self.capacity.plot(budgets, [100 * r for r in ratios], pen=pen, symbol="o", symbolSize=6,
@@ -120,6 +119,8 @@ class WhatIfChart(QWidget):
         self.capacity.getPlotItem().getAxis("bottom").setTicks([ticks] if ticks else None)
         self._draw_over_time()
         for pw in (self.capacity, self.over_time):
+            legend = pw.getPlotItem().legend
+            legend.setColumnCount(max(1, min(5, len(legend.items))))  # one row when it fits
             pw.getPlotItem().vb.setYRange(0, 100 * max(0.05, _top(self.rows)), padding=0.05)
             pw.getPlotItem().vb.enableAutoRange(x=True)
 
@@ -132,7 +133,7 @@ class WhatIfChart(QWidget):
             elif r["budget"] == self.over_time_budget:
                 shown.setdefault(r["policy"], r)
         policies = sorted(k for k in shown if k != "bound")
-        for key, r in sorted(shown.items()):
+        for key, r in sorted(shown.items(), key=lambda kv: (kv[0] == "leaf-lru", kv[0])):
             series = r.get("over_time") or []
             if not series:
                 continue
@@ -144,6 +145,12 @@ class WhatIfChart(QWidget):
                 name = f"{key} at {r['budget']:,} pages"
             self.over_time.plot([p["t"] for p in series], [100 * p["token_hit_ratio"] for p in series],
                                 pen=pen, name=name)
+
+
+def _engine_last(item) -> tuple:
+    """Draw the engine's own policy last, on top of any curve it coincides with."""
+    (rows, policy), _ = item
+    return rows, policy == "leaf-lru", policy
 
 
 def _top(rows: list[dict]) -> float:
