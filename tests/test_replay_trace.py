@@ -83,6 +83,14 @@ def test_empty_file_and_empty_trace(tmp_path):
         list(open_trace(header_only))
 
 
+def test_binary_file_is_named(tmp_path):
+    import gzip
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(gzip.compress(json.dumps(mooncake_row()).encode() * 50))
+    with pytest.raises(TraceError, match="t.jsonl.gz: not UTF-8 text"):
+        open_trace(str(path))
+
+
 def test_unknown_first_line_and_missing_file(tmp_path):
     path = write_lines(tmp_path / "x.jsonl", [{"prompt": "hello"}])
     with pytest.raises(TraceError, match="line 1: not a trace line"):

@@ -193,8 +193,18 @@ def _objects(path: str, skip_header: bool) -> Iterator[tuple[int, dict]]:
     except OSError as e:
         raise TraceError(f"cannot open trace {path}: {e.strerror}") from None
     with fh:
-        first = True
-        for lineno, line in enumerate(fh, 1):
+        first, lineno = True, 0
+        lines = iter(fh)
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                return
+            except UnicodeDecodeError:  # decoded a block at a time: the bad line is here or later
+                where = f", after line {lineno}" if lineno else ""
+                raise TraceError(f"{path}{where}: not UTF-8 text (a compressed or binary file? "
+                                 f"traces are JSONL)") from None
+            lineno += 1
             if not line.strip():
                 continue
             obj = _parse(line, _Where(path, lineno))
