@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
                    help=f"eviction policies: {', '.join(POLICIES)} (default: {DEFAULT_POLICY})")
     p.add_argument("--json", help="write one row per configuration here")
     p.add_argument("--plot", help="write hit ratio vs capacity per policy as a PNG here")
-    p.add_argument("--workers", type=int, help="parallel processes (default: one per core)")
+    p.add_argument("--workers", type=_positive, help="parallel processes (default: one per core)")
     p.add_argument("--dask-scheduler", metavar="ADDRESS",
                    help="run the configurations on this Dask cluster (pip install 'prefixlab[dask]')")
     p.add_argument("--redact", metavar="OUT",
@@ -46,6 +46,12 @@ def _int_list(text: str) -> list[int]:
     if any(v < 1 for v in values):
         raise _bad(f"page sizes must be >= 1, got {text!r}")
     return values
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise _bad(f"expected an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def _budget_list(text: str) -> list[int | None]:
