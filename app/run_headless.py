@@ -66,7 +66,7 @@ def run(args) -> int:
     if max_new < 1:
         raise SystemExit("prefixlab run: --max-new must be >= 1")
     m = load_model_or_exit(getattr(args, "model", None))
-    sch = Scheduler(m, **settings.to_dict())
+    sch = Scheduler(m, settings)
     system = scenario.system if scenario else args.system
 
     def on_event(ev) -> None:

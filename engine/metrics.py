@@ -75,18 +75,32 @@ class RequestRecord:
     n_cached: int = 0
     n_prefilled: int = 0
     n_gen: int = 0
-    queue_wait_s: float = 0.0
-    ttft_s: float | None = None
+    queue_wait_s: float = 0.0          # arrival to admission
+    ttft_s: float | None = None         # arrival to the first token (vLLM's, SGLang's, llama.cpp's TTFT)
     decode_tps: float | None = None
     finish_reason: str | None = None
     chain_hit: int | None = None
     chain_donated: int | None = None
     text: str = ""
-    submitted_s: float = 0.0
+    submitted_s: float = 0.0           # arrival, seconds after the scheduler started
     finished_s: float | None = None
+    client: str = ""                    # where the request came from, e.g. "http 127.0.0.1 user=bob"
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def timeline_row(pool: KVPool, cache: PrefixCache, **step) -> TimelineRow:
+    """A timeline row: the pool's page states and the cache's counters now, plus the step's own
+    figures (step, wall_s, prefill_computed, prefill_saved, decode_tokens, active, queued,
+    batch_size, step_s)."""
+    counts = np.bincount(page_states(pool, cache), minlength=4)
+    c = cache.counters
+    return TimelineRow(
+        capacity=pool.capacity, pages_private=int(counts[PAGE_PRIVATE]),
+        pages_shared=int(counts[PAGE_SHARED]), pages_cached=int(counts[PAGE_CACHED]),
+        pages_free=int(counts[PAGE_FREE]), chains=len(cache.chains), cached_pages=len(cache.pages),
+        queries=c.queries, hits=c.hits, hit_pages=c.hit_pages, **step)
 
 
 class Timeline:

@@ -28,10 +28,21 @@ import itertools
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, Session
 from .eviction import EvictionPolicy, make_policy
+from .prefix_records import (
+    CacheCounters,
+    CachedPage,
+    CachedPageInfo,
+    CacheEvent,
+    ChainRecord,
+    ProbeResult,
+)
+
+__all__ = ["CacheCounters", "CacheEvent", "CachedPage", "CachedPageInfo", "ChainRecord", "PrefixCache",
+           "ProbeResult", "blake2b_64", "create_prefix_cache", "prefix_attach", "prefix_chain_list",
+           "prefix_held_groups", "prefix_held_pages", "prefix_insert", "prefix_probe", "prefix_release"]
 
 HashFn = Callable[[bytes], int]
 
@@ -40,69 +51,8 @@ def blake2b_64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-@dataclass(slots=True)
-class CachedPage:
-    """One cached page: its pool page, tokens and place in the tree of prefixes."""
-
-    key: int
-    page: int
-    tokens: tuple[int, ...]     # an id-keyed page: (its id,)
-    parent: int | None
-    namespace: str
-    depth: int
-    chain_id: int
-    last_used: int = 0          # recency stamp of its last hit or insert
-    uses: int = 0               # hits + inserts (LFU)
-    born: int = 0               # insertion order (FIFO)
-    children: set[int] = field(default_factory=set)
-
-
-@dataclass
-class ChainRecord:
-    """A chain: the pages one insert added. What `prefix_chain_list` reports."""
-
-    id: int
-    n_tokens: int
-    pages_live: int
-    hits: int
-    preview: str
-    created_at: float
-    last_hit_at: float | None = None
-    namespace: str = ""
-    first_page_depth: int = 0
-
-
-@dataclass(frozen=True)
-class CachedPageInfo:
-    """A cached page as listeners see it: its key, its parent's key, its tokens, its namespace."""
-
-    key: int
-    parent: int | None
-    tokens: tuple[int, ...]
-    namespace: str
-
-
-@dataclass(frozen=True)
-class CacheEvent:
-    """A change of the cache: "stored" (one insert's new pages, root to leaf), "removed"
-    (one eviction batch) or "cleared" (`prefix_release`, no pages)."""
-
-    kind: str
-    pages: tuple[CachedPageInfo, ...] = ()
-
-
 def _info(entry: CachedPage) -> CachedPageInfo:
     return CachedPageInfo(entry.key, entry.parent, entry.tokens, entry.namespace)
-
-
-@dataclass
-class CacheCounters:
-    queries: int = 0
-    hits: int = 0
-    hit_pages: int = 0
-    inserted_pages: int = 0
-    evicted_pages: int = 0
-    tokens_saved: int = 0
 
 
 class _Trie:
@@ -114,18 +64,6 @@ class _Trie:
         self.n = 0                        # sibling pages whose tokens pass through this node
         self.next: dict[int, _Trie] = {}
         self.key: int | None = None       # the page whose tokens end here
-
-
-@dataclass
-class ProbeResult:
-    """How far a prompt would match, and why it stops (see `prefix_probe`)."""
-
-    matched_tokens: int
-    matched_pages: int
-    stop_reason: str          # "cap" | "miss" | "token_mismatch" | "end"
-    first_diff_index: int | None
-    nearest_chain_id: int | None
-    cached_token: int | None = None  # what the nearest cached page holds at first_diff_index
 
 
 class PrefixCache:
@@ -266,6 +204,17 @@ class PrefixCache:
             del self.chains[entry.chain_id]
         self.counters.evicted_pages += 1
         self.pool.release(entry.page)
+
+    def num_evictable(self) -> int:
+        """Cached pages eviction can give back, now or once their children went: pages that
+        no session holds, with no session holding a page below them. O(cached pages)."""
+        blocked: set[int] = set()
+        for entry in sorted(self.pages.values(), key=lambda e: -e.depth):  # children first
+            if entry.key in blocked or self.pool.refs[entry.page] > 1:
+                blocked.add(entry.key)
+                if entry.parent is not None:
+                    blocked.add(entry.parent)
+        return len(self.pages) - len(blocked)
 
     def enforce_budget(self) -> None:
         """Evict down to the budget as far as pages can be given back (after inserts and releases)."""

@@ -59,7 +59,7 @@ class SnapshotMaker:
                 text = self._text_by_key[key] = tok.decode(entry.tokens)
             pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]), entry.chain_id,
                                    first_position=entry.depth * rows, text=text)
-        for stream in scheduler.active:
+        for stream in scheduler.streams():
             s = stream.session
             if s is None:
                 continue

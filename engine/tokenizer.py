@@ -1,15 +1,13 @@
-"""Byte-level BPE tokenizer and chat template, both built from GGUF metadata."""
+"""Byte-level BPE tokenizer built from GGUF metadata (chat templates: engine/chat.py)."""
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from .errors import ModelLoadError, TemplateError
+from .chat import render_template
+from .errors import ModelLoadError
 
 # llama.cpp token types that are parsed as whole tokens in text.
 CONTROL, USER_DEFINED = 3, 4
@@ -19,14 +17,6 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-
-# A plain ChatML template used when the GGUF has none or its own one fails.
-FALLBACK_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 def _pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -118,103 +108,3 @@ class TokenStream:
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tokenizer, int(token_id)) or ""
-
-
-def _raise_exception(message):
-    raise TemplateError(f"chat template raised: {message}")
-
-
-# A chat template comes from an untrusted GGUF: besides the sandbox's attribute rules,
-# refuse the cheap ways to ask for gigabytes ('a' * 10**9, x|center(10**9), '%999999999d').
-MAX_TEMPLATE_NUMBER = 100_000     # the largest int a template may pass to a call or filter
-MAX_TEMPLATE_CHARS = 1 << 20      # the largest string/list an operator or the output may make
-_HUGE_WIDTH = re.compile(r"%[-#0 +]*(\*|\d{6,})|%[-#0 +]*\d*\.(\*|\d{6,})|\{[^{}]*:[^{}]*\d{6,}")
-
-
-def _check_numbers(values) -> None:
-    for v in values:
-        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_TEMPLATE_NUMBER:
-            raise SecurityError(f"number {v} is too large for a chat template "
-                                f"(limit {MAX_TEMPLATE_NUMBER})")
-
-
-def _bounded_filter(f):
-    @functools.wraps(f)  # keeps jinja's pass_context/pass_environment marks
-    def wrapper(*args, **kwargs):
-        _check_numbers(args)
-        _check_numbers(kwargs.values())
-        return f(*args, **kwargs)
-    return wrapper
-
-
-class BoundedSandbox(ImmutableSandboxedEnvironment):
-    """Jinja2's immutable sandbox with limits on the sizes a template can ask for."""
-
-    intercepted_binops = frozenset({"*", "**", "+", "%"})
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
-
-    def call_binop(self, context, operator, left, right):
-        sized = (str, list, tuple)
-        if operator == "*" and isinstance(left, sized) != isinstance(right, sized):
-            seq, n = (left, right) if isinstance(left, sized) else (right, left)
-            if isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_CHARS:
-                raise SecurityError(f"'*' would make {len(seq) * n} items "
-                                    f"(limit {MAX_TEMPLATE_CHARS})")
-        elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
-            if len(left) + len(right) > MAX_TEMPLATE_CHARS:
-                raise SecurityError(f"'+' would make {len(left) + len(right)} items "
-                                    f"(limit {MAX_TEMPLATE_CHARS})")
-        elif operator == "**" and isinstance(right, int | float) and abs(right) > 1024:
-            raise SecurityError(f"exponent {right} is too large for a chat template")
-        elif operator == "%" and isinstance(left, str):
-            if _HUGE_WIDTH.search(left):
-                raise SecurityError("format width or precision too large for a chat template")
-        return super().call_binop(context, operator, left, right)
-
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
-        _check_numbers(args)
-        _check_numbers(kwargs.values())
-        target = getattr(__obj, "__wrapped__", __obj)
-        if getattr(target, "__name__", "") in ("format", "format_map") and isinstance(
-                getattr(target, "__self__", None), str) and _HUGE_WIDTH.search(target.__self__):
-            raise SecurityError("format width or precision too large for a chat template")
-        return super().call(__context, __obj, *args, **kwargs)
-
-
-def render_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
-                    **extra) -> str:
-    """Render an untrusted chat template in a bounded, immutable sandbox."""
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
-                         extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = _raise_exception
-    try:
-        pieces, size = [], 0
-        for piece in env.from_string(template).generate(
-                messages=messages, add_generation_prompt=add_generation_prompt, **extra):
-            size += len(piece)
-            if size > MAX_TEMPLATE_CHARS:
-                raise TemplateError(f"chat template output exceeds {MAX_TEMPLATE_CHARS} characters")
-            pieces.append(piece)
-        return "".join(pieces)
-    except SecurityError as e:
-        raise TemplateError(f"chat template blocked by the sandbox: {e}") from e
-    except TemplateError:
-        raise
-    except Exception as e:  # syntax errors, undefined names, type errors
-        raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
-
-
-def checked_template(template: str | None) -> tuple[str, str]:
-    """The template to use and a warning when the GGUF's own one is unusable."""
-    if not template:
-        return FALLBACK_TEMPLATE, "the model has no chat template; using plain ChatML"
-    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-             {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
-    try:
-        render_template(template, probe, True, bos_token="", eos_token="")
-    except TemplateError as e:
-        return FALLBACK_TEMPLATE, f"{e}; using plain ChatML instead"
-    return template, ""

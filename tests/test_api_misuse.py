@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import engine as dl
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerSettings
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_settings_out_of_range(tiny_model):
         dl.create_kv_pool(tiny_model, max_pages=0)
     with pytest.raises(ValueError, match="max_pages"):
         dl.create_prefix_cache(max_pages=-1)
-    sch = Scheduler(tiny_model, page_rows=4, pool_pages=2)
+    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, pool_pages=2))
     with pytest.raises(ValueError, match="pool has only 2"):
         sch.submit(list(range(3, 30)), max_new_tokens=4)
 

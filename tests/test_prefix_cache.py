@@ -213,9 +213,10 @@ def test_counters():
     assert cache.counters.evicted_pages == 0 and len(cache.pages) == 5
     s1.release()
     s2.release()
-    b.release()
+    b.release()                                           # the releases enforce the budget
+    assert cache.counters.evicted_pages == 2 and len(cache.pages) == 3
     c = evaluated(pool, seq(0, 4))
-    assert dl.prefix_insert(cache, pool, c, c.tokens) == 0  # refreshes only; enforces the budget
+    assert dl.prefix_insert(cache, pool, c, c.tokens) == 0  # refreshes only
     assert vars(cache.counters) == dict(queries=3, hits=2, hit_pages=4, inserted_pages=5,
                                         evicted_pages=2, tokens_saved=16)
     assert len(cache.pages) == 3

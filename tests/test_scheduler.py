@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
-from engine.scheduler import FinishEvent, Scheduler, SubmitRefused, TokenEvent
+from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused, TokenEvent
 
 SYSTEM = ("You are the assistant of Bolt & Board, a neighbourhood hardware store. We sell drills, saws, "
           "screws, paint and garden tools. We are open from 8am to 8pm. Answer briefly.")
@@ -32,7 +32,7 @@ def submit_questions(sch: Scheduler, questions=QUESTIONS, **kw) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cached_run(real_model):
-    sch = Scheduler(real_model, page_rows=16)
+    sch = Scheduler(real_model, SchedulerSettings(page_rows=16))
     ids = submit_questions(sch)
     done, events = run_all(sch)
     return sch, ids, done, events
@@ -52,7 +52,14 @@ def test_first_prompt_misses_and_the_others_hit(cached_run):
 
 def test_system_prompt_is_prefilled_once(cached_run):
     sch, ids, done, _ = cached_run
-    # Prefix-aware admission: the others waited for the first prompt's pages instead of computing them.
+    # Prefix-aware admission: submitted together, the others waited for the first prompt's
+    # pages instead of computing them, so the forward passes computed the system prompt once.
+    tok = sch.model.tokenizer
+    system = tok.encode(tok.render_chat([{"role": "system", "content": SYSTEM}], False))
+    system_tokens = len(system) // 16 * 16
+    assert system_tokens >= 32
+    all_prompts = sum(done[i].n_prompt for i in ids)
+    assert sch.prefill_computed <= all_prompts - (len(ids) - 1) * system_tokens
     assert sum(r.n_prefilled for r in done.values()) == sum(r.n_prompt - r.n_cached for r in done.values())
     assert sch.prefill_computed == sum(r.n_prefilled for r in done.values())
     assert sch.prefill_saved == sum(r.n_cached for r in done.values())
@@ -74,13 +81,13 @@ def test_tokens_stream_before_the_finish(cached_run):
 def test_greedy_answers_equal_with_cache_off_and_alone(real_model, cached_run):
     _, ids, done, _ = cached_run
     with_cache = [done[i].text for i in ids]
-    off = Scheduler(real_model, cache_enabled=False)
+    off = Scheduler(real_model, SchedulerSettings(cache_enabled=False))
     off_ids = submit_questions(off)
     off_done, _ = run_all(off)
     assert [off_done[i].text for i in off_ids] == with_cache
     assert all(off_done[i].n_cached == 0 for i in off_ids)
     for q, expected in zip(QUESTIONS, with_cache):
-        alone = Scheduler(real_model, max_streams=1)
+        alone = Scheduler(real_model, SchedulerSettings(max_streams=1))
         rid = alone.submit(system=SYSTEM, user=q, max_new_tokens=MAX_NEW)
         alone_done, _ = run_all(alone, check_pool=False)
         assert alone_done[rid].text == expected
@@ -136,7 +143,7 @@ def test_cancel_mid_stream_frees_its_pages_and_keeps_its_text(real_model):
     owners = [s.id for s in sch.active]
     assert stop not in owners and keep in owners
     # Only the surviving stream still holds pages privately; the cancelled one donated and released.
-    held_by_sessions = {p for s in sch.active for p in s.session.page_table}
+    held_by_sessions = {p for s in sch.streams() for p in s.session.page_table}
     private = set((sch.page_states() == PAGE_PRIVATE).nonzero()[0].tolist())
     assert private <= held_by_sessions
     done, _ = run_all(sch)
@@ -145,7 +152,7 @@ def test_cancel_mid_stream_frees_its_pages_and_keeps_its_text(real_model):
 
 
 def test_cancel_a_queued_request(real_model):
-    sch = Scheduler(real_model, max_streams=1)
+    sch = Scheduler(real_model, SchedulerSettings(max_streams=1))
     a, b = submit_questions(sch, QUESTIONS[:2])
     sch.cancel(b)
     done, _ = run_all(sch)
@@ -154,14 +161,14 @@ def test_cancel_a_queued_request(real_model):
 
 
 def test_full_queue_is_refused_with_a_reason(real_model):
-    sch = Scheduler(real_model, max_queue=2)
+    sch = Scheduler(real_model, SchedulerSettings(max_queue=2))
     submit_questions(sch, QUESTIONS[:2])
     with pytest.raises(SubmitRefused, match="queue is full"):
         sch.submit(system=SYSTEM, user="one more", max_new_tokens=4)
 
 
 def test_request_larger_than_the_pool_is_refused_at_submit(real_model):
-    sch = Scheduler(real_model, page_rows=16, pool_pages=4)
+    sch = Scheduler(real_model, SchedulerSettings(page_rows=16, pool_pages=4))
     with pytest.raises(SubmitRefused, match="pool has only 4"):
         sch.submit(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=64)
 
@@ -169,8 +176,8 @@ def test_request_larger_than_the_pool_is_refused_at_submit(real_model):
 @pytest.mark.parametrize("cache_enabled", [False, True])
 def test_bounded_pool_makes_admission_wait(real_model, cache_enabled):
     # Each request needs 5 pages of its own without the cache: a 14-page pool runs two at a time.
-    sch = Scheduler(real_model, page_rows=16, pool_pages=14, max_streams=4, cache_enabled=cache_enabled,
-                    cache_pages=6)
+    sch = Scheduler(real_model, SchedulerSettings(page_rows=16, pool_pages=14, max_streams=4,
+                                                  cache_enabled=cache_enabled, cache_pages=6))
     ids = submit_questions(sch)
     most_active = 0
     while sch.has_work():
@@ -188,7 +195,7 @@ def test_bad_settings_are_refused(real_model):
                      ({"cache_pages": -1}, "cache_pages"), ({"pool_pages": 0}, "pool_pages"),
                      ({"chunk_tokens": 0}, "chunk_tokens")):
         with pytest.raises(ValueError, match=name):
-            Scheduler(real_model, **kw)
+            Scheduler(real_model, SchedulerSettings(**kw))
 
 
 def test_namespaces_do_not_share(real_model):
@@ -204,10 +211,10 @@ def test_namespaces_do_not_share(real_model):
 
 
 def test_a_refused_turn_leaves_the_conversation_as_it_was(real_model):
-    sch = Scheduler(real_model, page_rows=16, pool_pages=12)
+    sch = Scheduler(real_model, SchedulerSettings(page_rows=16, pool_pages=12))
     first = sch.submit(system=SYSTEM, user=QUESTIONS[0], conversation_id="c", max_new_tokens=8)
     done, _ = run_all(sch)
-    messages = list(sch.conversations["c"].messages)
+    messages = sch.conversations["c"].messages
     with pytest.raises(SubmitRefused, match="pool has only 12"):
         sch.submit(user="tell me everything " * 40, conversation_id="c", max_new_tokens=8)
     assert sch.conversations["c"].messages == messages

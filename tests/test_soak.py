@@ -7,7 +7,7 @@ import gc
 import numpy as np
 
 from engine.sampler import SamplingParams
-from engine.scheduler import FinishEvent, Scheduler, SubmitRefused
+from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused
 
 N_REQUESTS = 1000
 
@@ -21,8 +21,8 @@ def test_soak_thousand_requests(tiny_model):
     rng = np.random.default_rng(7)
     vocab = tiny_model.config.vocab_size
     prefixes = [rng.integers(0, vocab, n).tolist() for n in (8, 24, 40, 70)]
-    sch = Scheduler(tiny_model, max_streams=6, max_queue=16, chunk_tokens=32, page_rows=4, pool_pages=96,
-                    cache_pages=40)
+    sch = Scheduler(tiny_model, SchedulerSettings(max_streams=6, max_queue=16, chunk_tokens=32, page_rows=4,
+                                                  pool_pages=96, cache_pages=40))
     sampling = SamplingParams(temperature=0.8, top_k=20, seed=3)
     submitted = finished = refused = 0
     reasons: dict[str, int] = {}

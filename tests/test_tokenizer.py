@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine import TemplateError
-from engine.tokenizer import FALLBACK_TEMPLATE, checked_template, render_template
+from engine.chat import FALLBACK_TEMPLATE, checked_template, render_template
 from tests.tiny_gguf import SPECIALS, byte_alphabet, write_tiny_gguf
 
 ESCAPES = [

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 import engine  # noqa: E402
 from engine.metrics import RequestRecord, TimelineRow  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from engine.scheduler import Scheduler, SchedulerSettings  # noqa: E402
 from engine.snapshot import Snapshot, SnapshotMaker  # noqa: E402
 
 SYSTEM = ("You are a friendly assistant for a small hardware store. You answer questions about tools, "
@@ -35,7 +35,7 @@ class EngineRun:
 def engine_run() -> EngineRun:
     """Run the bundled model once per test session (shared with test_ui_cache_panel)."""
     model = engine.load_model()
-    sched = Scheduler(model, page_rows=16)
+    sched = Scheduler(model, SchedulerSettings(page_rows=16))
     for q in QUESTIONS:
         sched.submit(system=SYSTEM, user=q, max_new_tokens=8)
     maker, snaps, seen = SnapshotMaker(), [], 0

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerSettings
 
 from ..scenario import SCENARIO_DIR, load_scenario
 from .common import figure, ratio
@@ -39,7 +39,7 @@ def scenario_prompts(m, n_prompts: int | None = None,
 
 def run_scenario(m, prompts: list[list[int]], previews: list[str], new_tokens: int, **settings) -> dict:
     """Submit every prompt at once and step until done; wall time and every request record."""
-    sched = Scheduler(m, **settings)
+    sched = Scheduler(m, SchedulerSettings(**settings))
     t0 = time.perf_counter()
     for p, q in zip(prompts, previews, strict=True):
         sched.submit(p, max_new_tokens=new_tokens, stop_ids=[], preview=q)

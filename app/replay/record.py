@@ -22,7 +22,7 @@ def session_requests(sch) -> list[TraceRequest]:
         rec = sch.records[rid]
         out.append(TraceRequest(
             arrival_s=rec.submitted_s, input_length=len(toks.prompt), output_length=rec.n_gen,
-            namespace=rec.namespace, client=getattr(rec, "client", ""), prompt=toks.prompt.tolist(),
+            namespace=rec.namespace, client=rec.client, prompt=toks.prompt.tolist(),
             donated=None if toks.donated is None else toks.donated.tolist(),
             admitted_s=toks.admitted_s, finish_s=toks.donated_s))
     out.sort(key=lambda r: (r.admitted_s is None, r.admitted_s or 0.0))

@@ -1,0 +1,180 @@
+"""What the scheduler moves around: its settings, a request in flight, one step's batch, events."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .block_manager import BlockManager, Session, pages_for
+from .chat import CLOSING_SLACK, Turn
+from .config import ModelConfig
+from .metrics import RequestRecord
+from .sampler import Sampler
+from .tokenizer import TokenStream
+
+
+class SubmitRefused(ValueError):
+    """A request the scheduler will not take; the message says why."""
+
+
+@dataclass
+class SchedulerSettings:
+    """The scheduler's knobs (validated; the app remembers them)."""
+
+    max_streams: int = 4
+    max_queue: int = 32
+    chunk_tokens: int = 64
+    page_rows: int = 16
+    pool_pages: int | None = None
+    cache_pages: int = 0
+    cache_enabled: bool = True
+
+    def validate(self) -> None:
+        checks = [
+            ("max_streams", self.max_streams, 1), ("max_queue", self.max_queue, 1),
+            ("chunk_tokens", self.chunk_tokens, 1), ("page_rows", self.page_rows, 1),
+            ("cache_pages", self.cache_pages, 0),
+        ]
+        if self.pool_pages is not None:
+            checks.append(("pool_pages", self.pool_pages, 1))
+        for name, value, low in checks:
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"bad scheduler setting: {name} must be an integer >= {low}, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TokenEvent:
+    """A generated token and its text piece (empty while a UTF-8 character is split)."""
+
+    request_id: int
+    token_id: int
+    text: str
+
+
+@dataclass
+class FinishEvent:
+    """A request ended: stop, length or cancelled; its record has every number."""
+
+    request_id: int
+    reason: str
+    record: RequestRecord
+
+
+def reserved_positions(n_prompt: int, max_new_tokens: int, context_length: int) -> int:
+    """Positions a request may fill: prompt, answer and the turn's closing tokens, within the context."""
+    return min(n_prompt + max_new_tokens + CLOSING_SLACK, context_length)
+
+
+def check_fits(prompt: list[int], max_new_tokens: int, cfg: ModelConfig, pool: BlockManager) -> int:
+    """Refuse a prompt the model or the pool cannot take; return the positions to reserve."""
+    if not prompt:
+        raise SubmitRefused("the prompt is empty")
+    if any(not 0 <= t < cfg.vocab_size for t in prompt):
+        raise SubmitRefused(f"the prompt has a token outside the vocabulary (0..{cfg.vocab_size - 1})")
+    if len(prompt) + 1 > cfg.context_length:
+        raise SubmitRefused(f"the prompt has {len(prompt)} tokens; "
+                            f"the model's context is {cfg.context_length}")
+    positions = reserved_positions(len(prompt), max_new_tokens, cfg.context_length)
+    need = pages_for(positions, pool.page_rows)
+    if pool.max_pages is not None and need > pool.capacity:
+        raise SubmitRefused(
+            f"the request needs {need} KV pages ({len(prompt)} prompt + {max_new_tokens} new tokens) "
+            f"but the pool has only {pool.capacity}")
+    return positions
+
+
+@dataclass
+class Stream:
+    """A request in flight: queued, prefilling, decoding, or closing (its turn's last tokens)."""
+
+    record: RequestRecord
+    prompt: list[int]
+    sampler: Sampler
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    text_stream: TokenStream
+    arrival: float
+    positions: int                     # reserved at admission: see reserved_positions
+    turn: Turn | None = None
+    session: Session | None = None
+    generated: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    admitted_at: float = 0.0
+    first_token_at: float | None = None
+    cancel_requested: bool = False
+    finish_reason: str | None = None
+    closing: list[int] = field(default_factory=list)  # the finished turn's unevaluated tail
+
+    @property
+    def id(self) -> int:
+        return self.record.id
+
+    def pages_needed(self, page_rows: int) -> int:
+        """The pages this request takes at admission: the one definition of its page need."""
+        return pages_for(self.positions, page_rows)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.session is not None and self.session.n_past < len(self.prompt)
+
+    @property
+    def decoding(self) -> bool:
+        return self.finish_reason is None and not self.prefilling and bool(self.generated)
+
+    def accept(self, token: int, now: float, context_length: int) -> list[TokenEvent]:
+        """Take a sampled token: a stop ends the stream unseen, others stream as an event."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.record.ttft_s = now - self.arrival
+        self.generated.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return []
+        piece = self.text_stream.step(token)
+        self.pieces.append(piece)
+        self.record.n_gen += 1
+        if self.record.n_gen >= self.max_new_tokens or self.session.n_past + 1 >= context_length:
+            self.finish_reason = "length"
+        return [TokenEvent(self.id, token, piece)]
+
+    def close_record(self, now: float, t0: float) -> None:
+        """Fill the record's end: reason, finish time (since t0), text, decode rate."""
+        r = self.record
+        r.finish_reason = self.finish_reason
+        r.finished_s = now - t0
+        r.text = "".join(self.pieces)
+        if self.first_token_at is not None and r.n_gen > 1:
+            r.decode_tps = (r.n_gen - 1) / max(now - self.first_token_at, 1e-9)
+
+    def target(self) -> list[int]:
+        """What the session will hold once its pending work ran: the prompt, or the whole turn."""
+        return self.session.tokens + self.closing if self.closing else self.prompt
+
+
+@dataclass
+class Batch:
+    """One step's plan: who leaves, who decodes, which prompt pieces prefill, which turns close."""
+
+    cancelled: list[Stream] = field(default_factory=list)
+    decode: list[Stream] = field(default_factory=list)
+    prefill: list[tuple[Stream, list[int]]] = field(default_factory=list)
+    closing: list[Stream] = field(default_factory=list)
+
+    def sessions(self) -> list[Session]:
+        return ([s.session for s in self.decode] + [s.session for s, _ in self.prefill]
+                + [s.session for s in self.closing])
+
+    def tokens(self) -> list[list[int]]:
+        return ([[s.generated[-1]] for s in self.decode] + [piece for _, piece in self.prefill]
+                + [s.closing for s in self.closing])
+
+    @property
+    def n_prefill(self) -> int:
+        return sum(len(p) for _, p in self.prefill)
+
+    @property
+    def size(self) -> int:
+        """Tokens in the forward pass."""
+        return len(self.decode) + self.n_prefill + sum(len(s.closing) for s in self.closing)
