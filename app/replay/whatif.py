@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 from engine.eviction import POLICIES
 
+from .record import save_session_trace
 from .results import DEFAULT_POLICY, ReplayConfig, parse_budget
 from .simulate import replay
 from .sweep import Progress, configurations, run_sweep
-from .trace import TraceSource
+from .trace import TraceError, TraceSource, open_trace
 
 # Capacities offered by default: fractions of the pages the whole trace would keep cached.
 FRACTIONS = (1 / 3, 1 / 10, 1 / 30, 1 / 100)
@@ -60,6 +61,13 @@ class Plan:
     cached_pages: int       # pages cached at the end with infinite capacity: the working set
     bound: float            # the token hit ratio at infinite capacity
     knobs: Knobs
+
+
+def session_trace(sch, path: str, model_name: str = "") -> TraceSource:
+    """The scheduler's session so far as a trace at `path` (the "This session" button)."""
+    if not save_session_trace(path, sch, model_name, source="session"):
+        raise TraceError("this session has no finished request yet: run some prompts first")
+    return open_trace(path)
 
 
 def plan(source: TraceSource) -> Plan:
