@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from engine.prefix_cache import PrefixCache
+from engine.scheduler import SchedulerSettings
 
 from .trace import TraceError, TraceHeader, TraceRequest, TraceSource, write_mooncake, write_trace
 
@@ -64,13 +65,14 @@ def redact_trace(source: TraceSource, out_path: str, block_size: int | None = No
     """Write a token trace's Mooncake form (block size: the trace's page size unless given)."""
     if source.hashed:
         raise TraceError(f"{source.path} is a hash-id trace already: nothing to redact")
-    block = block_size or source.header.page_rows or 16
+    block = block_size or source.header.page_rows  # a token trace always has its page size
     return write_mooncake(out_path, redacted_rows(source, block))
 
 
-def convert_to_prefixlab(source: TraceSource, out_path: str, page_rows: int = 16) -> TraceSource:
-    """Write a token trace (e.g. an OpenAI log, tokenized now) as a prefixlab trace and open it."""
-    header = TraceHeader(page_rows=source.header.page_rows or page_rows, source=source.format,
-                         model=source.header.model)
+def convert_to_prefixlab(source: TraceSource, out_path: str) -> TraceSource:
+    """Write a token trace (e.g. an OpenAI log, tokenized now) as a prefixlab trace and open it;
+    an OpenAI log gets the scheduler's default page size as its own."""
+    header = TraceHeader(page_rows=source.header.page_rows or SchedulerSettings().page_rows,
+                         source=source.format, model=source.header.model)
     write_trace(out_path, header, source)
     return TraceSource(path=out_path, format="prefixlab", header=header)

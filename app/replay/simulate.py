@@ -40,7 +40,10 @@ def replay(source: TraceSource, config: ReplayConfig) -> ReplayResult:
                              f"page size {config.page_rows} needs a token trace")
         run = _Replay(config, rows=source.block_size, hashed=True)
     else:
-        run = _Replay(config, rows=config.page_rows or source.header.page_rows or 16, hashed=False)
+        rows = config.page_rows or source.header.page_rows
+        if rows is None:
+            raise ValueError(f"{source.path}: the trace has no page size of its own; give one")
+        run = _Replay(config, rows=rows, hashed=False)
     # The cached pages hold no reference cycles, but hundreds of thousands of them make
     # every generation-2 collection walk them all: a quarter of the run, for nothing.
     was_enabled = gc.isenabled()
