@@ -19,16 +19,18 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("trace", help="a trace: prefixlab JSONL, Mooncake hash-id JSONL, or OpenAI chat bodies")
     p.add_argument("--format", choices=FORMATS, help="the trace's format (default: from its first line)")
-    p.add_argument("--block-size", type=int, help="tokens per hash id of a hash-id trace (Mooncake: 512)")
+    p.add_argument("--block-size", type=int, metavar="N",
+                   help="tokens per hash id of a hash-id trace (Mooncake: 512)")
     p.add_argument("--page-rows", type=_int_list, default=[None], metavar="P,...",
                    help="page sizes to try (token traces; default: the trace's own)")
     p.add_argument("--budget", type=_budget_list, default=[None], metavar="B,...",
                    help="cache capacities in pages: integers or 'inf' (default: inf)")
     p.add_argument("--policy", type=_policy_list, default=[DEFAULT_POLICY], metavar="NAME,...",
                    help=f"eviction policies: {', '.join(POLICIES)} (default: {DEFAULT_POLICY})")
-    p.add_argument("--json", help="write one row per configuration here")
-    p.add_argument("--plot", help="write hit ratio vs capacity per policy as a PNG here")
-    p.add_argument("--workers", type=_positive, help="parallel processes (default: one per core)")
+    p.add_argument("--json", metavar="OUT.json", help="write one row per configuration here")
+    p.add_argument("--plot", metavar="OUT.png", help="write hit ratio vs capacity per policy as a PNG here")
+    p.add_argument("--workers", type=_positive, metavar="N",
+                   help="parallel processes (default: one per core)")
     p.add_argument("--dask-scheduler", metavar="ADDRESS",
                    help="run the configurations on this Dask cluster (pip install 'prefixlab[dask]')")
     p.add_argument("--redact", metavar="OUT",
@@ -136,7 +138,7 @@ def _write_json(path: str, obj: dict) -> None:
 
 def table(results: list[ReplayResult]) -> str:
     """The per-configuration table the CLI prints."""
-    head = ("pages", "budget", "policy", "hit ratio", "tokens saved", "blocks hit", "hits", "requests",
+    head = ("page size", "budget", "policy", "hit ratio", "tokens saved", "blocks hit", "hits", "requests",
             "evicted", "s")
     body = [(str(r.page_rows), "inf" if r.budget is None else f"{r.budget:,}", r.policy,
              f"{r.token_hit_ratio:.4f}", f"{r.tokens_saved:,}", f"{r.blocks_hit:,}", f"{r.hits:,}",
