@@ -12,8 +12,8 @@ and no cached page is ever stranded behind an evicted head.
 
 A cache made with `id_keys=True` (the replay of hash-id traces) keys each page
 by an id the caller passes in place of its tokens: one id per page (page_rows 1),
-already chained like Mooncake's block hashes, so nothing is hashed and no
-tokens are indexed; the same attach and insert calls drive it.
+already chained like Mooncake's block hashes, so nothing is hashed and the page
+stores and indexes no tokens; the same attach and insert calls drive it.
 
 The cache works over any BlockManager (a KVPool, or a bare manager with no K/V
 storage, as the trace replay uses): it only moves page ids and references.
@@ -115,8 +115,9 @@ class PrefixCache:
         return self.hash_fn(salt + struct.pack(f"<{len(tokens)}q", *tokens))  # int64 LE
 
     def verify(self, entry: CachedPage, parent: int | None, tokens, namespace: str) -> bool:
+        # An id-keyed page has no tokens: its id is its whole prefix (chained by the trace).
         return (entry.parent == parent and entry.namespace == namespace
-                and entry.tokens == tuple(tokens))
+                and (self.id_keys or entry.tokens == tuple(tokens)))
 
     # recency ----------------------------------------------------------
     def touch(self, entry: CachedPage) -> None:
@@ -311,7 +312,7 @@ def prefix_insert(cache: PrefixCache, pool: BlockManager, s: Session, tokens, pr
             cache.chains[chain.id] = chain
         pool.retain(page)
         # Positional: half the cost of keywords, once per new page (a replay makes ~10^5).
-        entry = CachedPage(key, page, toks, parent, namespace, i, chain.id)
+        entry = CachedPage(key, page, () if cache.id_keys else toks, parent, namespace, i, chain.id)
         cache.pages[key] = entry
         cache.by_page[page] = key
         cache.link(entry)

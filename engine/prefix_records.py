@@ -11,7 +11,7 @@ class CachedPage:
 
     key: int
     page: int
-    tokens: tuple[int, ...]     # an id-keyed page: (its id,)
+    tokens: tuple[int, ...]     # () for an id-keyed page: it stores no tokens
     parent: int | None
     namespace: str
     depth: int

@@ -64,7 +64,7 @@ def test_which_leaf_goes(policy, kept):
     teardown([], cache, pool)
 
 
-def test_id_keyed_pages_store_no_hash_and_need_one_id_per_page():
+def test_id_keyed_pages_store_no_tokens_and_need_one_id_per_page():
     pages = BlockManager(page_rows=1)
     cache = PrefixCache(id_keys=True)
     ids = [70, 71, 72]
@@ -75,6 +75,7 @@ def test_id_keyed_pages_store_no_hash_and_need_one_id_per_page():
     assert dl.prefix_insert(cache, pages, s, ids[:2]) == 2
     s.release()
     assert set(cache.pages) == {70, 71} and cache.pages[71].parent == 70
+    assert all(e.tokens == () for e in cache.pages.values()) and cache.siblings == {}  # no tokens kept
     s = Session(pages)
     assert dl.prefix_attach(cache, pages, s, [70, 71, 99]) == 2  # capped one short of three ids
     s.release()
