@@ -81,5 +81,5 @@ def parse_budget(text: str) -> int | None:
     if word == "inf":
         return None
     if not word.isdigit() or int(word) < 1:
-        raise ValueError(f"a budget is an integer >= 1 (pages) or 'inf', got {text!r}")
+        raise ValueError(f"a budget is an integer >= 1 (pages) or 'inf', got {text.strip()!r}")
     return int(word)
