@@ -43,8 +43,8 @@ class EvictionPolicy:
 
     def touched(self, entry, pages: dict) -> None:
         """A hit or insert refreshed `entry` (its stamps are already updated)."""
-        if not (self.leaves_only and entry.children):
-            heapq.heappush(self.heap, (self.priority(entry), entry.key))
+        if self.candidate(entry):
+            self.push(entry)
             if len(self.heap) > 2 * len(pages) + 64:
                 self.compact(pages)
 
@@ -138,6 +138,7 @@ class FIFO(EvictionPolicy):
 
 
 POLICIES = {p.name: p for p in (LeafLRU, PlainLRU, LFU, FIFO)}
+DEFAULT_POLICY = LeafLRU.name
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 
 from .block_manager import BlockManager, Session
-from .eviction import EvictionPolicy, make_policy
+from .eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .prefix_records import (
     CacheCounters,
     CachedPage,
@@ -70,7 +70,7 @@ class PrefixCache:
     """Cached pages by chained key, chain records, and an eviction policy (default leaf-LRU)."""
 
     def __init__(self, max_pages: int = 0, hash_fn: HashFn | None = None,
-                 policy: str | EvictionPolicy = "leaf-lru", id_keys: bool = False):
+                 policy: str | EvictionPolicy = DEFAULT_POLICY, id_keys: bool = False):
         if not isinstance(max_pages, int) or max_pages < 0:
             raise ValueError(f"max_pages must be an integer >= 0 (0: unbounded), got {max_pages!r}")
         self.max_pages = max_pages
@@ -254,7 +254,7 @@ class PrefixCache:
 
 
 def create_prefix_cache(max_pages: int = 0, hash_fn: HashFn | None = None,
-                        policy: str = "leaf-lru") -> PrefixCache:
+                        policy: str = DEFAULT_POLICY) -> PrefixCache:
     """A prefix cache with a page budget (0: unbounded) and an eviction policy (engine.eviction);
     `hash_fn` is injectable for tests."""
     return PrefixCache(max_pages=max_pages, hash_fn=hash_fn, policy=policy)

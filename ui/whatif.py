@@ -14,6 +14,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
+from engine.eviction import DEFAULT_POLICY
+
 from .colors import LIGHT, Theme, theme_for
 
 # Okabe-Ito hues, one per policy (colour-blind safe); other names cycle through the rest.
@@ -133,7 +135,7 @@ class WhatIfChart(QWidget):
             elif r["budget"] == self.over_time_budget:
                 shown.setdefault(r["policy"], r)
         policies = sorted(k for k in shown if k != "bound")
-        for key, r in sorted(shown.items(), key=lambda kv: (kv[0] == "leaf-lru", kv[0])):
+        for key, r in sorted(shown.items(), key=lambda kv: (kv[0] == DEFAULT_POLICY, kv[0])):
             series = r.get("over_time") or []
             if not series:
                 continue
@@ -150,7 +152,7 @@ class WhatIfChart(QWidget):
 def _engine_last(item) -> tuple:
     """Draw the engine's own policy last, on top of any curve it coincides with."""
     (rows, policy), _ = item
-    return rows, policy == "leaf-lru", policy
+    return rows, policy == DEFAULT_POLICY, policy
 
 
 def _top(rows: list[dict]) -> float:

@@ -16,14 +16,15 @@ from app.replay.results import ReplayConfig
 from app.replay.simulate import replay
 from app.replay.sweep import configurations, run_sweep
 from app.replay.trace import open_trace
+from app.replay.whatif import COMPARED_POLICIES
 
 from .common import REPO_ROOT, figure
 
 ISSUE = "Trace replay"
 TRACE = os.path.join(REPO_ROOT, "resources", "traces", "mooncake", "conversation_trace.jsonl")
 SWEEP_BUDGETS = (None, 100_000, 30_000, 10_000, 3_000, 1_000)
-SWEEP_POLICIES = ("leaf-lru", "lru", "fifo")
-QUICK_REQUESTS, QUICK_BUDGETS, QUICK_POLICIES = 1000, (None, 3_000), ("leaf-lru", "lru")
+SWEEP_POLICIES = COMPARED_POLICIES
+QUICK_REQUESTS, QUICK_BUDGETS, QUICK_POLICIES = 1000, (None, 3_000), COMPARED_POLICIES[:2]
 
 
 def _children_cpu_s() -> float:

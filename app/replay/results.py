@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-DEFAULT_POLICY = "leaf-lru"
+from engine.eviction import DEFAULT_POLICY
+
 OVER_TIME_POINTS = 64  # windows of the hit-ratio-over-time series, at most
 
 
