@@ -16,6 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_headless.add_parser(sub)
     bench.add_parser(sub)
     replay_cli.add_parser(sub)
+    from .watch import cli as watch_cli
+    watch_cli.add_parser(sub)
     return parser
 
 

@@ -6,6 +6,7 @@ import sys
 import time
 
 import engine as dl
+from engine.chat import chat_prompt, turn_messages
 from engine.sampler import Sampler
 
 from .common_args import add_model_arg, add_sampling_args, load_model_or_exit, sampling_from_args
@@ -32,9 +33,7 @@ def run(args) -> int:
     if args.raw:
         prompt = dl.encode(m, args.prompt)
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}]
-        prompt = dl.encode(m, m.tokenizer.render_chat(messages))
+        prompt = chat_prompt(m.tokenizer, turn_messages(args.system, args.prompt))
     pool = dl.create_kv_pool(m)
     s = dl.create_session(m, pool)
     sampler, stream = Sampler(params), m.tokenizer.stream()

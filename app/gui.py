@@ -27,9 +27,10 @@ def make_app(argv: list[str] | None = None) -> QApplication:
 def run_app(model_path: str | None) -> int:
     """Open the main window, load `model_path` (None: the bundled model) in the background, run."""
     app = make_app()
-    from ui.main_window import MainWindow
+    from .desktop import Desktop
 
-    window = MainWindow(model_path=model_path)
+    desktop = Desktop(model_path=model_path)
+    window = desktop.window
     window.show()
     # Ctrl+C in the terminal closes the window cleanly: Python only sees signals when the
     # interpreter runs, so a slow timer gives it the chance.
@@ -38,5 +39,5 @@ def run_app(model_path: str | None) -> int:
     tick.timeout.connect(lambda: None)
     tick.start(250)
     code = app.exec()
-    window.shutdown()
+    desktop.shutdown()
     return code

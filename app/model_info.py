@@ -27,19 +27,3 @@ def model_info(model) -> dict:
         "from_image": bool(model.from_image),
         "template_warning": model.tokenizer.template_warning,
     }
-
-
-def format_count(n: int) -> str:
-    """135_000_000 -> '135M'; 1_700_000_000 -> '1.7B'."""
-    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            value = n / div
-            return f"{value:.1f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
-    return str(n)
-
-
-def format_bytes(n: int) -> str:
-    for div, suffix in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if n >= div:
-            return f"{n / div:.1f} {suffix}"
-    return f"{n} B"

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, fields
 
 from PySide6.QtCore import QSettings
 
+from engine.block_manager import pages_for
 from engine.sampler import SamplingParams
+from engine.scheduler import SchedulerSettings
+from engine.stream import reserved_positions
 
 ORGANIZATION = "PrefixLab"
 APPLICATION = "PrefixLab"
 MAX_RECENT_MODELS = 8
 
-# Settings whose change needs a new KV pool, hence a new Scheduler (the cache starts empty).
-POOL_FIELDS = ("page_rows", "pool_pages")
-# Settings the worker can change on a live scheduler without losing the cache.
-LIVE_FIELDS = ("max_streams", "chunk_tokens", "cache_pages", "cache_enabled")
 
 
 def qsettings() -> QSettings:
@@ -72,8 +72,9 @@ class AppSettings:
         if len(self.namespace) > 200 or any(ord(c) < 32 for c in self.namespace):
             errs.append("Namespace must be at most 200 printable characters")
         if self.pool_pages and not bad & {"page_rows", "pool_pages", "max_new_tokens"}:
-            # One request must fit: prompt pages (at least one) + answer + the turn's closing tokens.
-            need = -(-(self.max_new_tokens + 4) // self.page_rows) + 1
+            # One request must fit: the pages the engine reserves for a one-token prompt, the
+            # answer and the turn's closing tokens (no model here, so no context limit).
+            need = pages_for(reserved_positions(1, self.max_new_tokens, sys.maxsize), self.page_rows)
             if self.pool_pages < need:
                 errs.append(f"Pool pages ({self.pool_pages}) cannot hold even one request of "
                             f"{self.max_new_tokens} new tokens at {self.page_rows} positions per page: "
@@ -90,11 +91,11 @@ class AppSettings:
             raise ValueError("; ".join(errs))
 
     # engine arguments -------------------------------------------------------
-    def scheduler_kwargs(self) -> dict:
-        """Keyword arguments of engine.scheduler.Scheduler (less the model)."""
-        return {"max_streams": self.max_streams, "chunk_tokens": self.chunk_tokens,
-                "page_rows": self.page_rows, "pool_pages": self.pool_pages or None,
-                "cache_pages": self.cache_pages, "cache_enabled": self.cache_enabled}
+    def scheduler_settings(self) -> SchedulerSettings:
+        """The engine scheduler's settings these preferences choose (0 pool pages: a growing pool)."""
+        return SchedulerSettings(max_streams=self.max_streams, chunk_tokens=self.chunk_tokens,
+                                 page_rows=self.page_rows, pool_pages=self.pool_pages or None,
+                                 cache_pages=self.cache_pages, cache_enabled=self.cache_enabled)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,

@@ -11,7 +11,6 @@ queue is busy.
 
 from __future__ import annotations
 
-import copy
 import functools
 import threading
 import time
@@ -20,15 +19,16 @@ import traceback
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 import engine
-from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused, TokenEvent
+from engine.scheduler import POOL_FIELDS, Scheduler, SubmitRefused
 from engine.snapshot import SnapshotMaker
 
+from .driver import EngineDriver, finished_records, token_pieces
 from .model_info import model_info
-from .settings import LIVE_FIELDS, POOL_FIELDS, AppSettings
+from .probe import probe_prompt
+from .settings import AppSettings
 
 STATS_INTERVAL_S = 0.05       # stats_updated at most ~20 Hz
 LOAD_POLL_S = 0.05            # a load in progress looks this often whether the app quits
-PROBE_CONTEXT_TOKENS = 12
 
 
 def guarded(fn):
@@ -66,28 +66,27 @@ class EngineWorker(QObject):
     def __init__(self):
         super().__init__()
         self.model = None
-        self.scheduler: Scheduler | None = None
+        self.driver = EngineDriver()
         self._settings = AppSettings()
         self._pending_settings: AppSettings | None = None
         self._maker = SnapshotMaker()
         self._last_stats = 0.0
-        self._busy = False
+        self.busy = False
         self._quitting = False
-        self._lock = threading.Lock()
-        self._cancel_tags: set[str] = set()
-        self._rid_of: dict[str, int] = {}
-        self._tag_of: dict[int, str] = {}
         # A zero-interval timer (a child, so it moves to the thread with us): each step is
         # one timer event, and queued submit/cancel/settings events run between steps.
         self._timer = QTimer(self)
         self._timer.setInterval(0)
-        self._timer.timeout.connect(self._pump)
+        self._timer.timeout.connect(self.pump)
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.driver.scheduler
 
     # thread-safe flags (called from the UI thread) -------------------------
     def request_cancel(self, tags) -> None:
         """Stop these requests (by the tags they were submitted with) at the next step."""
-        with self._lock:
-            self._cancel_tags.update(tags)
+        self.driver.request_cancel(tags)
 
     def request_shutdown(self) -> None:
         """Stop stepping at once; the queued `shutdown` slot then ends the thread."""
@@ -153,25 +152,25 @@ class EngineWorker(QObject):
         """New preferences: live ones now, pool ones (a new Scheduler) when idle."""
         new = AppSettings.from_dict(values)
         new.validate()
-        old, self._settings = self._settings, new
+        self._settings = new
         s = self.scheduler
         if s is None:
             return
-        if any(getattr(old, f) != getattr(new, f) for f in POOL_FIELDS):
+        live = new.scheduler_settings()
+        if any(getattr(live, f) != getattr(s.settings, f) for f in POOL_FIELDS):
             if s.has_work():
                 self._pending_settings = new
             else:
                 self._new_scheduler()
             return
-        if any(getattr(old, f) != getattr(new, f) for f in LIVE_FIELDS):
-            self._apply_live(new)
+        if live != s.settings:
+            s.update_settings(live)
             self._emit_stats(force=True)
 
     @Slot(list)
     @guarded
     def submit(self, jobs: list) -> None:
-        """Queue requests: dicts with tag, system, user, conversation_id, messages, max_new_tokens,
-        sampling (dict), namespace."""
+        """Queue requests (the job dicts of `EngineDriver.submit`)."""
         s = self.scheduler
         accepted = []
         for job in jobs:
@@ -180,18 +179,14 @@ class EngineWorker(QObject):
                 self.request_refused.emit(tag, "no model is loaded")
                 continue
             try:
-                rid = self._submit_one(s, job)
+                rid = self.driver.submit(job)
             except (SubmitRefused, ValueError) as e:
-                with self._lock:
-                    self._cancel_tags.discard(tag)
                 self.request_refused.emit(tag, str(e))
                 continue
-            self._rid_of[tag] = rid
-            self._tag_of[rid] = tag
             accepted.append((tag, rid, s.records[rid].n_prompt))
         if accepted:
             self.requests_submitted.emit(accepted)
-            self._busy = True
+            self.busy = True
             if not self._timer.isActive():
                 self._timer.start()
 
@@ -235,16 +230,14 @@ class EngineWorker(QObject):
 
     # stepping ---------------------------------------------------------------
     @Slot()
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """One scheduler step, then back to the event loop (the timer calls us again)."""
         s = self.scheduler
         if self._quitting or s is None:
             self._timer.stop()
             return
         try:
-            self._apply_cancels(s)
-            if s.has_work():
-                self._emit_events(s.step())
+            self._emit_events(self.driver.step())
         except Exception as e:  # noqa: BLE001 - a broken step must not kill the thread
             self.failed.emit(f"scheduler step: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
             self._recover()
@@ -255,30 +248,16 @@ class EngineWorker(QObject):
             self._emit_stats()
 
     def _emit_events(self, events: list) -> None:
-        pieces = [(ev.request_id, ev.text) for ev in events if isinstance(ev, TokenEvent)]
+        pieces = token_pieces(events)
         if pieces:
             self.token_generated.emit(pieces)
-        for ev in events:
-            if isinstance(ev, FinishEvent):
-                tag = self._tag_of.pop(ev.request_id, None)
-                if tag is not None:
-                    self._rid_of.pop(tag, None)
-                    with self._lock:
-                        self._cancel_tags.discard(tag)
-                self.request_finished.emit(copy.copy(ev.record))
-
-    def _apply_cancels(self, s: Scheduler) -> None:
-        with self._lock:
-            tags = list(self._cancel_tags)
-        for tag in tags:
-            rid = self._rid_of.get(tag)
-            if rid is not None:
-                s.cancel(rid)
+        for record in finished_records(events):
+            self.request_finished.emit(record)
 
     def _run_done(self) -> None:
         self._emit_stats(force=True)
-        if self._busy:
-            self._busy = False
+        if self.busy:
+            self.busy = False
             if self._pending_settings is not None:
                 self._pending_settings = None
                 self._new_scheduler()
@@ -286,14 +265,9 @@ class EngineWorker(QObject):
 
     def _stop_everything(self) -> None:
         """Cancel every request and reap them (finish events go out as `cancelled`)."""
-        s = self.scheduler
-        if s is None or not s.has_work():
+        if not self.driver.has_work():
             return
-        s.cancel_all()
-        for _ in range(3):  # one step reaps cancelled streams; the loop is only a guard
-            self._emit_events(s.step())
-            if not s.has_work():
-                break
+        self.driver.stop_everything(self._emit_events)
         self._timer.stop()
         self._run_done()
 
@@ -302,47 +276,17 @@ class EngineWorker(QObject):
         try:
             self._stop_everything()
         except Exception:  # noqa: BLE001
-            for rid in list(self._tag_of):
-                record = self.scheduler.records.get(rid) if self.scheduler else None
-                if record is not None:
-                    record = copy.copy(record)
-                    record.finish_reason = "cancelled"
-                    self.request_finished.emit(record)
-            self._tag_of.clear()
-            self._rid_of.clear()
+            for record in self.driver.abandon():
+                self.request_finished.emit(record)
             self._new_scheduler()
 
     def _new_scheduler(self) -> None:
         if self.model is None:
             return
-        self.scheduler = Scheduler(self.model, SchedulerSettings(**self._settings.scheduler_kwargs()))
+        self.driver.reset(Scheduler(self.model, self._settings.scheduler_settings()))
         self._maker = SnapshotMaker()
-        self._tag_of.clear()
-        self._rid_of.clear()
         self.scheduler_reset.emit(self.scheduler.settings.to_dict())
         self._emit_stats(force=True)
-
-    def _apply_live(self, new: AppSettings) -> None:
-        s = self.scheduler
-        s.settings.max_streams = new.max_streams
-        s.settings.chunk_tokens = new.chunk_tokens
-        s.settings.cache_enabled = new.cache_enabled
-        s.settings.cache_pages = new.cache_pages
-        s.cache.max_pages = new.cache_pages
-        s.cache.enforce_budget()
-
-    def _submit_one(self, s: Scheduler, job: dict) -> int:
-        cid = job.get("conversation_id")
-        conv = s.conversations.get(cid) if cid else None
-        common = {"max_new_tokens": int(job.get("max_new_tokens", 64)),
-                  "sampling": engine.SamplingParams(**job.get("sampling", {})),
-                  "namespace": job.get("namespace", ""), "conversation_id": cid}
-        messages = job.get("messages")
-        if messages and (conv is None or not conv.history_tokens):
-            # The scheduler lost this conversation (new pool, or its first turn was stopped):
-            # send the whole history the UI kept.
-            return s.submit(messages=messages, **common)
-        return s.submit(system=job.get("system") or None, user=job["user"], **common)
 
     def _emit_stats(self, force: bool = False) -> None:
         now = time.perf_counter()
@@ -350,39 +294,6 @@ class EngineWorker(QObject):
             return
         self._last_stats = now
         self.stats_updated.emit(self._maker.take(self.scheduler))
-
-
-# probe -------------------------------------------------------------------------
-def chat_prompt(model, system: str, user: str) -> list[int]:
-    """The tokens a first turn of (system, user) submits, exactly as the scheduler builds them."""
-    tok = model.tokenizer
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": user}]
-    return tok.encode(tok.render_chat(messages, add_generation_prompt=True))
-
-
-def probe_prompt(scheduler: Scheduler, system: str, user: str, namespace: str = "") -> dict:
-    """engine.prefix_probe on the scheduler's cache, with the texts the cache panel shows."""
-    model, cache = scheduler.model, scheduler.cache
-    tok = model.tokenizer
-    prompt = chat_prompt(model, system, user)
-    r = engine.prefix_probe(cache, prompt, namespace)
-    d = r.first_diff_index
-    if d is not None and d < len(prompt):
-        context = tok.decode(prompt[max(0, d - PROBE_CONTEXT_TOKENS):d])
-        prompt_token = tok.decode([prompt[d]])
-        cached_token = tok.decode([r.cached_token]) if r.cached_token is not None else None
-    else:
-        end = r.matched_tokens if d is None else len(prompt)
-        context = tok.decode(prompt[max(0, end - PROBE_CONTEXT_TOKENS):end])
-        prompt_token = cached_token = None
-    return {
-        "matched_tokens": r.matched_tokens, "matched_pages": r.matched_pages, "n_prompt": len(prompt),
-        "stop_reason": r.stop_reason, "first_diff_index": d, "chain_id": r.nearest_chain_id,
-        "context_before": context, "prompt_token": prompt_token, "cached_token": cached_token,
-        "page_rows": scheduler.pool.page_rows, "namespace": namespace,
-        "cache_enabled": scheduler.settings.cache_enabled, "user": user,
-    }
 
 
 class EngineClient(QObject):

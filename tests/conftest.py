@@ -1,4 +1,5 @@
-"""Shared fixtures: a private weight-image cache, the tiny GGUF models and the bundled model."""
+"""Shared fixtures: a private weight-image cache, the tiny GGUF models, the bundled model, and the
+GUI's isolated settings and windows (Qt is imported only by the tests that use those)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import sys
 # forward pass several times slower (measured: a SmolLM2 decode step 40 ms vs 190 ms on
 # 2 busy cores). Set before numpy loads; a value set by the caller wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # GUI tests never need a display
 _NUMPY_WAS_LOADED = "numpy" in sys.modules
 
 import json  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -71,6 +74,90 @@ def reference() -> dict:
     """llama.cpp's tokenizations and greedy runs of the bundled model."""
     with open(REFERENCE_FILE, encoding="utf-8") as fh:
         return json.load(fh)
+
+
+# --- the GUI ---------------------------------------------------------------------------------
+RUN_SYSTEM = ("You are a friendly assistant for a small hardware store. You answer questions about tools, "
+              "paint, lumber and garden supplies in one short sentence.")
+RUN_QUESTIONS = ("What glue works on wood?", "Which paint suits a bathroom?", "How do I cut ceramic tile?")
+
+
+@dataclass
+class EngineRun:
+    """One short real run: every timeline row, a snapshot after each step, the final records."""
+
+    rows: list
+    snapshots: list
+    records: list
+    scheduler: object
+    system: str
+
+
+@pytest.fixture(scope="session")
+def engine_run(real_model) -> EngineRun:
+    """Three questions on the bundled model, stepped to the end (the charts and cache panel draw it)."""
+    from engine.scheduler import Scheduler, SchedulerSettings
+    from engine.snapshot import SnapshotMaker
+
+    sched = Scheduler(real_model, SchedulerSettings(page_rows=16))
+    for q in RUN_QUESTIONS:
+        sched.submit(system=RUN_SYSTEM, user=q, max_new_tokens=8)
+    maker, snaps, seen = SnapshotMaker(), [], 0
+    while sched.has_work():
+        sched.step()
+        snaps.append(maker.take(sched, since_row=seen))
+        seen = len(sched.timeline)
+    return EngineRun(list(sched.timeline.rows), snaps, snaps[-1].records, sched, RUN_SYSTEM)
+
+
+@pytest.fixture
+def gui_settings(tmp_path, qapp):
+    """Every QSettings the app opens lives under tmp_path (never the user's real settings)."""
+    from PySide6.QtCore import QSettings
+
+    from ui.theme import apply_theme
+
+    folder = tmp_path / "qsettings"
+    folder.mkdir()
+    QSettings.setDefaultFormat(QSettings.Format.IniFormat)
+    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(folder))
+    apply_theme(qapp, "light")
+    yield folder
+    apply_theme(qapp, "light")
+
+
+@pytest.fixture
+def open_desktop(qtbot, gui_settings):
+    """Make desktop apps (window + controller; no model load unless asked); each closes at the end
+    with its engine thread ended."""
+    from app.desktop import Desktop
+
+    made = []
+
+    def make(autoload: bool = False, model_path: str | None = None):
+        d = Desktop(model_path=model_path, autoload=autoload)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        thread = d.controller.client.thread
+        d.window.close()
+        assert not thread.isRunning()
+
+
+@pytest.fixture
+def window(open_desktop, qtbot, real_model):
+    """A shown desktop app whose worker loaded the bundled model (real_model warms the weight image);
+    `window.errors` lists every error it reported."""
+    from tests.gui_helpers import LOAD_TIMEOUT_MS, Errors, close_boxes
+
+    d = open_desktop(autoload=True)
+    d.window.show()
+    d.errors = Errors(d.controller)
+    qtbot.waitUntil(lambda: d.controller.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    yield d
+    close_boxes(d.window)
 
 
 def pytest_report_header(config):

@@ -1,4 +1,4 @@
-"""Helpers for the GUI tests: an isolated QSettings location, settings, drops, waiting."""
+"""Helpers for the GUI tests: settings changes, drops, error boxes (the fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import warnings
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-import pytest  # noqa: E402
-from PySide6.QtCore import QMimeData, QPoint, QPointF, QSettings, Qt, QUrl  # noqa: E402
+from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDragEnterEvent, QDropEvent  # noqa: E402
-from PySide6.QtWidgets import QApplication  # noqa: E402
+from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
 
 from app.settings import AppSettings  # noqa: E402
 
@@ -21,24 +20,29 @@ LOAD_TIMEOUT_MS = 120_000
 RUN_TIMEOUT_MS = 240_000
 
 
-@pytest.fixture
-def gui_settings(tmp_path, qapp):
-    """Every QSettings the app opens lives under tmp_path (never the user's real settings)."""
-    from ui.theme import apply_theme
+class Errors(list):
+    """Every message a controller reports (its `error` signal)."""
 
-    folder = tmp_path / "qsettings"
-    folder.mkdir()
-    QSettings.setDefaultFormat(QSettings.Format.IniFormat)
-    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(folder))
-    apply_theme(qapp, "light")
-    yield folder
-    apply_theme(qapp, "light")
+    def __init__(self, controller):
+        super().__init__()
+        controller.error.connect(lambda title, message: self.append(message))
 
 
-def set_settings(window, **changes) -> AppSettings:
+def error_boxes(window) -> list[QMessageBox]:
+    return [b for b in window.findChildren(QMessageBox)
+            if b.isVisible() and b.icon() == QMessageBox.Icon.Critical]
+
+
+def close_boxes(window) -> None:
+    for box in error_boxes(window):
+        box.close()
+
+
+def set_settings(desktop, **changes) -> AppSettings:
     """Apply settings changes the way the Settings dialog does."""
-    s = AppSettings.from_dict({**window.settings.to_dict(), **changes})
-    window.apply_settings(s)
+    c = desktop.controller
+    s = AppSettings.from_dict({**c.settings.to_dict(), **changes})
+    c.apply_settings(s)
     return s
 
 

@@ -12,29 +12,9 @@ from PySide6.QtCore import Qt  # noqa: E402
 from PySide6.QtGui import QKeySequence  # noqa: E402
 
 from engine.metrics import PAGE_STATE_NAMES  # noqa: E402
-from tests.gui_helpers import (  # noqa: E402, F401 - gui_settings is a fixture
-    LOAD_TIMEOUT_MS,
-    PROMPTS,
-    RUN_TIMEOUT_MS,
-    SYSTEM,
-    drop_file,
-    gui_settings,
-    set_settings,
-)
-from ui.main_window import MainWindow  # noqa: E402
+from tests.gui_helpers import PROMPTS, RUN_TIMEOUT_MS, SYSTEM, drop_file, set_settings  # noqa: E402
 
 pytestmark = pytest.mark.model
-
-
-@pytest.fixture
-def window(qtbot, real_model, gui_settings):  # noqa: F811 - the fixture imported above
-    """A shown main window whose worker loaded the bundled model (real_model warms the weight image)."""
-    w = MainWindow()
-    w.show()
-    qtbot.waitUntil(lambda: w.model_info is not None, timeout=LOAD_TIMEOUT_MS)
-    yield w
-    w.close()
-    assert not w.client.thread.isRunning()
 
 
 def type_prompts(qtbot, w, prompts) -> list[str]:
@@ -47,8 +27,8 @@ def type_prompts(qtbot, w, prompts) -> list[str]:
 
 
 def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp_path):
-    w = window
-    info = w.model_info
+    d, w, c = window, window.window, window.controller
+    info = c.model_info
     assert info["arch"] == "llama" and info["quant"] == "Q4_1"
     assert info["n_params"] > 100_000_000 and info["context_length"] == 8192
     assert "llama" in w.model_bar.summary() and not w.model_bar.loading
@@ -57,18 +37,18 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     assert w.act_open.shortcut() == QKeySequence("Ctrl+O")
     assert w.act_export.shortcut() == QKeySequence("Ctrl+E")
 
-    set_settings(w, max_new_tokens=8)
-    uids = type_prompts(qtbot, w, PROMPTS)
+    set_settings(d, max_new_tokens=8)
+    uids = type_prompts(qtbot, d.window, PROMPTS)
     w.act_run_all.trigger()
-    qtbot.waitUntil(lambda: len(w.finished_records) == 3, timeout=RUN_TIMEOUT_MS)
-    qtbot.waitUntil(lambda: not w._open_tags and w.snapshot is not None, timeout=10_000)
+    qtbot.waitUntil(lambda: len(c.finished_records) == 3, timeout=RUN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: not c.running and c.snapshot is not None, timeout=10_000)
 
     cards = [w.streams.card(uid) for uid in uids]
     for card in cards:
         assert card.answer_text().strip(), f"{card.uid} has no answer"
         assert card.turns[-1].reason in ("stop", "length")
         assert card.answer_text() in card.transcript_text()
-    records = {r.id: r for r in w.finished_records}
+    records = {r.id: r for r in c.finished_records}
     cached = [card.turns[-1].record["n_cached"] for card in cards]
     assert cached[1] > 0 and cached[2] > 0, cached
     for card, n in zip(cards, cached, strict=True):
@@ -79,7 +59,7 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     assert w.requests_table.rowCount() == 3
 
     # The charts hold exactly the scheduler's timeline; the page map counts match the pool.
-    sched = w.client.worker.scheduler
+    sched = c.client.worker.scheduler
     qtbot.waitUntil(lambda: w.charts.row_count == len(sched.timeline.rows), timeout=10_000)
     rows = sched.timeline.rows
     for name in ("pages_free", "pages_cached", "prefill_saved", "hits", "chains"):
@@ -89,13 +69,13 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     states = sched.page_states()
     expected = {PAGE_STATE_NAMES[s]: int(n) for s, n in enumerate(np.bincount(states, minlength=4))}
     qtbot.waitUntil(lambda: w.cache_panel.page_map.counts_by_state() == expected, timeout=10_000)
-    assert len(w.snapshot.page_states) == sched.pool.capacity
+    assert len(c.snapshot.page_states) == sched.pool.capacity
 
     # "Why it missed": the probe of a typed prompt matches the cached system prompt.
     w.prompt_list.select(uids[1])
     w.cache_panel.probe_button.click()
-    qtbot.waitUntil(lambda: w.last_probe is not None, timeout=30_000)
-    probe = w.last_probe
+    qtbot.waitUntil(lambda: c.last_probe is not None, timeout=30_000)
+    probe = c.last_probe
     for key in ("matched_tokens", "matched_pages", "n_prompt", "stop_reason", "first_diff_index",
                 "chain_id", "context_before", "prompt_token", "cached_token"):
         assert key in probe
@@ -105,27 +85,27 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     first = cards[0].turns[-1].record
     qtbot.keyClicks(cards[0].followup, "Do you sell screws too?")
     qtbot.keyClick(cards[0].followup, Qt.Key.Key_Return)
-    qtbot.waitUntil(lambda: len(w.finished_records) == 4, timeout=RUN_TIMEOUT_MS)
-    follow = w.finished_records[-1]
+    qtbot.waitUntil(lambda: len(c.finished_records) == 4, timeout=RUN_TIMEOUT_MS)
+    follow = c.finished_records[-1]
     assert follow.conversation_id == records[first["id"]].conversation_id
-    page_rows = w.settings.page_rows
+    page_rows = c.settings.page_rows
     assert follow.n_cached >= (first["n_prompt"] // page_rows) * page_rows
     assert len(cards[0].turns) == 2 and cards[0].answer_text().strip()
 
     # The report is built in the worker and written in the UI thread.
     path = tmp_path / "session.json"
-    w.client.make_report(str(path), w.system_prompt())
-    qtbot.waitUntil(lambda: bool(w.last_report_paths or w.last_error), timeout=60_000)
-    assert w.last_error is None, w.last_error
+    c.export_report(str(path), w.prompt_pane.system_prompt())
+    qtbot.waitUntil(lambda: bool(c.last_report_paths or c.last_error), timeout=60_000)
+    assert c.last_error is None, c.last_error
     assert path.is_file() and path.stat().st_size > 0
-    assert w.open_report_path(str(path))
-    assert w.charts.row_count == len(w.opened_report.timeline) == len(sched.timeline.rows)
+    assert c.open_report(str(path))
+    assert w.charts.row_count == len(c.opened_report.timeline) == len(sched.timeline.rows)
 
     # Flush cache gives back every cached page (no stream holds one now).
-    w.flush_cache()
+    c.flush_cache()
     qtbot.waitUntil(lambda: w.cache_panel.page_map.counts_by_state()["cached"] == 0, timeout=30_000)
-    assert w.client.worker.scheduler is sched and not sched.cache.pages
-    assert w.last_error is None
+    assert c.client.worker.scheduler is sched and not sched.cache.pages
+    assert c.last_error is None
 
 
 LONG_PROMPTS = ["List every tool you sell, one per line, each with a long description.",
@@ -134,24 +114,24 @@ LONG_PROMPTS = ["List every tool you sell, one per line, each with a long descri
 
 
 def test_stop_one_stop_all_then_close_mid_generation(window, qtbot, tmp_path, monkeypatch):
-    w = window
-    set_settings(w, max_new_tokens=400)
-    uids = type_prompts(qtbot, w, LONG_PROMPTS)
-    w.run_all()
+    d, w, c = window, window.window, window.controller
+    set_settings(d, max_new_tokens=400)
+    uids = type_prompts(qtbot, d.window, LONG_PROMPTS)
+    d.run_all()
     cards = [w.streams.card(uid) for uid in uids]
     qtbot.waitUntil(lambda: all(bool(c.answer_text()) for c in cards), timeout=RUN_TIMEOUT_MS)
 
     # Switching models while streams run asks first; "no" keeps everything running.
     asked = []
     monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or False)
-    assert w.open_model_path(str(tmp_path / "other.gguf")) is False
+    assert d.open_model_path(str(tmp_path / "other.gguf")) is False
     assert asked and all(c.running for c in cards)
 
     cards[0].stop_button.click()
     qtbot.waitUntil(lambda: cards[0].turns[-1].reason == "cancelled", timeout=60_000)
     assert cards[0].answer_text().strip() and "[stopped]" in cards[0].transcript_text()
     assert cards[0].badge_reason.text() == "cancelled"
-    stopped = [r for r in w.finished_records if r.finish_reason == "cancelled"]
+    stopped = [r for r in c.finished_records if r.finish_reason == "cancelled"]
     assert len(stopped) == 1 and stopped[0].n_gen > 0 and stopped[0].text == cards[0].answer_text()
 
     kept = [c.answer_text() for c in cards[1:]]
@@ -166,34 +146,34 @@ def test_stop_one_stop_all_then_close_mid_generation(window, qtbot, tmp_path, mo
     cards[2].run_button.click()
     qtbot.waitUntil(lambda: len(cards[2].turns) == 2 and bool(cards[2].answer_text()), timeout=RUN_TIMEOUT_MS)
     monkeypatch.setattr(w, "confirm", lambda title, text: True)
-    before = dict(w.model_info)
-    assert w.open_model_path(str(tmp_path / "other.gguf")) is True
-    qtbot.waitUntil(lambda: w.last_error is not None and not w.model_bar.loading, timeout=60_000)
+    before = dict(c.model_info)
+    assert d.open_model_path(str(tmp_path / "other.gguf")) is True
+    qtbot.waitUntil(lambda: c.last_error is not None and not w.model_bar.loading, timeout=60_000)
     assert cards[2].turns[-1].reason == "cancelled" and cards[2].answer_text()
-    assert "other.gguf" in w.last_error and w.model_info == before
-    w.last_error = None
+    assert "other.gguf" in c.last_error and c.model_info == before
+    c.last_error = None
 
     # Run another prompt again and close the window while it generates.
     cards[1].run_button.click()
     qtbot.waitUntil(lambda: cards[1].running and len(cards[1].turns) == 2 and bool(cards[1].answer_text()),
                     timeout=RUN_TIMEOUT_MS)
-    thread = w.client.thread
+    thread = c.client.thread
     w.close()
     assert not thread.isRunning()
-    assert w.last_error is None
+    assert c.last_error is None
     assert cards[1].turns[0].answer.strip()  # the earlier run's text is still there
 
 
 def test_broken_gguf_drop_shows_the_error_and_keeps_the_model(window, qtbot, tmp_path):
-    w = window
-    before = dict(w.model_info)
+    d, w, c = window, window.window, window.controller
+    before = dict(c.model_info)
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
     entered, dropped = drop_file(w, broken)
     assert entered and dropped
-    qtbot.waitUntil(lambda: w.last_error is not None, timeout=60_000)
-    assert "broken.gguf" in w.last_error
-    assert w.model_info == before and w.model_bar.info == before
+    qtbot.waitUntil(lambda: c.last_error is not None, timeout=60_000)
+    assert "broken.gguf" in c.last_error
+    assert c.model_info == before and w.model_bar.info == before
     assert not w.model_bar.loading and w.act_run_all.isEnabled()
 
     # Not a model: the drop is refused.
@@ -202,19 +182,19 @@ def test_broken_gguf_drop_shows_the_error_and_keeps_the_model(window, qtbot, tmp
     assert drop_file(w, other) == (False, False)
 
     # An exception inside the worker becomes `failed` and a dialog; the thread lives on.
-    w.last_error = None
-    w.client.submit([{"tag": "bad", "user": "hi", "sampling": {"no_such_knob": 1}}])
-    qtbot.waitUntil(lambda: w.last_error is not None, timeout=30_000)
-    assert "no_such_knob" in w.last_error
-    assert w.client.thread.isRunning()
+    c.last_error = None
+    c.client.submit([{"tag": "bad", "system": "a job without its user message"}])
+    qtbot.waitUntil(lambda: c.last_error is not None, timeout=30_000)
+    assert "KeyError" in c.last_error and "'user'" in c.last_error
+    assert c.client.thread.isRunning()
     # New pool settings make a new Scheduler (the worker is idle); the charts start over.
-    old = w.client.worker.scheduler
-    set_settings(w, page_rows=8, pool_pages=300)
-    qtbot.waitUntil(lambda: w.client.worker.scheduler is not old, timeout=30_000)
-    qtbot.waitUntil(lambda: w.snapshot is not None and len(w.snapshot.page_states) == 300, timeout=30_000)
-    assert w.client.worker.scheduler.pool.page_rows == 8 and w.charts.row_count == 0
+    old = c.client.worker.scheduler
+    set_settings(d, page_rows=8, pool_pages=300)
+    qtbot.waitUntil(lambda: c.client.worker.scheduler is not old, timeout=30_000)
+    qtbot.waitUntil(lambda: c.snapshot is not None and len(c.snapshot.page_states) == 300, timeout=30_000)
+    assert c.client.worker.scheduler.pool.page_rows == 8 and w.charts.row_count == 0
 
     w.prompt_list.add_prompt("Do you sell drills?")
-    assert w.probe_selected()
-    qtbot.waitUntil(lambda: w.last_probe is not None, timeout=30_000)
-    assert w.last_probe["matched_tokens"] == 0 and w.last_probe["stop_reason"] in ("miss", "end")
+    assert d.probe_selected()
+    qtbot.waitUntil(lambda: c.last_probe is not None, timeout=30_000)
+    assert c.last_probe["matched_tokens"] == 0 and c.last_probe["stop_reason"] in ("miss", "end")

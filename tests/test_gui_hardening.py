@@ -18,43 +18,26 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 from markupsafe import escape  # noqa: E402
 from PySide6.QtCore import QPoint, QRect  # noqa: E402
-from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox  # noqa: E402
+from PySide6.QtWidgets import QApplication, QFileDialog  # noqa: E402
 
 import engine  # noqa: E402
-from tests.gui_helpers import (  # noqa: E402, F401 - gui_settings is a fixture
+from tests.gui_helpers import (  # noqa: E402
     LOAD_TIMEOUT_MS,
     PROMPTS,
     RUN_TIMEOUT_MS,
     SYSTEM,
+    Errors,
+    close_boxes,
     drop_file,
-    gui_settings,
+    error_boxes,
     set_settings,
 )
-from ui.main_window import MainWindow  # noqa: E402
 
 pytestmark = pytest.mark.model
 
 CLOSE_LIMIT_S = 3.0
 LONG_PROMPTS = ["List every tool you sell, one per line, each with a long description.",
                 "Write a long story about a customer who buys paint."]
-
-
-class Errors(list):
-    """Every message the window reports through `report_error` (its `error_reported` signal)."""
-
-    def __init__(self, window: MainWindow):
-        super().__init__()
-        window.error_reported.connect(self.append)
-
-
-def error_boxes(window: MainWindow) -> list[QMessageBox]:
-    return [b for b in window.findChildren(QMessageBox)
-            if b.isVisible() and b.icon() == QMessageBox.Icon.Critical]
-
-
-def close_boxes(window: MainWindow) -> None:
-    for box in error_boxes(window):
-        box.close()
 
 
 def loader_threads() -> list[threading.Thread]:
@@ -69,26 +52,13 @@ def join_loaders(timeout: float = 120.0) -> None:
     assert not loader_threads(), "a model load never ended"
 
 
-@pytest.fixture
-def window(qtbot, real_model, gui_settings):  # noqa: F811 - the fixture imported above
-    """A shown main window whose worker loaded the bundled model, and its reported errors."""
-    w = MainWindow()
-    w.show()
-    w.errors = Errors(w)
-    qtbot.waitUntil(lambda: w.model_info is not None, timeout=LOAD_TIMEOUT_MS)
-    yield w
-    thread = w.client.thread
-    w.close()
-    assert not thread.isRunning()
-    close_boxes(w)
-
-
-def start_prompts(w: MainWindow, prompts: list[str]) -> list:
+def start_prompts(d, prompts: list[str]) -> list:
     """Put the shared system prompt and `prompts` in the editors, run them all; return the cards."""
+    w = d.window
     w.system_edit.setPlainText(SYSTEM)
     for text in prompts:
         w.prompt_list.add_prompt(text)
-    assert w.run_all() == len(prompts)
+    assert d.run_all() == len(prompts)
     return [w.streams.card(uid) for uid, _ in w.prompt_list.prompts()]
 
 
@@ -97,7 +67,7 @@ def transcripts(cards) -> list[str]:
 
 
 # 1. closing during a model load ------------------------------------------------------------------
-def test_close_during_a_slow_load_ends_the_thread_at_once(qtbot, gui_settings, monkeypatch):  # noqa: F811
+def test_close_during_a_slow_load_ends_the_thread_at_once(qtbot, open_desktop, monkeypatch):
     started, release = threading.Event(), threading.Event()
 
     def slow_load(path=None, **kw):
@@ -109,13 +79,14 @@ def test_close_during_a_slow_load_ends_the_thread_at_once(qtbot, gui_settings, m
     safety = threading.Timer(15, release.set)  # never hang the suite, fixed or not
     safety.daemon = True
     safety.start()
-    w = MainWindow()
+    d = open_desktop(autoload=True)
+    w, c = d.window, d.controller
     w.show()
-    errors = Errors(w)
+    errors = Errors(c)
     qtbot.waitUntil(started.is_set, timeout=10_000)
-    assert w._loading and w.model_bar.loading and not w.act_run_all.isEnabled()
+    assert c.loading and w.model_bar.loading and not w.act_run_all.isEnabled()
 
-    thread = w.client.thread
+    thread = c.client.thread
     t0 = time.perf_counter()
     w.close()
     took = time.perf_counter() - t0
@@ -126,19 +97,19 @@ def test_close_during_a_slow_load_ends_the_thread_at_once(qtbot, gui_settings, m
     safety.cancel()
     join_loaders()
     qtbot.wait(100)  # the abandoned load's result reaches no one
-    assert not errors and w.last_error is None and not error_boxes(w)
-    assert w.model_info is None
+    assert not errors and c.last_error is None and not error_boxes(w)
+    assert c.model_info is None
 
 
-def test_close_during_a_cold_load_of_the_bundled_model(qtbot, gui_settings, tmp_path,  # noqa: F811
-                                                       monkeypatch):
+def test_close_during_a_cold_load_of_the_bundled_model(qtbot, open_desktop, tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXLAB_CACHE_DIR", str(tmp_path / "cold-cache"))  # no weight image yet
-    w = MainWindow()
+    d = open_desktop(autoload=True)
+    w, c = d.window, d.controller
     w.show()
-    errors = Errors(w)
+    errors = Errors(c)
     qtbot.waitUntil(lambda: bool(loader_threads()), timeout=10_000)  # the load is under way
-    assert w._loading and w.model_info is None
-    thread = w.client.thread
+    assert c.loading and c.model_info is None
+    thread = c.client.thread
     t0 = time.perf_counter()
     w.close()
     took = time.perf_counter() - t0
@@ -146,17 +117,17 @@ def test_close_during_a_cold_load_of_the_bundled_model(qtbot, gui_settings, tmp_
     assert took < CLOSE_LIMIT_S, f"closing during a cold load took {took:.1f} s"
     join_loaders()
     qtbot.wait(100)
-    assert not errors and w.last_error is None and not error_boxes(w)
-    assert w.model_info is None  # closed before the load ended, and its model reached no one
+    assert not errors and c.last_error is None and not error_boxes(w)
+    assert c.model_info is None  # closed before the load ended, and its model reached no one
 
 
 # 3. exports to impossible places --------------------------------------------------------------------
 def test_export_to_an_impossible_path_names_it_and_loses_nothing(window, qtbot, tmp_path, monkeypatch):
-    w = window
-    set_settings(w, max_new_tokens=8)
-    cards = start_prompts(w, PROMPTS[:2])
-    qtbot.waitUntil(lambda: len(w.finished_records) == 2, timeout=RUN_TIMEOUT_MS)
-    qtbot.waitUntil(lambda: not w._open_tags, timeout=10_000)
+    d, w, c = window, window.window, window.controller
+    set_settings(d, max_new_tokens=8)
+    cards = start_prompts(d, PROMPTS[:2])
+    qtbot.waitUntil(lambda: len(c.finished_records) == 2, timeout=RUN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: not c.running, timeout=10_000)
     before = transcripts(cards)
     answers = [c.answer_text() for c in cards]
     assert all(a.strip() for a in answers)
@@ -168,10 +139,10 @@ def test_export_to_an_impossible_path_names_it_and_loses_nothing(window, qtbot, 
     blocker.write_text("not a folder")
     for bad in (str(blocker / "report.html"), "/proc/report.html"):
         chosen.append(bad)
-        n = len(w.errors)
+        n = len(d.errors)
         w.act_export.trigger()  # File → Export report…
-        qtbot.waitUntil(lambda n=n: len(w.errors) > n, timeout=60_000)
-        message = w.errors[-1]
+        qtbot.waitUntil(lambda n=n: len(d.errors) > n, timeout=60_000)
+        message = d.errors[-1]
         assert bad in message, message
         boxes = error_boxes(w)
         assert boxes and any(bad in b.text() for b in boxes), [b.text() for b in boxes]
@@ -179,7 +150,7 @@ def test_export_to_an_impossible_path_names_it_and_loses_nothing(window, qtbot, 
         parent = os.path.dirname(bad)
         if os.path.isdir(parent):
             assert not [f for f in os.listdir(parent) if f.startswith(".report.html")]
-        assert not w.last_report_paths
+        assert not c.last_report_paths
         assert transcripts(cards) == before and [c.answer_text() for c in cards] == answers
         close_boxes(w)
     assert blocker.read_text() == "not a folder"
@@ -187,17 +158,17 @@ def test_export_to_an_impossible_path_names_it_and_loses_nothing(window, qtbot, 
 
     # The app goes on: a run, then an export to a good path holds every answer.
     assert w.act_run_all.isEnabled()
-    w.run_all()
-    qtbot.waitUntil(lambda: len(w.finished_records) == 4, timeout=RUN_TIMEOUT_MS)
-    qtbot.waitUntil(lambda: not w._open_tags, timeout=10_000)
+    d.run_all()
+    qtbot.waitUntil(lambda: len(c.finished_records) == 4, timeout=RUN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: not c.running, timeout=10_000)
     good = tmp_path / "out" / "report.html"
     good.parent.mkdir()
     chosen.append(str(good))
-    n = len(w.errors)
+    n = len(d.errors)
     w.act_export.trigger()
-    qtbot.waitUntil(lambda: bool(w.last_report_paths) or len(w.errors) > n, timeout=60_000)
-    assert len(w.errors) == n, w.errors[-1]
-    assert w.last_report_paths == [str(good)]
+    qtbot.waitUntil(lambda: bool(c.last_report_paths) or len(d.errors) > n, timeout=60_000)
+    assert len(d.errors) == n, d.errors[-1]
+    assert c.last_report_paths == [str(good)]
     html = good.read_text(encoding="utf-8")
     for card in cards:
         for turn in card.turns:
@@ -209,40 +180,40 @@ def test_export_to_an_impossible_path_names_it_and_loses_nothing(window, qtbot, 
 # 4. a model switch while streams run ---------------------------------------------------------------
 def test_model_switch_while_streams_run_asks_and_keeps_every_transcript(window, qtbot, tiny_gguf_path,
                                                                         monkeypatch):
-    w = window
-    set_settings(w, max_new_tokens=300)
-    cards = start_prompts(w, LONG_PROMPTS)
+    d, w, c = window, window.window, window.controller
+    set_settings(d, max_new_tokens=300)
+    cards = start_prompts(d, LONG_PROMPTS)
     qtbot.waitUntil(lambda: all(c.answer_text() for c in cards), timeout=RUN_TIMEOUT_MS)
-    model = w.client.worker.model
-    info = dict(w.model_info)
+    model = c.client.worker.model
+    info = dict(c.model_info)
 
     # "No": nothing changes, the streams go on.
     asked: list[str] = []
     monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or False)
-    assert w.open_model_path(tiny_gguf_path) is False
+    assert d.open_model_path(tiny_gguf_path) is False
     assert len(asked) == 1 and "2 stream(s)" in asked[0] and "tiny.gguf" in asked[0]
-    assert not w._loading and not w.model_bar.loading and w.model_info == info
+    assert not c.loading and not w.model_bar.loading and c.model_info == info
     lengths = [len(c.answer_text()) for c in cards]
     qtbot.waitUntil(lambda: all(len(c.answer_text()) > n for c, n in zip(cards, lengths, strict=True)),
                     timeout=60_000)
-    assert all(c.running for c in cards) and w.client.worker.model is model
+    assert all(c.running for c in cards) and c.client.worker.model is model
 
     # "Yes": the streams end as cancelled with their text, then the new model loads.
     monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or True)
-    w._flush_streams()
+    c.flush_text()
     shown = transcripts(cards)
-    assert w.open_model_path(tiny_gguf_path) is True
-    qtbot.waitUntil(lambda: w.model_info is not None and w.model_info["name"] == "tiny-llama",
+    assert d.open_model_path(tiny_gguf_path) is True
+    qtbot.waitUntil(lambda: c.model_info is not None and c.model_info["name"] == "tiny-llama",
                     timeout=LOAD_TIMEOUT_MS)
-    assert len(asked) == 2 and not w.errors
+    assert len(asked) == 2 and not d.errors
     for card, before in zip(cards, shown, strict=True):
         assert not card.running and card.turns[-1].reason == "cancelled"
         assert card.answer_text().strip()
         assert card.transcript_text().startswith(before)
         assert card.transcript_text().endswith("[stopped]")
-    stopped = [r for r in w.finished_records if r.finish_reason == "cancelled"]
+    stopped = [r for r in c.finished_records if r.finish_reason == "cancelled"]
     assert len(stopped) == 2 and all(r.text for r in stopped)
-    assert w.model_bar.info == w.model_info and not w.model_bar.loading
+    assert w.model_bar.info == c.model_info and not w.model_bar.loading
     assert w.act_run_all.isEnabled() and not w.act_stop_all.isEnabled()
 
     # The new model runs (its tokenizer is tiny: a short prompt).
@@ -251,30 +222,30 @@ def test_model_switch_while_streams_run_asks_and_keeps_every_transcript(window, 
     qtbot.waitUntil(lambda: not cards[0].running, timeout=RUN_TIMEOUT_MS)
     assert cards[0].turns[-1].reason in ("stop", "length") and len(cards[0].turns) == 2
     assert cards[0].transcript_text().startswith(shown[0])
-    assert not w.errors
+    assert not d.errors
 
 
 # 5. a broken GGUF dropped while generating ----------------------------------------------------------
 def test_broken_gguf_drop_while_generating_leaves_the_streams_alone(window, qtbot, tmp_path, tiny_gguf_path,
                                                                    monkeypatch):
-    w = window
-    set_settings(w, max_new_tokens=48)
-    model = w.client.worker.model
-    info = dict(w.model_info)
+    d, w, c = window, window.window, window.controller
+    set_settings(d, max_new_tokens=48)
+    model = c.client.worker.model
+    info = dict(c.model_info)
     asked: list[str] = []
     monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or False)
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
-    cards = start_prompts(w, LONG_PROMPTS)
+    cards = start_prompts(d, LONG_PROMPTS)
     qtbot.waitUntil(lambda: all(c.answer_text() for c in cards), timeout=RUN_TIMEOUT_MS)
     assert all(c.running for c in cards)
 
     # A file that is no model: its error shows; no question, the streams go on.
     assert drop_file(w, broken) == (True, True)
-    qtbot.waitUntil(lambda: bool(w.errors), timeout=60_000)
-    assert "broken.gguf" in w.errors[-1] and any("broken.gguf" in b.text() for b in error_boxes(w))
+    qtbot.waitUntil(lambda: bool(d.errors), timeout=60_000)
+    assert "broken.gguf" in d.errors[-1] and any("broken.gguf" in b.text() for b in error_boxes(w))
     assert not asked, "a file that is no model must not offer to stop the streams"
-    assert not w._loading and not w.model_bar.loading and w.model_info == info
+    assert not c.loading and not w.model_bar.loading and c.model_info == info
     assert all(c.running for c in cards)
 
     # A real model dropped while streams run asks first; "no" leaves them running.
@@ -282,19 +253,19 @@ def test_broken_gguf_drop_while_generating_leaves_the_streams_alone(window, qtbo
     qtbot.waitUntil(lambda: bool(asked), timeout=60_000)
     assert "tiny.gguf" in asked[0] and all(c.running for c in cards)
 
-    qtbot.waitUntil(lambda: not w._open_tags, timeout=RUN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: not c.running, timeout=RUN_TIMEOUT_MS)
     for card in cards:
         assert card.turns[-1].reason in ("stop", "length"), card.turns[-1].reason
         assert card.answer_text().strip() and "[stopped]" not in card.transcript_text()
-    assert w.client.worker.model is model and w.model_info == info
-    assert len(w.errors) == 1 and len(asked) == 1
+    assert c.client.worker.model is model and c.model_info == info
+    assert len(d.errors) == 1 and len(asked) == 1
 
 
 # 6. a scheduler step that raises ------------------------------------------------------------------
 def test_a_failing_step_shows_an_error_and_the_app_runs_again(window, qtbot):
-    w = window
-    set_settings(w, max_new_tokens=30)
-    sched = w.client.worker.scheduler
+    d, w, c = window, window.window, window.controller
+    set_settings(d, max_new_tokens=30)
+    sched = c.client.worker.scheduler
     real_step = sched.step
     calls = {"n": 0}
 
@@ -305,35 +276,35 @@ def test_a_failing_step_shows_an_error_and_the_app_runs_again(window, qtbot):
         return real_step()
 
     sched.step = step_once_broken  # set while the worker is idle
-    cards = start_prompts(w, PROMPTS[:2])
-    qtbot.waitUntil(lambda: bool(w.errors), timeout=RUN_TIMEOUT_MS)
-    assert "injected step failure" in w.errors[-1]
+    cards = start_prompts(d, PROMPTS[:2])
+    qtbot.waitUntil(lambda: bool(d.errors), timeout=RUN_TIMEOUT_MS)
+    assert "injected step failure" in d.errors[-1]
     boxes = error_boxes(w)
     assert boxes and boxes[0].windowTitle() == "Engine error"
-    qtbot.waitUntil(lambda: not w._open_tags, timeout=60_000)
+    qtbot.waitUntil(lambda: not c.running, timeout=60_000)
     assert all(c.turns[-1].reason == "cancelled" for c in cards)
-    assert w.client.thread.isRunning() and w.act_run_all.isEnabled()
+    assert c.client.thread.isRunning() and w.act_run_all.isEnabled()
     close_boxes(w)
 
-    set_settings(w, max_new_tokens=8)
-    n = len(w.finished_records)
-    assert w.run_all() == 2
-    qtbot.waitUntil(lambda: len(w.finished_records) == n + 2, timeout=RUN_TIMEOUT_MS)
+    set_settings(d, max_new_tokens=8)
+    n = len(c.finished_records)
+    assert d.run_all() == 2
+    qtbot.waitUntil(lambda: len(c.finished_records) == n + 2, timeout=RUN_TIMEOUT_MS)
     for card in cards:
         assert card.turns[-1].reason in ("stop", "length") and card.answer_text().strip()
         assert len(card.turns) == 2
-    assert len(w.errors) == 1
+    assert len(d.errors) == 1
     QApplication.processEvents()
 
 
 # the layout holds still while a run goes on ---------------------------------------------------------
 def test_the_panes_hold_still_while_the_charts_summary_grows(window, qtbot):
-    w = window
+    d, w, c = window, window.window, window.controller
     right = w.splitter.widget(2)
     sizes, floor = w.splitter.sizes(), right.minimumSizeHint().width()
-    set_settings(w, max_new_tokens=8)
-    start_prompts(w, PROMPTS)
-    qtbot.waitUntil(lambda: len(w.finished_records) == 3, timeout=RUN_TIMEOUT_MS)
+    set_settings(d, max_new_tokens=8)
+    start_prompts(d, PROMPTS)
+    qtbot.waitUntil(lambda: len(c.finished_records) == 3, timeout=RUN_TIMEOUT_MS)
     qtbot.waitUntil(lambda: "steps" in w.charts.summary.text(), timeout=10_000)
     QApplication.processEvents()
     assert right.minimumSizeHint().width() <= floor  # the summary's numbers do not widen the pane
@@ -342,19 +313,22 @@ def test_the_panes_hold_still_while_the_charts_summary_grows(window, qtbot):
 
 # the transcript's scroll bar on a real display -------------------------------------------------------
 @pytest.mark.parametrize("theme", ["light", "dark"])
-def test_a_long_transcript_scrolls_with_a_themed_scroll_bar(qtbot, gui_settings, qapp, theme):  # noqa: F811
+def test_a_long_transcript_scrolls_with_a_themed_scroll_bar(qtbot, gui_settings, qapp, theme):
     from ui.stream_view import StreamView
     from ui.theme import apply_theme, color
+    from ui.transcript import Transcript
 
     apply_theme(qapp, theme)
-    card = StreamView("p1", "Do you have green paint?")
+    transcript = Transcript("p1", "Do you have green paint?")
+    card = StreamView(transcript)
     qtbot.addWidget(card)
     card.resize(420, 250)
     card.show()
-    card.start_conversation("c1", SYSTEM)
-    card.begin_turn("Do you have green paint?", "t1")
-    card.append("We sell green paint in every shade, and brushes to go with it. " * 20)
-    card.flush()
+    transcript.start_conversation("c1", SYSTEM)
+    transcript.begin_turn("Do you have green paint?")
+    card.show_turn_started()
+    transcript.add_piece("We sell green paint in every shade, and brushes to go with it. " * 20)
+    card.show_text(transcript.take_pending())
     card.rerender()  # what a theme change does
     bar = card.view.verticalScrollBar()
     qtbot.waitUntil(bar.isVisible, timeout=5_000)
@@ -370,14 +344,15 @@ def test_a_long_transcript_scrolls_with_a_themed_scroll_bar(qtbot, gui_settings,
 
 def test_a_hostile_chat_template_falls_back_with_a_visible_warning(window, qtbot, tmp_path):
     from tests.tiny_gguf import write_tiny_gguf
-    w = window
-    assert not w.model_bar.chips["template"].isVisible()  # the bundled model's own template works
+    d, w, c = window, window.window, window.controller
+    assert w.model_bar.chips["template"].isHidden()  # the bundled model's own template works
     evil = write_tiny_gguf(tmp_path / "evil.gguf",
                            chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
-    assert w.open_model_path(evil) is True
-    qtbot.waitUntil(lambda: w.model_info is not None and w.model_info["path"] == str(evil),
+    assert d.open_model_path(evil) is True
+    qtbot.waitUntil(lambda: c.model_info is not None and c.model_info["path"] == str(evil),
                     timeout=LOAD_TIMEOUT_MS)
     chip = w.model_bar.chips["template"]
-    assert chip.isVisible() and "ChatML" in chip.toolTip()
+    qtbot.waitUntil(chip.isVisible, timeout=5_000)  # the toolbar lays its widgets out on the next events
+    assert "ChatML" in chip.toolTip()
     assert "Warning" in w.statusBar().currentMessage()
-    assert w.last_error is None  # a warning, not an error: the model is usable
+    assert c.last_error is None  # a warning, not an error: the model is usable

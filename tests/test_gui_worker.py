@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 
 import engine  # noqa: E402
 from app.settings import AppSettings  # noqa: E402
-from app.worker import EngineWorker, chat_prompt  # noqa: E402
+from app.worker import EngineWorker  # noqa: E402
+from engine.chat import chat_prompt, turn_messages  # noqa: E402
 
 SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint."
 QUESTIONS = ["Do you sell drills?", "Do you sell paint?", "Where are the screws?"]
@@ -34,15 +35,16 @@ class Recorder:
 def run(worker: EngineWorker, limit: int = 2000) -> None:
     """Step like the worker's zero-interval timer would, until the run is over."""
     for _ in range(limit):
-        if worker.scheduler is None or not (worker.scheduler.has_work() or worker._busy):
+        if worker.scheduler is None or not (worker.scheduler.has_work() or worker.busy):
             return
-        worker._pump()
+        worker.pump()
     raise AssertionError("the run did not finish")
 
 
 def job(tag: str, user: str, **extra) -> dict:
     return {"tag": tag, "system": SYSTEM, "user": user, "conversation_id": f"conv-{tag}",
-            "max_new_tokens": 6, "sampling": {"temperature": 0.0}, "namespace": "", **extra}
+            "max_new_tokens": 6, "sampling": engine.SamplingParams(temperature=0.0), "namespace": "",
+            **extra}
 
 
 @pytest.fixture
@@ -120,15 +122,15 @@ def test_cancel_flags_stop_requests_between_steps(worker):
     rec = worker.rec
     worker.request_cancel(["late"])  # cancelled before it was even submitted
     worker.submit([job("x", QUESTIONS[0], max_new_tokens=200), job("late", QUESTIONS[1])])
-    worker._pump()
-    worker._pump()
+    worker.pump()
+    worker.pump()
     worker.request_cancel(["x"])
     run(worker)
     reasons = {r.preview: r.finish_reason for r in rec.request_finished}
     assert set(reasons.values()) == {"cancelled"}, reasons
     x = next(r for r in rec.request_finished if r.preview.startswith("Do you sell drills"))
     assert x.n_gen < 200
-    assert not worker._cancel_tags and not worker._rid_of
+    assert not worker.driver.open_tags()
     worker.scheduler.pool.check()
 
 
@@ -141,12 +143,12 @@ def test_probe_names_the_first_differing_token_and_the_cached_one(worker):
     for key in ("matched_tokens", "matched_pages", "n_prompt", "stop_reason", "first_diff_index",
                 "chain_id", "context_before", "prompt_token", "cached_token"):
         assert key in p
-    prompt = chat_prompt(worker.model, SYSTEM, "Do you sell paint and saws?")
-    cached = chat_prompt(worker.model, SYSTEM, "Do you sell drills and saws?")
+    tok = worker.model.tokenizer
+    prompt = chat_prompt(tok, turn_messages(SYSTEM, "Do you sell paint and saws?"))
+    cached = chat_prompt(tok, turn_messages(SYSTEM, "Do you sell drills and saws?"))
     d = p["first_diff_index"]
     assert d == next(i for i, (a, b) in enumerate(zip(prompt, cached, strict=False)) if a != b)
     assert p["matched_tokens"] == (d // 4) * 4 and p["stop_reason"] in ("miss", "token_mismatch")
-    tok = worker.model.tokenizer
     assert p["prompt_token"] == tok.decode([prompt[d]]) and p["cached_token"] == tok.decode([cached[d]])
     assert p["context_before"] == tok.decode(prompt[max(0, d - 12):d])
     # Another namespace shares nothing.
@@ -160,7 +162,7 @@ def test_settings_live_now_pool_changes_when_idle(worker):
     worker.apply_settings(AppSettings(page_rows=4, max_streams=2, chunk_tokens=8, cache_pages=3).to_dict())
     assert worker.scheduler is sched and sched.settings.max_streams == 2 and sched.cache.max_pages == 3
     worker.submit([job("a", QUESTIONS[0], max_new_tokens=30)])
-    worker._pump()
+    worker.pump()
     resets = len(rec.scheduler_reset)
     worker.apply_settings(AppSettings(page_rows=8, max_streams=2).to_dict())
     assert worker.scheduler is sched  # busy: the new pool waits for the run to end
@@ -173,8 +175,8 @@ def test_settings_live_now_pool_changes_when_idle(worker):
 
 def test_exceptions_become_failed_and_the_worker_goes_on(worker):
     rec = worker.rec
-    worker.submit([{"tag": "bad", "user": "hi", "sampling": {"no_such_knob": 1}}])
-    assert rec.failed and "no_such_knob" in rec.failed[-1]
+    worker.submit([{"tag": "bad", "system": "a job without its user message"}])
+    assert rec.failed and "KeyError" in rec.failed[-1] and "'user'" in rec.failed[-1]
     worker.submit([job("ok", "tell me " * 400)])  # longer than the tiny context
     assert rec.request_refused and rec.request_refused[-1][0] == "ok"
 

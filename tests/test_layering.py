@@ -1,5 +1,5 @@
-"""The engine is a library: it imports only the standard library, numpy, gguf, tokenizers,
-jinja2 and threadpoolctl, never Qt, pyqtgraph, app or ui (DESIGN §1)."""
+"""Imports go one way (DESIGN §1). The engine is a library: it imports only the standard library,
+numpy, gguf, tokenizers, jinja2 and threadpoolctl, never Qt, pyqtgraph, app or ui; ui never imports app."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = os.path.join(ROOT, "engine")
+UI = os.path.join(ROOT, "ui")
 FORBIDDEN = ("PySide6", "pyqtgraph", "app", "ui", "PyQt5", "PyQt6", "shiboken6")
 # Besides the standard library, the engine may import only these (DESIGN §1, issue 10).
 ENGINE_ALLOWED = ("numpy", "gguf", "tokenizers", "jinja2", "threadpoolctl")
@@ -50,16 +51,21 @@ def _imports(path: str) -> list[tuple[int, str]]:
     return found
 
 
+def import_offenders(root: str, allowed) -> list[str]:
+    """Imports under `root` of a top-level name `allowed(name)` refuses, and any `..` climb out."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
+    return [f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
+            for path in files for line, name in _imports(path) if name == ".." or not allowed(_top(name))]
+
+
 def engine_import_offenders(root: str) -> list[str]:
     """Imports under `root` of anything but the standard library and ENGINE_ALLOWED."""
-    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
-    offenders = []
-    for path in files:
-        for line, name in _imports(path):
-            top = _top(name)
-            if name == ".." or not (top in sys.stdlib_module_names or top in ENGINE_ALLOWED):
-                offenders.append(f"{os.path.relpath(path, ROOT)}:{line} imports {name}")
-    return offenders
+    return import_offenders(root, lambda top: top in sys.stdlib_module_names or top in ENGINE_ALLOWED)
+
+
+def ui_import_offenders(root: str) -> list[str]:
+    """Imports of app/ under `root` (widgets take plain data; app/ wires them)."""
+    return import_offenders(root, lambda top: top != "app")
 
 
 def test_engine_imports_only_the_standard_library_and_its_few_dependencies():
@@ -75,6 +81,33 @@ def test_the_engine_rule_catches_a_stray_dependency(tmp_path):
     (tmp_path / "bad.py").write_text("import requests\nfrom PySide6 import QtCore\nimport app.cli\n")
     bad = engine_import_offenders(str(tmp_path))
     assert [b.rsplit(" ", 1)[1] for b in bad] == ["requests", "PySide6", "app.cli"]
+
+
+def test_no_ui_file_imports_app():
+    assert len([f for _, _, fs in os.walk(UI) for f in fs if f.endswith(".py")]) >= 8
+    offenders = ui_import_offenders(UI)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_ui_rule_catches_an_app_import(tmp_path):
+    (tmp_path / "ok.py").write_text("from PySide6 import QtCore\nfrom engine.metrics import PAGE_FREE\n"
+                                    "from .theme import icon\n")
+    assert ui_import_offenders(str(tmp_path)) == []
+    (tmp_path / "bad.py").write_text("from app.settings import AppSettings\nimport app\n")
+    assert len(ui_import_offenders(str(tmp_path))) == 2
+
+
+def test_importing_ui_loads_no_app_module():
+    code = ("import json, sys, pkgutil, importlib, ui; "
+            "[importlib.import_module('ui.' + m.name) for m in pkgutil.iter_modules(ui.__path__)]; "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": ROOT, "QT_QPA_PLATFORM": "offscreen"})
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "ui.main_window" in loaded
+    bad = sorted(m for m in loaded if _top(m) == "app")
+    assert not bad, f"importing ui loaded {bad}"
 
 
 def test_the_checker_sees_imports(tmp_path):

@@ -7,7 +7,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import base64
 import csv
-import dataclasses
 import hashlib
 import io
 import json
@@ -19,6 +18,7 @@ import sys
 import zipfile
 from html.parser import HTMLParser
 
+import msgspec
 import pytest
 
 import engine
@@ -32,7 +32,7 @@ from app.report import (
     report_to_dict,
     snapshot_from_report,
 )
-from app.report.render import export_report, render_pdf
+from app.report.render import export_report, render_html, render_pdf
 from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -134,7 +134,7 @@ def same(cell: str, value) -> bool:
 
 def test_report_holds_the_run(run):
     sch, model, rep = run
-    assert rep.schema == SCHEMA == "prefixlab.report/1"
+    assert rep.schema == SCHEMA == "prefixlab.report/2" and rep.ttft_from == "arrival"
     assert len(rep.requests) == 4 and all(r.finish_reason for r in rep.requests)
     assert [r.preview for r in rep.requests] == QUESTIONS
     assert all(r.text for r in rep.requests)
@@ -178,7 +178,7 @@ def test_json_round_trips(exported, report):
     assert data == report_to_dict(report)
     loaded = load_report(path)
     assert loaded == report
-    assert dataclasses.asdict(loaded) == dataclasses.asdict(report)
+    assert msgspec.to_builtins(loaded) == msgspec.to_builtins(report)
 
 
 def _bad(tmp_path, data, name="bad.json"):
@@ -196,11 +196,14 @@ def test_load_report_rejects_bad_input(exported, tmp_path):
     assert "top level" in _bad(tmp_path, [1, 2])
     assert "'schema' is missing" in _bad(tmp_path, {k: v for k, v in good.items() if k != "schema"})
     assert "not a PrefixLab report" in _bad(tmp_path, {**good, "schema": "other.report/1"})
-    assert "version 2 is not supported" in _bad(tmp_path, {**good, "schema": "prefixlab.report/2"})
+    assert "version 3 is not supported" in _bad(tmp_path, {**good, "schema": "prefixlab.report/3"})
     bad = json.loads(json.dumps(good))
     bad["requests"][1]["n_prompt"] = "many"
     msg = _bad(tmp_path, bad)
-    assert "requests[1].n_prompt" in msg and "integer" in msg
+    assert "requests[1].n_prompt" in msg and "`int`" in msg and "`str`" in msg
+    bad = json.loads(json.dumps(good))
+    bad["settings"]["cache_enabled"] = 1
+    assert "settings.cache_enabled" in _bad(tmp_path, bad)
     bad = json.loads(json.dumps(good))
     del bad["totals"]["hit_rate"]
     assert "'totals.hit_rate' is missing" in _bad(tmp_path, bad)
@@ -209,6 +212,18 @@ def test_load_report_rejects_bad_input(exported, tmp_path):
     assert "pages.refcounts" in _bad(tmp_path, bad)
     with pytest.raises(ValueError, match="cannot read report"):
         load_report(tmp_path / "missing.json")
+
+
+def test_a_version_1_report_opens_with_its_ttft_counted_from_admission(exported, tmp_path):
+    old = {**exported["json"], "schema": "prefixlab.report/1"}  # version 1: the same layout
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old), "utf-8")
+    rep = load_report(path)
+    assert rep.ttft_from == "admission"
+    assert rep.requests == load_report(exported["dir"] / "report.json").requests
+    html = render_html(rep, charts=[], page_map=None)
+    assert "TTFT (from admission)" in html and "TTFT counts from admission" in html
+    assert "TTFT counts from arrival" in (exported["dir"] / "report.html").read_text("utf-8")
 
 
 # --- HTML -------------------------------------------------------------------------------------
@@ -401,7 +416,7 @@ def test_unknown_extension_is_refused(report, tmp_path):
 
 
 def test_html_without_charts_says_so(report):
-    from app.report.render import page_map_image, render_html
+    from app.report.figures import page_map_image
     page_map = page_map_image(report)
     assert page_map.png.startswith(b"\x89PNG")
     page = Parsed()

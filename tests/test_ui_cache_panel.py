@@ -14,10 +14,10 @@ from PySide6.QtCore import QEvent, Qt  # noqa: E402
 from PySide6.QtGui import QHelpEvent  # noqa: E402
 from PySide6.QtWidgets import QApplication, QToolTip, QWidget  # noqa: E402
 
+from engine.chat import chat_prompt, turn_messages  # noqa: E402
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED  # noqa: E402
 from engine.prefix_cache import prefix_probe  # noqa: E402
 from engine.snapshot import PageInfo  # noqa: E402
-from tests.test_ui_charts import PNG, SYSTEM, engine_run  # noqa: E402
 from ui.cache_panel import CachePanel  # noqa: E402
 from ui.chains_table import COL_HITS, ChainsTable, humanize_seconds  # noqa: E402
 from ui.page_map import PageMap, fit_grid  # noqa: E402
@@ -26,9 +26,12 @@ from ui.probe_view import REASONS  # noqa: E402
 NAMES = {PAGE_FREE: "free", PAGE_PRIVATE: "private", PAGE_SHARED: "shared", PAGE_CACHED: "cached"}
 
 
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.fixture(scope="module")
-def run():
-    return engine_run()
+def run(engine_run):
+    return engine_run
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +227,7 @@ def test_probe_view_without_a_difference(panel):
 def test_probe_of_a_real_prompt(run, panel):
     sched = run.scheduler
     tok = sched.model.tokenizer
-    prompt = tok.encode(tok.render_chat([{"role": "system", "content": SYSTEM.replace("small", "big")},
-                                         {"role": "user", "content": "Hi"}], add_generation_prompt=True))
+    prompt = chat_prompt(tok, turn_messages(run.system.replace("small", "big"), "Hi"))
     res = prefix_probe(sched.cache, prompt)
     assert res.stop_reason == "miss" and res.first_diff_index is not None
     i = res.first_diff_index

@@ -4,51 +4,18 @@ import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-import functools  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-import engine  # noqa: E402
-from engine.metrics import RequestRecord, TimelineRow  # noqa: E402
-from engine.scheduler import Scheduler, SchedulerSettings  # noqa: E402
-from engine.snapshot import Snapshot, SnapshotMaker  # noqa: E402
+from engine.metrics import TimelineRow  # noqa: E402
 
-SYSTEM = ("You are a friendly assistant for a small hardware store. You answer questions about tools, "
-          "paint, lumber and garden supplies in one short sentence.")
-QUESTIONS = ("What glue works on wood?", "Which paint suits a bathroom?", "How do I cut ceramic tile?")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@dataclass
-class EngineRun:
-    """One short real run: every timeline row, a snapshot after each step, the final records."""
-
-    rows: list[TimelineRow]
-    snapshots: list[Snapshot]
-    records: list[RequestRecord]
-    scheduler: Scheduler
-
-
-@functools.lru_cache(maxsize=1)
-def engine_run() -> EngineRun:
-    """Run the bundled model once per test session (shared with test_ui_cache_panel)."""
-    model = engine.load_model()
-    sched = Scheduler(model, SchedulerSettings(page_rows=16))
-    for q in QUESTIONS:
-        sched.submit(system=SYSTEM, user=q, max_new_tokens=8)
-    maker, snaps, seen = SnapshotMaker(), [], 0
-    while sched.has_work():
-        sched.step()
-        snaps.append(maker.take(sched, since_row=seen))
-        seen = len(sched.timeline)
-    return EngineRun(list(sched.timeline.rows), snaps, snaps[-1].records, sched)
-
-
 @pytest.fixture(scope="module")
-def run() -> EngineRun:
-    return engine_run()
+def run(engine_run):
+    return engine_run
 
 
 @pytest.fixture
@@ -167,7 +134,7 @@ def test_buffer_grows_past_its_capacity(run, panel):
 
 
 def test_step_changes_keeps_the_picture():
-    from ui.charts import step_changes
+    from ui.chart_data import step_changes
     x = np.arange(8.0)
     y = np.array([0, 0, 0, 2, 2, 3, 3, 3.0])
     cx, cy = step_changes(x, y)

@@ -32,15 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
+    from app.desktop import Desktop
     from app.gui import make_app
     from app.scenario import bundled_scenarios
     from app.settings import AppSettings
-    from ui.main_window import MainWindow
     from ui.theme import apply_theme
 
     app = make_app([sys.argv[0]])
     apply_theme(app, "light")
-    window = MainWindow()
+    desktop = Desktop()
+    window, control = desktop.window, desktop.controller
     window.resize(1400, 900)
     window.show()
 
@@ -53,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise TimeoutError(f"timed out waiting for {what}")
         return time.perf_counter() - t0
 
-    print(f"model loaded in {wait(lambda: window.model_info is not None, 'the model'):.1f} s")
+    print(f"model loaded in {wait(lambda: control.model_info is not None, 'the model'):.1f} s")
     scenario = next(s for s in bundled_scenarios() if args.scenario.lower() in s.name.lower())
-    window.load_scenario(scenario)
+    desktop.load_scenario(scenario)
     if args.max_new_tokens:
-        window.apply_settings(AppSettings.from_dict({**window.settings.to_dict(),
-                                                     "max_new_tokens": args.max_new_tokens}))
+        control.apply_settings(AppSettings.from_dict({**control.settings.to_dict(),
+                                                      "max_new_tokens": args.max_new_tokens}))
 
     # Event-loop latency: a 10 ms timer notes the longest gap between its ticks.
     clock, gaps = QElapsedTimer(), []
@@ -71,19 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     ticker.setInterval(10)
     ticker.timeout.connect(tick)
     ticker.start()
-    n = window.run_all()
-    secs = wait(lambda: len(window.finished_records) >= n and not window._open_tags, "the run")
+    n = desktop.run_all()
+    secs = wait(lambda: len(control.finished_records) >= n and not control.running, "the run")
     ticker.stop()
-    tokens = sum(r.n_gen for r in window.finished_records)
+    tokens = sum(r.n_gen for r in control.finished_records)
     gaps = sorted(gaps[1:]) or [0]
     print(f"{n} streams, {tokens} tokens in {secs:.1f} s ({tokens / secs:.1f} tok/s overall); "
           f"UI event loop: median gap {gaps[len(gaps) // 2]} ms, worst {gaps[-1]} ms")
 
     # "Why it missed" for a prompt not run yet: it shares the system prompt, then differs.
     window.prompt_list.add_prompt("Do you sell hammers?")
-    window.probe_selected()
-    wait(lambda: window.last_probe is not None, "the probe")
-    wait(lambda: window.snapshot is not None, "a snapshot")
+    desktop.probe_selected()
+    wait(lambda: control.last_probe is not None, "the probe")
+    wait(lambda: control.snapshot is not None, "a snapshot")
     settle(app)
 
     window.streams.setFocus()
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     window.grab().save(dark)
     print(f"wrote {light} and {dark}")
     window.close()
-    return 0 if window.last_error is None else 1
+    return 0 if control.last_error is None else 1
 
 
 def settle(app, seconds: float = 0.4) -> None:

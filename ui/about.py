@@ -2,75 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
-import platform
 import sys
 
-from PySide6 import QtCore
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from .theme import icon
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _dist_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def prefixlab_version() -> str:
-    """The installed distribution's version, else pyproject.toml's (a source checkout)."""
-    try:
-        return importlib.metadata.version("prefixlab")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        import tomllib
-
-        with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
-            return str(tomllib.load(fh)["project"]["version"]) + " (source)"
-    except (OSError, KeyError, ValueError):
-        return "unknown"
-
-
-def versions() -> dict[str, str]:
-    """Name -> version of PrefixLab and everything it is built on."""
-    import numpy
-    import PySide6
-
-    try:
-        import pyqtgraph
-        pg = pyqtgraph.__version__
-    except ImportError:
-        pg = "not installed"
-    try:
-        import tokenizers
-        tk = tokenizers.__version__
-    except ImportError:
-        tk = "not installed"
-    return {
-        "PrefixLab": prefixlab_version(),
-        "Python": f"{platform.python_version()} ({platform.python_implementation()})",
-        "NumPy": numpy.__version__,
-        "Qt": QtCore.qVersion(),
-        "PySide6": PySide6.__version__,
-        "pyqtgraph": pg,
-        "gguf": _dist_version("gguf"),
-        "tokenizers": tk,
-        "Jinja2": _dist_version("jinja2"),
-        "Platform": f"{platform.system()} {platform.machine()}",
-    }
-
 
 class AboutDialog(QDialog):
     """PrefixLab's name, purpose and a table of versions."""
 
-    def __init__(self, parent: QWidget | None = None, model_summary: str = ""):
+    def __init__(self, parent: QWidget | None, versions: dict[str, str], model_summary: str = ""):
         super().__init__(parent)
         self.setWindowTitle("About PrefixLab")
         lay = QVBoxLayout(self)
@@ -85,7 +28,7 @@ class AboutDialog(QDialog):
         title.setWordWrap(True)
         head.addWidget(title, 1)
         lay.addLayout(head)
-        self.versions = versions()
+        self.versions = dict(versions)
         rows = "".join(f"<tr><td style='padding-right:16px'><b>{k}</b></td><td>{v}</td></tr>"
                        for k, v in self.versions.items())
         if model_summary:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QSizePolicy
 
-from app.model_info import format_bytes, format_count
-
+from .format import format_bytes, format_count
 from .theme import icon
 
 

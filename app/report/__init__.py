@@ -31,13 +31,12 @@ from .model import (
     build_report,
     file_sha256,
     snapshot_from_report,
-    versions,
 )
 
 __all__ = [
     "SCHEMA", "MachineInfo", "ModelInfo", "PageMapState", "Report", "ReportSettings", "ReportWriteError",
     "Totals", "atomic_write", "atomic_write_many", "build_report", "check_target", "csv_paths",
     "file_sha256", "load_report", "read_csv", "report_from_dict", "report_to_dict", "report_to_json",
-    "requests_csv", "snapshot_from_report", "timeline_csv", "versions", "write_bytes", "write_csv",
+    "requests_csv", "snapshot_from_report", "timeline_csv", "write_bytes", "write_csv",
     "write_json",
 ]

@@ -1,7 +1,8 @@
-"""Reports on disk: atomic writes, JSON (`prefixlab.report/1`) and CSV (no Qt here).
+"""Reports on disk: atomic writes, JSON (`prefixlab.report/2`) and CSV (no Qt here).
 
 `write_json` and `write_csv` write a `Report` atomically; `load_report` reads a JSON
-report back and validates it.
+report back (version 2, or version 1 with its TTFT counted from admission) and validates
+it with a typed msgspec decode.
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ import dataclasses
 import io
 import json
 import os
+import re
 import tempfile
-import types
 import typing
 import zipfile
 from collections.abc import Callable
-from dataclasses import asdict
+
+import msgspec
 
 from engine.metrics import RequestRecord, TimelineRow
 
-from .model import SCHEMA, SCHEMA_NAME, SCHEMA_VERSION, Report
+from .model import READABLE_VERSIONS, SCHEMA, SCHEMA_NAME, Report
 
 
 class ReportWriteError(OSError):
@@ -105,7 +107,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> str:
 
 def report_to_dict(report: Report) -> dict:
     """The JSON object of a report: `schema` first, timeline rows with their hit_rate."""
-    d = asdict(report)
+    d = msgspec.to_builtins(report)
     d["timeline"] = [r.to_dict() for r in report.timeline]
     schema = d.pop("schema")
     return {"schema": schema, **d}
@@ -116,7 +118,7 @@ def report_to_json(report: Report) -> str:
 
 
 def write_json(path: str | os.PathLike, report: Report) -> str:
-    """Write the report as `prefixlab.report/1` JSON (UTF-8), atomically."""
+    """Write the report as `prefixlab.report/2` JSON (UTF-8), atomically."""
     try:
         text = report_to_json(report)
     except ValueError as e:  # NaN or infinity somewhere: JSON cannot carry them
@@ -128,93 +130,34 @@ class _Bad(ValueError):
     """A validation failure at a field path; load_report adds the file name."""
 
 
-_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-               type(None): "null"}
+# msgspec's words: "Expected `int`, got `str` - at `$.requests[1].n_prompt`",
+# "Object missing required field `hit_rate` - at `$.totals`".
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$\.?(?P<where>[^`]*)`)?$", re.DOTALL)
+_MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
 
 
-def _type_name(tp) -> str:
-    return _TYPE_WORDS.get(tp) or getattr(tp, "__name__", None) or str(tp)
-
-
-def _convert(tp, value, where: str):
-    """Check `value` (from JSON) against the annotation `tp` and build it."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, where)
-            except _Bad:
-                continue
-        raise _Bad(f"field '{where}': expected {' or '.join(_type_name(a) for a in args)}, "
-                   f"got {_json_type(value)}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise _Bad(f"field '{where}': expected a list, got {_json_type(value)}")
-        (item,) = typing.get_args(tp)
-        return [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _Bad(f"field '{where}': expected an object, got {_json_type(value)}")
-        _, item = typing.get_args(tp)
-        return {str(k): _convert(item, v, f"{where}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        return _dataclass_from(tp, value, where)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _Bad(f"field '{where}': expected true or false, got {_json_type(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _Bad(f"field '{where}': expected an integer, got {_json_type(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _Bad(f"field '{where}': expected a number, got {_json_type(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _Bad(f"field '{where}': expected a string, got {_json_type(value)}")
-        return value
-    raise TypeError(f"report field '{where}' has an unsupported annotation {tp!r}")
+def _field_error(e: msgspec.ValidationError) -> str:
+    """msgspec's validation message, said with the field's path first."""
+    m = _AT.match(str(e))
+    what, where = m.group("what"), m.group("where") or ""
+    missing = _MISSING.match(what)
+    if missing:
+        name = f"{where}.{missing.group('name')}" if where else missing.group("name")
+        return f"field '{name}' is missing"
+    what = what[0].lower() + what[1:] if what else what
+    return f"field '{where or '(top level)'}': {what}"
 
 
 def _json_type(value) -> str:
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return f"the number {value!r}"
     if isinstance(value, str):
         return f"the string {value[:40]!r}"
-    return "a list" if isinstance(value, list) else "an object"
-
-
-def _dataclass_from(cls, value, where: str):
-    if not isinstance(value, dict):
-        raise _Bad(f"field '{where or '(top level)'}': expected an object, got {_json_type(value)}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        sub = f"{where}.{f.name}" if where else f.name
-        if f.name not in value:
-            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-            if has_default:
-                continue
-            raise _Bad(f"field '{sub}' is missing")
-        kwargs[f.name] = _convert(hints[f.name], value[f.name], sub)
-    # Unknown keys are ignored (derived values such as a timeline row's hit_rate, and
-    # fields that a later 1.x writer adds), so additive changes keep schema version 1.
-    return cls(**kwargs)
+    return type(value).__name__
 
 
 def parse_schema(schema, where: str = "schema") -> int:
-    """The version of a `prefixlab.report/N` schema string; ValueError otherwise."""
+    """The version of a readable `prefixlab.report/N` schema string; ValueError otherwise."""
     if not isinstance(schema, str) or "/" not in schema:
         raise _Bad(f"field '{where}': expected \"{SCHEMA}\", got {_json_type(schema)}")
     name, _, version = schema.rpartition("/")
@@ -222,25 +165,42 @@ def parse_schema(schema, where: str = "schema") -> int:
         raise _Bad(f"field '{where}': not a PrefixLab report (schema {schema!r}, expected {SCHEMA!r})")
     if not version.isdigit():
         raise _Bad(f"field '{where}': bad schema version in {schema!r}")
-    if int(version) != SCHEMA_VERSION:
+    if int(version) not in READABLE_VERSIONS:
         raise _Bad(f"field '{where}': schema version {version} is not supported "
-                   f"(this PrefixLab reads version {SCHEMA_VERSION})")
+                   f"(this PrefixLab reads versions {', '.join(map(str, READABLE_VERSIONS))})")
     return int(version)
 
 
 def report_from_dict(data) -> Report:
-    """Validate a decoded JSON report and build it; ValueError names the field."""
+    """Validate a decoded JSON object as a report and build it; ValueError names the field.
+    Unknown keys are ignored (derived values such as a timeline row's hit_rate, and fields a
+    later 2.x writer adds)."""
     if not isinstance(data, dict):
-        raise _Bad(f"expected a JSON object at the top level, got {_json_type(data)}")
+        got = "a list" if isinstance(data, list) else _json_type(data)
+        raise _Bad(f"expected a JSON object at the top level, got {got}")
     if "schema" not in data:
         raise _Bad(f"field 'schema' is missing (expected \"{SCHEMA}\")")
     parse_schema(data["schema"])
-    report = _dataclass_from(Report, data, "")
+    try:
+        report = msgspec.convert(data, Report)
+    except msgspec.ValidationError as e:
+        raise _Bad(_field_error(e)) from None
     states = report.pages.states
     for name, values in (("refcounts", report.pages.refcounts), ("chain_ids", report.pages.chain_ids)):
         if len(values) != len(states):
             raise _Bad(f"field 'pages.{name}': has {len(values)} entries but pages.states has {len(states)}")
     return report
+
+
+def report_from_json(raw: bytes) -> Report:
+    """Parse and validate a JSON report; ValueError says what is wrong."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise _Bad(f"not UTF-8 text (byte {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise _Bad(f"not valid JSON (line {e.lineno}: {e.msg})") from e
+    return report_from_dict(data)
 
 
 def load_report(path: str | os.PathLike) -> Report:
@@ -252,13 +212,7 @@ def load_report(path: str | os.PathLike) -> Report:
     except OSError as e:
         raise ValueError(f"{path}: cannot read report ({e.strerror or e})") from e
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
-    try:
-        return report_from_dict(data)
+        return report_from_json(raw)
     except _Bad as e:
         raise ValueError(f"{path}: {e}") from None
 

@@ -1,7 +1,8 @@
 """A session report's data model and `build_report`, which copies it out of a scheduler (no Qt here).
 
-The JSON schema is `prefixlab.report/1`, documented field by field in
-docs/report-schema.md; `app.report.files` writes and reads it (and CSV),
+The model is msgspec Structs (around the engine's record dataclasses), so reading a JSON
+report back is a typed decode. The JSON schema is `prefixlab.report/2`, documented field by
+field in docs/report-schema.md; `app.report.files` writes and reads it (and CSV),
 `app.report.render` draws HTML and PDF with Qt.
 """
 
@@ -10,11 +11,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import platform
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib import metadata
 
+import msgspec
 import numpy as np
 
 from engine.loader import Model
@@ -23,12 +22,16 @@ from engine.prefix_cache import ChainRecord, prefix_chain_list
 from engine.sampler import SamplingParams
 from engine.snapshot import PageInfo, Snapshot
 
-SCHEMA_NAME = "prefixlab.report"
-SCHEMA_VERSION = 1
-SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+from ..model_info import model_info as describe_model
+from ..system_info import machine, versions
 
-# Distributions whose versions a report records (PySide6 under either wheel name).
-_VERSIONED = ("numpy", "gguf", "tokenizers", "jinja2", "pyqtgraph")
+SCHEMA_NAME = "prefixlab.report"
+SCHEMA_VERSION = 2
+SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+# Versions this PrefixLab reads. Version 1 is version 2's layout with TTFT counted from
+# admission (the scheduler started the request), not from arrival (submit).
+READABLE_VERSIONS = (1, 2)
+TTFT_FROM = {1: "admission", 2: "arrival"}
 
 _SHA_CHUNK = 1 << 20
 _sha_cache: dict[tuple[str, int, int], str] = {}
@@ -37,8 +40,7 @@ _sha_cache: dict[tuple[str, int, int], str] = {}
 # --- the data model --------------------------------------------------------------------
 
 
-@dataclass
-class ModelInfo:
+class ModelInfo(msgspec.Struct, kw_only=True):
     """The model the session ran."""
 
     file_name: str
@@ -53,8 +55,7 @@ class ModelInfo:
     vocab_size: int
 
 
-@dataclass
-class ReportSettings:
+class ReportSettings(msgspec.Struct, kw_only=True):
     """The scheduler's settings and the sampling the requests used."""
 
     page_rows: int
@@ -69,8 +70,7 @@ class ReportSettings:
     sampling: SamplingParams
 
 
-@dataclass
-class Totals:
+class Totals(msgspec.Struct, kw_only=True):
     """Session totals, in the words of DESIGN §5."""
 
     requests: int
@@ -93,8 +93,7 @@ class Totals:
     peak_pages_sessions: int    # max over steps of pages a session holds
 
 
-@dataclass
-class PageMapState:
+class PageMapState(msgspec.Struct, kw_only=True):
     """Every pool page at the end of the session."""
 
     page_rows: int
@@ -108,8 +107,7 @@ class PageMapState:
         return sum(1 for s in self.states if s == state)
 
 
-@dataclass
-class MachineInfo:
+class MachineInfo(msgspec.Struct, kw_only=True):
     """Where the session ran."""
 
     platform: str
@@ -120,10 +118,10 @@ class MachineInfo:
     python_implementation: str
 
 
-@dataclass
-class Report:
+class Report(msgspec.Struct, kw_only=True):
     """Everything one session report holds; JSON, CSV, HTML and PDF are views of it."""
 
+    schema: str = SCHEMA
     title: str
     created_at: str
     model: ModelInfo
@@ -136,7 +134,16 @@ class Report:
     pages: PageMapState
     machine: MachineInfo
     versions: dict[str, str | None]
-    schema: str = SCHEMA
+
+    @property
+    def version(self) -> int:
+        """The schema version this report was written in."""
+        return int(self.schema.rpartition("/")[2])
+
+    @property
+    def ttft_from(self) -> str:
+        """What its TTFT figures count from: "arrival" (submit), or "admission" in version 1 reports."""
+        return TTFT_FROM[self.version]
 
 
 # --- building ---------------------------------------------------------------------------
@@ -157,54 +164,15 @@ def file_sha256(path: str) -> str:
 
 
 def model_info(model: Model) -> ModelInfo:
-    """Name, hash and shape of a loaded model."""
-    cfg = model.config
+    """Name, hash and shape of a loaded model (the GUI's model description, plus the file's hash)."""
+    d = describe_model(model)
     try:
         sha = file_sha256(model.path)
     except OSError:
         sha = ""  # the file went away after loading; the report still says which model ran
-    return ModelInfo(file_name=os.path.basename(model.path), sha256=sha, file_size=int(model.file_size),
-                     name=model.name, architecture=model.arch, quantization=model.quant,
-                     parameters=int(model.n_params), context_length=int(cfg.context_length),
-                     n_layers=int(cfg.n_layers), vocab_size=int(cfg.vocab_size))
-
-
-def machine_info() -> MachineInfo:
-    return MachineInfo(platform=platform.platform(), machine=platform.machine(),
-                       processor=platform.processor(), cpu_count=os.cpu_count(),
-                       python=platform.python_version(),
-                       python_implementation=platform.python_implementation())
-
-
-def _dist_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _prefixlab_version() -> str | None:
-    v = _dist_version("prefixlab")
-    if v is not None:
-        return v
-    # A source checkout that is not installed: read the version from pyproject.toml.
-    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
-    try:
-        import tomllib
-        with open(pyproject, "rb") as fh:
-            return str(tomllib.load(fh)["project"]["version"])
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def versions() -> dict[str, str | None]:
-    """Versions of PrefixLab and the libraries it runs on (None: not installed); no imports of Qt."""
-    out = {"prefixlab": _prefixlab_version()}
-    out.update({name: _dist_version(name) for name in _VERSIONED})
-    out["PySide6"] = _dist_version("PySide6-Essentials", "PySide6")
-    return out
+    return ModelInfo(file_name=d["file"], sha256=sha, file_size=d["file_size"], name=d["name"],
+                     architecture=d["arch"], quantization=d["quant"], parameters=d["n_params"],
+                     context_length=d["context_length"], n_layers=d["n_layers"], vocab_size=d["vocab_size"])
 
 
 def _totals(scheduler, records: list[RequestRecord], rows: list[TimelineRow]) -> Totals:
@@ -222,7 +190,7 @@ def _totals(scheduler, records: list[RequestRecord], rows: list[TimelineRow]) ->
         requests=len(records), finished=sum(1 for r in records if r.finish_reason is not None),
         steps=len(rows), wall_s=rows[-1].wall_s if rows else 0.0,
         queries=int(c.queries), hits=int(c.hits), hit_pages=int(c.hit_pages),
-        hit_rate=saved / (saved + computed) if saved + computed else 0.0,
+        hit_rate=rows[-1].hit_rate if rows else 0.0,  # the rows count cumulatively
         prefill_computed=int(computed), prefill_saved=int(saved),
         prefill_tok_s=float(scheduler.prefill_rate()), seconds_saved=float(scheduler.seconds_saved()),
         decode_tokens=int(scheduler.decode_tokens), generated_tokens=sum(r.n_gen for r in records),
@@ -263,7 +231,7 @@ def build_report(scheduler, model: Model, system_prompt: str, sampling: Sampling
         model=model_info(model), settings=settings, system_prompt=system_prompt,
         totals=_totals(scheduler, records, rows), requests=records, timeline=rows,
         chains=[dataclasses.replace(c) for c in prefix_chain_list(scheduler.cache)],
-        pages=_page_map(scheduler), machine=machine_info(), versions=versions())
+        pages=_page_map(scheduler), machine=MachineInfo(**machine()), versions=versions())
 
 
 def snapshot_from_report(report: Report) -> Snapshot:
@@ -281,6 +249,6 @@ def snapshot_from_report(report: Report) -> Snapshot:
 
 __all__ = [
     "SCHEMA", "SCHEMA_NAME", "SCHEMA_VERSION", "MachineInfo", "ModelInfo", "PageMapState", "Report",
-    "ReportSettings", "Totals", "build_report", "file_sha256", "machine_info", "model_info",
-    "snapshot_from_report", "versions",
+    "READABLE_VERSIONS", "ReportSettings", "Totals", "build_report", "file_sha256", "model_info",
+    "snapshot_from_report",
 ]

@@ -8,16 +8,16 @@ JSON and CSV come from `app.report.files`, which needs no Qt.
 
 from __future__ import annotations
 
-import base64
 import os
 from dataclasses import dataclass
 
 import jinja2
 
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
+from ui.format import format_bytes  # the GUI's sizes: the same words on screen and on paper
 
+from .figures import Figure, chart_images, ensure_qt_app, page_map_image
 from .files import (
-    ReportWriteError,
     check_target,
     csv_paths,
     format_cell,
@@ -25,17 +25,12 @@ from .files import (
     write_csv,
     write_json,
 )
-from .model import Report, snapshot_from_report
+from .model import Report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATE_DIR = os.path.join(ROOT, "resources", "report")
-CHART_WIDTH, CHART_HEIGHT = 900, 300
-PAGE_MAP_WIDTH = 900
 
 FORMATS = {".html": "html", ".htm": "html", ".pdf": "pdf", ".json": "json", ".csv": "csv", ".zip": "csv"}
-
-
-_app = None  # the offscreen application this module made, kept alive
 
 
 def export_report(path: str | os.PathLike, report: Report) -> list[str]:
@@ -73,89 +68,6 @@ def write_pdf(path: str | os.PathLike, report: Report) -> str:
     return write_bytes(path, render_pdf(report).data)
 
 
-# --- Qt -----------------------------------------------------------------------------------
-
-
-def ensure_qt_app():
-    """The running Q(Gui)Application, or a new offscreen QApplication when there is none."""
-    global _app
-    from PySide6.QtGui import QGuiApplication
-    from PySide6.QtWidgets import QApplication
-    app = QGuiApplication.instance()
-    if app is None:
-        if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
-            os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-        app = _app = QApplication([])
-    return app
-
-
-@dataclass
-class Figure:
-    """A picture in the report: its key, caption and PNG bytes."""
-
-    key: str
-    caption: str
-    png: bytes
-
-    @property
-    def b64(self) -> str:
-        return base64.b64encode(self.png).decode("ascii")
-
-    @property
-    def size(self) -> tuple[int, int]:
-        """Width and height from the PNG header."""
-        return int.from_bytes(self.png[16:20], "big"), int.from_bytes(self.png[20:24], "big")
-
-
-# Captions of ui.charts' charts, by the keys of ChartsPanel.render_images.
-CHART_CAPTIONS = {
-    "pool": "KV pool pages by state: private to streams, shared, held only by the cache, free",
-    "cache": "Cached chains and cached pages",
-    "hits": "Cache hits (cumulative) and hit rate = saved / (saved + computed)",
-    "prefill": "Prefill tokens computed and saved by the cache (cumulative)",
-    "ttft": "Time to first token per request, cache hits and misses",
-}
-
-
-def _caption(key: str) -> str:
-    return key.replace("_", " ").strip().capitalize()
-
-
-def chart_images(report: Report, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> list[Figure]:
-    """The GUI's charts of this session as PNGs, drawn offscreen by ui.charts.ChartsPanel."""
-    ensure_qt_app()
-    from ui.charts import ChartsPanel  # app wires ui: the report's charts are the GUI's own
-    panel = ChartsPanel()
-    try:
-        panel.set_data(list(report.timeline), list(report.requests))
-        images = panel.render_images(width=width, height=height, theme="light")
-    finally:
-        panel.deleteLater()
-    return [Figure(k, CHART_CAPTIONS.get(k) or _caption(k), png) for k, png in images.items()]
-
-
-def page_map_image(report: Report, width: int = PAGE_MAP_WIDTH) -> Figure | None:
-    """The pool's pages at the end of the session, drawn by the GUI's ui.page_map.PageMap."""
-    ensure_qt_app()
-    from ui.page_map import LEGEND_H, MARGIN, PageMap, fit_grid
-    pages = report.pages
-    if not pages.states:
-        return None
-    # Tall enough for the largest cells that fit the width, without blank rows below.
-    need = fit_grid(pages.capacity, width - 2 * MARGIN, 10**6).size.height() + LEGEND_H + 2 * MARGIN
-    pm = PageMap()
-    try:
-        pm.update_snapshot(snapshot_from_report(report))
-        png = pm.render_image(width, int(min(max(need, 80), PAGE_MAP_MAX_HEIGHT)), theme="light")
-    finally:
-        pm.deleteLater()
-    return Figure("page_map", f"Page map at the end: {pages.capacity} pages of {pages.page_rows} positions",
-                  png)
-
-
-PAGE_MAP_MAX_HEIGHT = 520
-
-
 # --- HTML ---------------------------------------------------------------------------------
 
 
@@ -189,10 +101,6 @@ def fmt_any(x) -> str:
     return str(x)
 
 
-def _fmt_bytes(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
-
-
 @dataclass
 class Cell:
     """One table cell: its field name, exact value (data-value) and what a reader sees."""
@@ -212,7 +120,7 @@ REQUEST_COLUMNS = [
     ("n_prefilled", "Prefilled", fmt_int, "prompt tokens computed by prefill"),
     ("n_gen", "Generated", fmt_int, "tokens generated"),
     ("queue_wait_s", "Queue wait", fmt_s, "time from submit to admission"),
-    ("ttft_s", "TTFT", fmt_s, "time from admission to the first token"),
+    ("ttft_s", "TTFT", fmt_s, "time from arrival (submit) to the first token, queue wait included"),
     ("decode_tps", "Tok/s", fmt_rate, "decode tokens per second of this request"),
     ("finish_reason", "Finish", None, "stop, length or cancelled"),
     ("chain_hit", "Hit chain", fmt_int, "the cached chain this prompt's prefix came from"),
@@ -284,7 +192,7 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
     model_rows = _kv([("file", m.file_name), ("name", m.name), ("architecture", m.architecture),
                       ("quantization", m.quantization), ("parameters", m.parameters),
                       ("context length", m.context_length), ("layers", m.n_layers),
-                      ("file size", _fmt_bytes(m.file_size)), ("sha256", m.sha256)])
+                      ("file size", format_bytes(m.file_size)), ("sha256", m.sha256)])
     settings_rows = _kv([
         ("page rows (positions per page)", s.page_rows),
         ("pool pages", s.pool_pages if s.pool_pages is not None else f"grows (now {s.pool_capacity})"),
@@ -296,6 +204,11 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
     machine_rows = _kv([("platform", machine.platform), ("CPUs", machine.cpu_count),
                         ("python", f"{machine.python} ({machine.python_implementation})")])
     version_rows = _kv([(k, v if v is not None else "not installed") for k, v in report.versions.items()])
+    request_columns = REQUEST_COLUMNS
+    if report.ttft_from != "arrival":  # a version 1 report: its TTFT starts at admission
+        request_columns = [(f, "TTFT (from admission)" if f == "ttft_s" else head,
+                            fmt, "time from admission to the first token" if f == "ttft_s" else tip)
+                           for f, head, fmt, tip in REQUEST_COLUMNS]
     requests = [{"id": r.id, "cells": _cells(r, REQUEST_COLUMNS), "text": r.text,
                  "hit": r.n_cached > 0} for r in report.requests]
     chains = [{"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)} for c in report.chains]
@@ -309,7 +222,9 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
     return {
         "report": report, "cards": cards, "totals": totals, "fmt_any": fmt_any,
         "model_rows": model_rows, "settings_rows": settings_rows, "machine_rows": machine_rows,
-        "version_rows": version_rows, "request_columns": REQUEST_COLUMNS, "requests": requests,
+        "version_rows": version_rows, "request_columns": request_columns, "requests": requests,
+        "ttft_note": (f"TTFT counts from {report.ttft_from}" + ("" if report.ttft_from == "arrival" else
+                      " (a version 1 report)") + "; queue wait from submit to admission."),
         "chain_columns": CHAIN_COLUMNS, "chains": chains, "timeline_columns": timeline_cols,
         "timeline": timeline, "charts": charts, "page_map": page_map, "page_counts": page_counts,
         "sha_short": m.sha256[:12],
@@ -422,7 +337,4 @@ def _elide(text: str, n: int) -> str:
     return text if len(text) <= n else text[:n - 1] + "…"
 
 
-__all__ = [
-    "FORMATS", "Figure", "PdfResult", "ReportWriteError", "chart_images", "ensure_qt_app", "export_report",
-    "page_map_image", "render_html", "render_pdf", "write_html", "write_pdf",
-]
+__all__ = ["FORMATS", "PdfResult", "export_report", "render_html", "render_pdf", "write_html", "write_pdf"]

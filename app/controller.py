@@ -1,0 +1,400 @@
+"""The main window's controller: every book the window keeps, with no widget in sight.
+
+It owns the engine client, the settings, the transcripts (one per prompt card), which
+request and tag belong to which card, the scripted turns of a scenario, the reports and
+the probe. Widgets never call the engine: `app.desktop` hands user actions to this object
+and draws what its signals say (plain data: uids, dicts, engine records and snapshots).
+"""
+
+from __future__ import annotations
+
+import os
+
+from PySide6.QtCore import QObject, QSettings, QTimer, Signal, Slot
+
+from ui.transcript import Transcript
+
+from .settings import AppSettings, add_recent_model
+from .turns import TurnBook
+from .worker import EngineClient
+
+FLUSH_INTERVAL_MS = 40  # answer text reaches the cards at most 25 times a second
+
+
+class Controller(QObject):
+    """The window's state and its dealings with the engine worker (a QObject, no widgets)."""
+
+    model_loading = Signal(str)           # what is loading, for people
+    model_loaded = Signal(dict)           # app.model_info.model_info
+    model_failed = Signal()
+    model_checked = Signal(str)           # a dropped path that opens as a model
+    state_changed = Signal(bool, bool, int)  # ready, loading, running streams
+    settings_changed = Signal(dict)       # AppSettings.to_dict()
+    status = Signal(str, int)             # a status bar message and its milliseconds
+    error = Signal(str, str)              # title, message
+    transcript_added = Signal(object)     # a new Transcript (its card is to be made)
+    turn_started = Signal(str)            # uid
+    turn_accepted = Signal(str)
+    text_arrived = Signal(str, str)       # uid, answer text
+    turn_live = Signal(str, object)       # uid, the running RequestRecord
+    turn_finished = Signal(str)
+    turn_refused = Signal(str, str)       # uid, why
+    request_finished = Signal(object)     # RequestRecord
+    stats = Signal(object, list, bool)    # Snapshot, its new timeline rows, whether to redraw all
+    scheduler_reset = Signal()
+    probe_ready = Signal(dict)
+    report_opened = Signal(object, object, str)  # Report, its Snapshot, the path
+    run_done = Signal()
+
+    def __init__(self, store: QSettings, parent: QObject | None = None):
+        super().__init__(parent)
+        self.store = store
+        self.settings = AppSettings.load(store)
+        self.client = EngineClient(self)
+        self.model_info: dict | None = None
+        self.loading = False
+        self._loading_path: str | None = None
+        self.snapshot = None
+        self.finished_records: list = []
+        self.last_error: str | None = None
+        self.last_probe: dict | None = None
+        self.opened_report = None
+        self.last_report_paths: list[str] = []
+        self.book = TurnBook()
+        self._rows_seen = 0
+        self._showing_report = False
+        self.closed = False
+        self._connect_worker()
+        self._flush_timer = QTimer(self)
+        self._flush_timer.setInterval(FLUSH_INTERVAL_MS)
+        self._flush_timer.timeout.connect(self.flush_text)
+        self._flush_timer.start()
+        self.client.apply_settings(self.settings)
+
+    def _connect_worker(self) -> None:
+        w = self.client.worker
+        # Bound methods of this QObject: Qt queues the calls into the UI thread.
+        w.model_loaded.connect(self._on_model_loaded)
+        w.model_load_failed.connect(self._on_model_load_failed)
+        w.model_checked.connect(self._on_model_checked)
+        w.requests_submitted.connect(self._on_requests_submitted)
+        w.request_refused.connect(self._on_request_refused)
+        w.token_generated.connect(self._on_tokens)
+        w.request_finished.connect(self._on_request_finished)
+        w.stats_updated.connect(self._on_stats)
+        w.scheduler_reset.connect(self._on_scheduler_reset)
+        w.run_finished.connect(self._on_run_finished)
+        w.failed.connect(lambda message: self.report_error("Engine error", message))
+        w.probe_ready.connect(self._on_probe_ready)
+        w.cache_flushed.connect(lambda n: self.status.emit(f"Flushed {n} cached page(s)", 5000))
+        w.report_ready.connect(self._on_report_ready)
+
+    # state ------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """A model is loaded and no other is loading."""
+        return self.model_info is not None and not self.loading
+
+    @property
+    def running(self) -> int:
+        """How many turns are submitted and not finished."""
+        return self.book.running
+
+    @property
+    def transcripts(self) -> dict[str, Transcript]:
+        return self.book.transcripts
+
+    @property
+    def scripts(self) -> dict[str, list[str]]:
+        return self.book.scripts
+
+    def _changed(self) -> None:
+        self.state_changed.emit(self.ready, self.loading, self.running)
+
+    def report_error(self, title: str, message: str) -> None:
+        """Every error the window shows goes through here (`last_error`, the `error` signal)."""
+        self.last_error = message
+        self.error.emit(title, message)
+
+    # the model ----------------------------------------------------------------------
+    def load_model(self, path: str | None) -> None:
+        """Load a model in the worker (None: the bundled one); the caller asked about running streams."""
+        self.loading = True
+        self._loading_path = path
+        self.model_loading.emit(os.path.basename(path) if path else "the bundled model")
+        self._changed()
+        self.client.load_model(path)
+
+    def check_model(self, path: str) -> None:
+        """Ask whether a file opens as a model; `model_checked` or an error answers."""
+        self.status.emit(f"Checking {os.path.basename(path)}…", 4000)
+        self.client.check_model(os.path.abspath(path))
+
+    def _still_using(self) -> str:
+        return f"\n\nStill using {self.model_info['name']}." if self.model_info else ""
+
+    @Slot(dict)
+    def _on_model_loaded(self, info: dict) -> None:
+        self.model_info = info
+        self.loading = False
+        if self._loading_path:
+            add_recent_model(info["path"], self.store)
+        self._loading_path = None
+        self.model_loaded.emit(info)
+        if info.get("template_warning"):
+            self.status.emit(f"Warning: {info['template_warning']}", 0)
+        else:
+            self.status.emit(f"Loaded {info['file']} in {info['load_seconds']:.2f} s", 6000)
+        self._changed()
+
+    @Slot(str)
+    def _on_model_load_failed(self, message: str) -> None:
+        self.loading = False
+        self._loading_path = None
+        self.model_failed.emit()
+        self._changed()
+        self.report_error("Could not load the model", message + self._still_using())
+
+    @Slot(str, str)
+    def _on_model_checked(self, path: str, why: str) -> None:
+        if self.closed:
+            return
+        if why:
+            self.report_error("Could not load the model", why + self._still_using())
+        else:
+            self.model_checked.emit(path)
+
+    # running ------------------------------------------------------------------------
+    def _can_run(self) -> bool:
+        if self.model_info is None:
+            self.status.emit("No model is loaded yet", 4000)
+            return False
+        if self.loading:
+            self.status.emit("Wait for the model to load", 4000)
+            return False
+        return True
+
+    def transcript(self, uid: str, title: str) -> Transcript:
+        """The transcript of a prompt's card, made (and announced) on first use."""
+        t = self.transcripts.get(uid)
+        if t is None:
+            t = self.book.add(Transcript(uid, title))
+            self.transcript_added.emit(t)
+        return t
+
+    def run_all(self, system: str, prompts: list[tuple[str, str]]) -> int:
+        """Submit every (uid, text) prompt not running now, each as a new conversation; return how many."""
+        if not self._can_run():
+            return 0
+        jobs = [self._first_turn(t, text, system) for uid, text in prompts
+                if not (t := self.transcript(uid, text)).running]
+        if not jobs:
+            self.status.emit("Add a prompt first (type it under the list and press Enter)", 5000)
+            return 0
+        self.client.submit(jobs)
+        self._changed()
+        return len(jobs)
+
+    def run_prompt(self, uid: str, text: str | None, system: str) -> bool:
+        """Run one prompt alone, as a new conversation (`text` None: its card's first message)."""
+        if not self._can_run():
+            return False
+        known = self.transcripts.get(uid)
+        if text is None:  # the prompt was removed; its card can still rerun its first message
+            text = known.first_message() if known is not None else None
+            if text is None:
+                return False
+        t = self.transcript(uid, text)
+        if t.running:
+            return False
+        self.client.submit([self._first_turn(t, text, system)])
+        self._changed()
+        return True
+
+    def send_followup(self, uid: str, text: str) -> bool:
+        """A follow-up turn in the card's conversation (the scheduler extends its tokens)."""
+        t = self.transcripts.get(uid)
+        if t is None or t.running or not self._can_run():
+            return False
+        self._submit_turn(t, text)
+        self._changed()
+        return True
+
+    def stop_all(self) -> None:
+        """Stop every stream; what they produced stays."""
+        self.book.drop_scripts()
+        if self.running:
+            self.client.cancel(self.book.open_tags())
+            self.status.emit(f"Stopping {self.running} stream(s)…", 3000)
+
+    def stop_stream(self, uid: str) -> None:
+        self.book.drop_scripts(uid)
+        self.client.cancel(self.book.open_tags(uid))
+
+    def _first_turn(self, t: Transcript, text: str, system: str) -> dict:
+        job = self.book.first_turn(t, text, system, self.client.new_tag(), self.settings)
+        self.turn_started.emit(t.uid)
+        return job
+
+    def _submit_turn(self, t: Transcript, text: str) -> None:
+        self.client.submit([self.book.turn(t, text, self.client.new_tag(), self.settings)])
+        self.turn_started.emit(t.uid)
+
+    # worker events ----------------------------------------------------------------------
+    @Slot(list)
+    def _on_requests_submitted(self, accepted: list) -> None:
+        for tag, rid, n_prompt in accepted:
+            t = self.book.accepted(tag, rid)
+            if t is not None:
+                t.accept(rid, n_prompt)
+                self.turn_accepted.emit(t.uid)
+        self._changed()
+
+    @Slot(str, str)
+    def _on_request_refused(self, tag: str, message: str) -> None:
+        t = self.book.close_tag(tag)
+        if t is not None:
+            self._flush(t)
+            t.refuse(message)
+            self.turn_refused.emit(t.uid, message)
+        self.status.emit(f"Request refused: {message}", 8000)
+        self._changed()
+
+    @Slot(list)
+    def _on_tokens(self, pieces: list) -> None:
+        for rid, text in pieces:
+            t = self.book.by_request(rid)
+            if t is not None:
+                t.add_piece(text)
+
+    def flush_text(self) -> None:
+        """Hand the answer text that came in since the last flush to the cards (on a timer)."""
+        for t in self.transcripts.values():
+            self._flush(t)
+
+    def _flush(self, t: Transcript) -> None:
+        text = t.take_pending()
+        if text:
+            self.text_arrived.emit(t.uid, text)
+
+    @Slot(object)
+    def _on_request_finished(self, record) -> None:
+        t = self.book.close_request(record.id)
+        if t is not None:
+            self._flush(t)
+            t.finish(record)
+            self.turn_finished.emit(t.uid)
+        self.finished_records.append(record)
+        self.request_finished.emit(record)
+        self._changed()
+        if t is not None and record.finish_reason != "cancelled":
+            text = self.book.next_scripted(t.uid)
+            if text is not None:
+                self._submit_turn(t, text)
+
+    @Slot(object)
+    def _on_stats(self, snap) -> None:
+        self.snapshot = snap
+        rows = snap.timeline[self._rows_seen:]
+        self._rows_seen = len(snap.timeline)
+        self.stats.emit(snap, rows, self._showing_report)  # after a report: redraw the live data
+        self._showing_report = False
+        for r in snap.records:
+            t = self.book.by_request(r.id) if r.finish_reason is None else None
+            if t is not None:
+                self.turn_live.emit(t.uid, r)
+
+    @Slot(dict)
+    def _on_scheduler_reset(self, settings: dict) -> None:
+        self._rows_seen = 0
+        self.snapshot = None
+        self.scheduler_reset.emit()
+        pool = settings.get("pool_pages") or "growing"
+        self.status.emit(f"New KV pool: {settings.get('page_rows')} rows per page, {pool} pages; "
+                         "the cache is empty", 6000)
+
+    @Slot()
+    def _on_run_finished(self) -> None:
+        self._changed()
+        self.run_done.emit()
+
+    @Slot(dict)
+    def _on_probe_ready(self, result: dict) -> None:
+        self.last_probe = result
+        self.probe_ready.emit(result)
+        self.status.emit(f"Probe: {result['matched_tokens']} of {result['n_prompt']} tokens would come from "
+                         f"the cache ({result['stop_reason']})", 8000)
+
+    # cache, probe, settings ------------------------------------------------------
+    def flush_cache(self) -> None:
+        self.client.flush_cache()
+
+    def probe(self, system: str, user: str | None) -> bool:
+        """Ask the worker how far (system, user) would match the cache."""
+        if user is None or self.model_info is None:
+            self.status.emit("Select a prompt to probe", 4000)
+            return False
+        self.client.probe(system, user, self.settings.namespace)
+        return True
+
+    def apply_settings(self, s: AppSettings) -> None:
+        """Use and remember new settings (pool changes take effect when no stream runs)."""
+        s.validate()
+        pool_change = (s.page_rows, s.pool_pages) != (self.settings.page_rows, self.settings.pool_pages)
+        self.settings = s
+        s.save(self.store)
+        self.client.apply_settings(s)
+        self.settings_changed.emit(s.to_dict())
+        if pool_change and self.running:
+            self.status.emit("The new pool starts when the running streams finish", 6000)
+
+    # reports ----------------------------------------------------------------------------
+    def export_report(self, path: str, system: str) -> None:
+        """Build the report in the worker; it is written (any format) when it comes back."""
+        self.client.make_report(path, system)
+
+    @Slot(str, object)
+    def _on_report_ready(self, path: str, report) -> None:
+        from .report.render import export_report  # Qt rendering, loaded on the first export
+
+        try:
+            written = export_report(path, report)
+        except Exception as e:  # noqa: BLE001 - show any rendering problem
+            self.report_error("Could not export the report", f"{path}: {type(e).__name__}: {e}")
+            return
+        self.last_report_paths = list(written or [path])
+        self.status.emit(f"Report written to {', '.join(self.last_report_paths)}", 8000)
+
+    def open_report(self, path: str) -> bool:
+        """Show a saved report's charts, pool and chains (live data returns with the next run)."""
+        from .report import load_report, snapshot_from_report
+
+        try:
+            report = load_report(path)
+            snap = snapshot_from_report(report)
+        except Exception as e:  # noqa: BLE001 - any broken file is an error shown, never a crash
+            self.report_error("Could not open the report", f"{path}: {type(e).__name__}: {e}")
+            return False
+        self.opened_report = report
+        self._showing_report = True
+        self.report_opened.emit(report, snap, path)
+        return True
+
+    # the session --------------------------------------------------------------------------
+    def session_data(self, system: str, prompts: list, order: list[str]) -> dict:
+        """System prompt, prompts, scripts and every transcript (what the next start restores)."""
+        return {"system": system, "prompts": prompts, "scripts": self.scripts,
+                "cards": self.book.session_cards(order)}
+
+    def restore_transcripts(self, data: dict) -> None:
+        """The scripts and transcripts of `session_data` (a session saved by any earlier version)."""
+        for t in self.book.restore(data):
+            self.transcript_added.emit(t)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (stop, quit, wait). Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        self._flush_timer.stop()
+        self.client.shutdown()

@@ -1,0 +1,33 @@
+"""The cache probe the window shows: how far a prompt would match the cache, and where it differs."""
+
+from __future__ import annotations
+
+import engine
+from engine.chat import chat_prompt, turn_messages
+from engine.scheduler import Scheduler
+
+PROBE_CONTEXT_TOKENS = 12
+
+
+def probe_prompt(scheduler: Scheduler, system: str, user: str, namespace: str = "") -> dict:
+    """engine.prefix_probe on the scheduler's cache, with the texts the cache panel shows."""
+    model, cache = scheduler.model, scheduler.cache
+    tok = model.tokenizer
+    prompt = chat_prompt(tok, turn_messages(system, user))
+    r = engine.prefix_probe(cache, prompt, namespace)
+    d = r.first_diff_index
+    if d is not None and d < len(prompt):
+        context = tok.decode(prompt[max(0, d - PROBE_CONTEXT_TOKENS):d])
+        prompt_token = tok.decode([prompt[d]])
+        cached_token = tok.decode([r.cached_token]) if r.cached_token is not None else None
+    else:
+        end = r.matched_tokens if d is None else len(prompt)
+        context = tok.decode(prompt[max(0, end - PROBE_CONTEXT_TOKENS):end])
+        prompt_token = cached_token = None
+    return {
+        "matched_tokens": r.matched_tokens, "matched_pages": r.matched_pages, "n_prompt": len(prompt),
+        "stop_reason": r.stop_reason, "first_diff_index": d, "chain_id": r.nearest_chain_id,
+        "context_before": context, "prompt_token": prompt_token, "cached_token": cached_token,
+        "page_rows": scheduler.pool.page_rows, "namespace": namespace,
+        "cache_enabled": scheduler.settings.cache_enabled, "user": user,
+    }

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible HTTP server over the scheduler (DESIGN §8)."""

@@ -1,0 +1,289 @@
+"""The charts' five pyqtgraph plots, their curves, legends and theme (one ChartSet per panel or export)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QRectF, Qt
+from PySide6.QtGui import QColor, QFont, QPainter, QPen
+from PySide6.QtWidgets import QSizePolicy, QWidget
+
+from .chart_data import (
+    CHARTS,
+    LABELS,
+    REQUEST_SERIES,
+    STACK,
+    STEP,
+    TITLES,
+    TimelineBuffer,
+    step_changes,
+)
+from .colors import Theme, series_color, with_alpha
+
+pg.setConfigOptions(antialias=True)
+# A transparent pen, not None: a PlotDataItem without a pen hides its curve and path.
+_CLEAR = pg.mkPen((0, 0, 0, 0))
+
+
+def _mix(color: QColor, background: QColor, amount: float) -> QColor:
+    """color over background at `amount` opacity, as an opaque colour."""
+    return QColor(*(round(amount * a + (1 - amount) * b) for a, b in
+                    ((color.red(), background.red()), (color.green(), background.green()),
+                     (color.blue(), background.blue()))))
+
+
+class _Swatch(pg.ItemSample):
+    """Legend sample: a filled square for areas and bars, a thick line for curves."""
+
+    def paint(self, p, *args):
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        item = self.item
+        alpha = 255 if item.isVisible() else 60
+        area = isinstance(item, pg.PlotDataItem) and item.opts.get("fillLevel") is not None
+        if area or isinstance(item, pg.BarGraphItem):
+            brush = pg.mkBrush(item.opts["fillBrush"] if area else item.opts["brush"])
+            p.setPen(Qt.PenStyle.NoPen)
+            p.setBrush(with_alpha(brush.color(), alpha))
+            p.drawRoundedRect(QRectF(3, 4, 14, 12), 3, 3)
+            return
+        pen = QPen(with_alpha(pg.mkPen(item.opts["pen"]).color(), alpha))
+        pen.setWidthF(2.5)
+        pen.setStyle(pg.mkPen(item.opts["pen"]).style())
+        pen.setCapStyle(Qt.PenCapStyle.RoundCap)
+        p.setPen(pen)
+        p.drawLine(3, 10, 17, 10)
+
+
+class _PlotWidget(pg.PlotWidget):
+    """A PlotWidget that remembers how long its last paint took (the refresh timer backs off)."""
+
+    paint_s = 0.0
+
+    def paintEvent(self, ev) -> None:  # noqa: N802 - Qt's name
+        t0 = time.perf_counter()
+        super().paintEvent(ev)
+        self.paint_s = time.perf_counter() - t0
+
+
+class _IntAxis(pg.AxisItem):
+    """An axis for request ids: integer ticks only."""
+
+    def tickValues(self, minVal, maxVal, size):  # noqa: N802 - pyqtgraph's name
+        levels = []
+        for spacing, values in super().tickValues(minVal, maxVal, size):
+            if spacing >= 1:
+                levels.append((spacing, [v for v in values if float(v).is_integer()]))
+        return levels or [(1.0, [float(v) for v in range(int(np.ceil(minVal)), int(maxVal) + 1)])]
+
+    def tickStrings(self, values, scale, spacing):  # noqa: N802
+        return [str(int(round(v))) for v in values]
+
+
+class ChartSet:
+    """The five plot widgets and their items; ChartsPanel owns one, exports make their own."""
+
+    def __init__(self, parent: QWidget | None = None):
+        self.widgets: dict[str, pg.PlotWidget] = {}
+        self.curves: dict[str, pg.PlotDataItem] = {}   # timeline series -> its (top) curve
+        self.bars: dict[str, pg.BarGraphItem] = {}
+        self.areas: dict[str, pg.PlotDataItem] = {}    # fill-only twins of some curves
+        self.legends: dict[str, pg.LegendItem] = {}
+        for name in CHARTS:
+            axis = {"bottom": _IntAxis("bottom")} if name == "ttft" else \
+                {"left": _IntAxis("left")} if name in ("pool", "cache", "hits") else None  # counts
+            pw = _PlotWidget(parent, axisItems=axis)
+            pw.setMinimumSize(280, 170)
+            pw.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
+            pw.setMenuEnabled(False)
+            item = pw.getPlotItem()
+            item.setDownsampling(auto=True, mode="peak")
+            item.setClipToView(True)
+            item.layout.setContentsMargins(4, 2, 8, 2)
+            vb = item.getViewBox()
+            vb.setMouseEnabled(x=True, y=False)  # zoom time only; the "A" button restores follow
+            vb.setAutoVisible(y=True)             # y fits what is in view after a zoom
+            vb.setLimits(yMin=0)
+            self.widgets[name] = pw
+            self.legends[name] = self._legend(item)
+        self._build_pool()
+        self._build_cache()
+        self._build_hits()
+        self._build_prefill()
+        self._build_ttft()
+
+    # building ---------------------------------------------------------
+    @staticmethod
+    def _legend(item: pg.PlotItem) -> pg.LegendItem:
+        # In the plot's own layout, under the x axis: it never covers data. Two columns fit a
+        # chart a third of the window wide.
+        legend = pg.LegendItem(colCount=2, frame=False, sampleType=_Swatch, labelTextSize="8.5pt",
+                               horSpacing=4)
+        legend.setSizePolicy(QSizePolicy.Policy.Maximum, QSizePolicy.Policy.Fixed)
+        item.layout.addItem(legend, 4, 1, alignment=Qt.AlignmentFlag.AlignHCenter)
+        return legend
+
+    def _curve(self, chart: str, name: str, width: float = 2.0, style=Qt.PenStyle.SolidLine,
+               fill: bool = False) -> pg.PlotDataItem:
+        color = series_color(name)
+        pen = pg.mkPen(color, width=width, style=style)
+        curve = self._lean(pg.PlotDataItem(pen=pen, stepMode=STEP))
+        self.widgets[chart].addItem(curve)
+        if fill:
+            self._area(chart, name, with_alpha(color, 40), z=-10)
+        self.legends[chart].addItem(curve, LABELS[name])
+        self.curves[name] = curve
+        return curve
+
+    @staticmethod
+    def _lean(item: pg.PlotDataItem) -> pg.PlotDataItem:
+        # pyqtgraph's default keeps ~5 samples per pixel; 'peak' of one per pixel keeps
+        # every spike and draws 5x fewer vertices (antialiased paths dominate the cost).
+        item.opts["autoDownsampleFactor"] = 1.0
+        return item
+
+    def _area(self, chart: str, name: str, brush, z: float) -> pg.PlotDataItem:
+        """A fill-only curve down to 0. Its own item, so the line's pen never strokes the
+        fill's vertical ends; pyqtgraph downsamples it like any curve (FillBetweenItem
+        rebuilds full-resolution polygons on every change: seconds for 20k rows)."""
+        area = self._lean(pg.PlotDataItem(pen=_CLEAR, stepMode=STEP, fillLevel=0, fillBrush=brush))
+        area.setZValue(z)
+        self.widgets[chart].addItem(area)
+        self.areas[name] = area
+        return area
+
+    def _build_pool(self) -> None:
+        item = self.widgets["pool"].getPlotItem()
+        # Stacked areas: each band is its cumulative level filled down to 0, opaque, the
+        # higher levels behind the lower ones.
+        for i, name in enumerate(STACK):
+            area = self._area("pool", name, series_color(name), z=-10 - i)
+            top = self._lean(pg.PlotDataItem(pen=pg.mkPen(series_color(name), width=1.2), stepMode=STEP))
+            item.addItem(top)
+            self.legends["pool"].addItem(area, LABELS[name])
+            self.curves[name] = top
+        item.setLabel("left", "pages")
+        item.setLabel("bottom", "wall time (s)")
+
+    def _build_cache(self) -> None:
+        self._curve("cache", "cached_pages", fill=True)
+        self._curve("cache", "chains")
+        item = self.widgets["cache"].getPlotItem()
+        item.setLabel("left", "count")
+        item.setLabel("bottom", "wall time (s)")
+
+    def _build_hits(self) -> None:
+        self._curve("hits", "hits", fill=True)
+        item = self.widgets["hits"].getPlotItem()
+        # Hit rate on a second y axis: a ViewBox stacked on the plot's, sharing its x.
+        rate_vb = pg.ViewBox(enableMenu=False)
+        rate_vb.setMouseEnabled(x=False, y=False)
+        item.showAxis("right")
+        item.scene().addItem(rate_vb)
+        item.getAxis("right").linkToView(rate_vb)
+        rate_vb.setXLink(item)
+        rate_vb.setYRange(0, 100, padding=0.02)
+        rate_vb.enableAutoRange(axis=pg.ViewBox.YAxis, enable=False)
+        rate = self._lean(pg.PlotDataItem(pen=pg.mkPen(series_color("hit_rate"), width=2.0,
+                                                       style=Qt.PenStyle.DashLine), stepMode=STEP))
+        # Its ViewBox is not the PlotItem's, so set what PlotItem.addItem would; no clipToView:
+        # that clips to this ViewBox's range, stale until the plot is first laid out.
+        rate.setDownsampling(auto=True, method="peak")
+        rate_vb.addItem(rate)
+        self.legends["hits"].addItem(rate, LABELS["hit_rate"])
+        self.curves["hit_rate"] = rate
+        self._rate_vb = rate_vb
+
+        def sync():
+            rate_vb.setGeometry(item.vb.sceneBoundingRect())
+            rate_vb.linkedViewChanged(item.vb, rate_vb.XAxis)
+
+        item.vb.sigResized.connect(sync)
+        self._sync_rate = sync
+        item.setLabel("left", "hits")
+        item.setLabel("right", "hit rate (%)")
+        item.setLabel("bottom", "wall time (s)")
+
+    def _build_prefill(self) -> None:
+        self._curve("prefill", "prefill_computed", fill=True)
+        self._curve("prefill", "prefill_saved", fill=True)
+        item = self.widgets["prefill"].getPlotItem()
+        item.setLabel("left", "tokens")
+        item.setLabel("bottom", "wall time (s)")
+
+    def _build_ttft(self) -> None:
+        item = self.widgets["ttft"].getPlotItem()
+        for name in REQUEST_SERIES:
+            bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.7,
+                                   brush=series_color(name), pen=pg.mkPen(None))
+            item.addItem(bars)
+            self.legends["ttft"].addItem(bars, LABELS[name])
+            self.bars[name] = bars
+        item.setLabel("left", "TTFT (s)")
+        item.setLabel("bottom", "request id")
+        # Room for a dozen bars even with one request: a lone bar should not fill the plot.
+        item.getViewBox().setLimits(xMin=0, minXRange=12)
+
+    # theme ------------------------------------------------------------
+    def apply_theme(self, theme: Theme) -> None:
+        tick_font = QFont()
+        tick_font.setPointSizeF(8.5)
+        label_css = {"color": theme.muted, "font-size": "9pt"}
+        for name, pw in self.widgets.items():
+            pw.setBackground(theme.background)
+            item = pw.getPlotItem()
+            item.setTitle(f"<b>{TITLES[name]}</b>", color=theme.foreground, size="10pt")
+            for side in ("left", "bottom", "right"):
+                axis = item.getAxis(side)
+                axis.setPen(pg.mkPen(theme.grid))
+                axis.setTextPen(pg.mkPen(theme.muted))
+                axis.setStyle(tickFont=tick_font, tickTextOffset=4)
+                axis.enableAutoSIPrefix(False)
+                axis.setZValue(-1000)  # grid lines under the data, not across bars
+                if axis.labelText:
+                    axis.setLabel(axis.labelText, **label_css)
+            item.showGrid(x=True, y=True, alpha=0.3 if theme.dark else 0.4)
+            item.getAxis("right").setGrid(False)  # one grid: the left axis'
+            legend = self.legends[name]
+            legend.setLabelTextColor(theme.foreground)
+            for _sample, label in legend.items:
+                label.setText(label.text)  # LabelItem applies a new colour only on setText
+        # Free pages are the only theme-dependent series colour.
+        free = series_color("pages_free", theme)
+        bg = QColor(theme.background)
+        for name in STACK:  # opaque, toned towards the background: stacked bands must not blend
+            amount = 1.0 if name == "pages_free" else 0.8
+            self.areas[name].setFillBrush(_mix(series_color(name, theme), bg, amount))
+        self.curves["pages_free"].setPen(pg.mkPen(free.darker(115) if not theme.dark else free.lighter(125),
+                                                  width=1.2))
+        for pw in self.widgets.values():
+            pw.update()
+
+    # data -------------------------------------------------------------
+    def refresh(self, buf: TimelineBuffer, ttft: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        x = buf.column("wall_s")
+        level = np.zeros(buf.n)
+        for name in STACK:
+            level = level + buf.column(name)
+            self._set_step(name, x, level)
+        for name in ("chains", "cached_pages", "hits", "prefill_computed", "prefill_saved"):
+            self._set_step(name, x, buf.column(name))
+        self._set_step("hit_rate", x, 100.0 * buf.column("hit_rate"))
+        for name, (ids, secs) in ttft.items():
+            self.bars[name].setOpts(x=ids, height=secs)
+        if buf.n:
+            cap = float(buf.column("capacity").max())
+            self.widgets["pool"].getPlotItem().vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)
+        self._sync_rate()
+
+    def _set_step(self, name: str, x: np.ndarray, y: np.ndarray) -> None:
+        xs, ys = step_changes(x, y)
+        self.curves[name].setData(xs, ys)
+        if name in self.areas:
+            self.areas[name].setData(xs, ys)
+
+    def close(self) -> None:
+        for pw in self.widgets.values():
+            pw.close()
+            pw.deleteLater()
