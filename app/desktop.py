@@ -21,6 +21,7 @@ from .controller import Controller
 from .scenario import Scenario, bundled_scenarios, load_scenario
 from .settings import AppSettings, qsettings, recent_models
 from .system_info import about_versions
+from .whatif_controller import WhatIfController
 
 SESSION_KEY = "session/json"
 
@@ -36,6 +37,10 @@ class Desktop(QObject):
         self._closed = False
         self._wire_actions()
         self._wire_controller()
+        self.whatif = WhatIfController(
+            w.whatif, lambda: w.ask_open_path("Open a trace", "", "Traces (*.jsonl *.json);;All (*)"),
+            c.client.save_trace, parent=self)
+        c.client.worker.trace_saved.connect(self.whatif.on_session_trace)
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
         self._restore_session()
@@ -265,4 +270,5 @@ class Desktop(QObject):
         self._save_session()
         self.store.sync()
         self._closed = True
+        self.whatif.close()
         self.controller.shutdown()

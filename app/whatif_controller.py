@@ -5,7 +5,7 @@ Qt-free data layer (`app.replay.whatif`) and runs each plan or sweep on a
 background thread (the sweep itself fans out to processes), handing results back
 through queued signals. The window gives it two callables: one that asks the user
 for a trace file, and one that asks the worker to save the running session's
-trace (the worker answers with `session_trace_saved` / `session_trace_failed`).
+trace (the worker's answer goes to `on_session_trace`).
 """
 
 from __future__ import annotations
@@ -62,12 +62,13 @@ class WhatIfController(QObject):
             self._set_busy(True)
             self.request_session_trace(os.path.join(self._tmp.name, "session.jsonl"))
 
-    def session_trace_saved(self, path: str) -> None:
+    def on_session_trace(self, path: str, error: str) -> None:
+        """The worker's answer to `request_session_trace`: plan the trace, or show why not."""
+        if error:
+            self._on_failed(error)
+            return
         self._set_busy(False)
         self._start(self._plan_job, path, "this session")
-
-    def session_trace_failed(self, message: str) -> None:
-        self._on_failed(message)
 
     def run(self, page_rows: str, budgets: str, policies: list) -> None:
         """Sweep the loaded trace at the knobs the panel shows."""

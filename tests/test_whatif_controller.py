@@ -84,10 +84,36 @@ def test_this_session(qtbot, tab, tiny_model, tmp_path):
 
     def save(path: str) -> None:  # what the worker does in its own thread, then answers
         save_session_trace(path, sch, tiny_model.name)
-        controller.session_trace_saved(path)
+        controller.on_session_trace(path, "")
     controller = make(lambda: "", save)
     qtbot.mouseClick(panel.session_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: panel.run_button.isEnabled(), timeout=10_000)
     assert "this session: 3 requests" in panel.trace_label.text() and panel.page_rows.isEnabled()
     ratio = sch.prefill_saved / sum(r.n_prompt for r in sch.records.values())
     assert f"hit ratio {ratio:.1%}" in panel.trace_label.text()
+
+
+def test_the_apps_whatif_tab_replays_this_session(open_desktop, qtbot, tiny_gguf_path):
+    """In the window: before any request the tab says why; after a run it plans and sweeps it."""
+    from tests.gui_helpers import LOAD_TIMEOUT_MS, RUN_TIMEOUT_MS, set_settings
+    d = open_desktop(autoload=True, model_path=tiny_gguf_path)
+    w, c = d.window, d.controller
+    w.show()
+    qtbot.waitUntil(lambda: c.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    panel = w.whatif
+    assert w.tabs.tabText(w.tabs.indexOf(panel)) == "What-if"
+    qtbot.mouseClick(panel.session_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: panel.error.isVisibleTo(panel), timeout=10_000)
+    assert "no requests" in panel.error.text()
+
+    set_settings(d, page_rows=4, max_new_tokens=4)
+    c.run_all("You are a terse hardware store assistant.",
+              [("a", "Do you sell hammers?"), ("b", "Where are the nails?"), ("c", "Do you cut keys?")])
+    qtbot.waitUntil(lambda: len(c.finished_records) == 3 and not c.running, timeout=RUN_TIMEOUT_MS)
+    qtbot.mouseClick(panel.session_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "this session: 3 requests" in panel.trace_label.text(), timeout=10_000)
+    panel.budgets.setText("inf, 8")
+    qtbot.mouseClick(panel.run_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: panel.table.rowCount() == 6, timeout=60_000)
+    inf = next(r for r in panel.chart.rows if r["budget"] is None and r["policy"] == "leaf-lru")
+    assert inf["page_rows"] == 4 and inf["hits"] == 2  # the two later questions hit the system prompt

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QEvent, Qt
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
@@ -74,6 +74,11 @@ class WhatIfChart(QWidget):
         self.rows: list[dict] = []
         self.over_time_budget: int | None = None
         self.apply_theme(theme_for(self))
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt's name
+        if event.type() == QEvent.Type.PaletteChange:  # the app's theme changed
+            self.apply_theme(theme_for(self))
+        super().changeEvent(event)
 
     def set_rows(self, rows: list[dict], over_time_budget: int | None = None) -> None:
         """Draw these replay rows; the lower plot shows each policy at `over_time_budget`
