@@ -127,7 +127,7 @@ class WhatIfChart(QWidget):
         self._draw_over_time()
         for pw in (self.capacity, self.over_time):
             legend = pw.getPlotItem().legend
-            legend.setColumnCount(max(1, min(5, len(legend.items))))  # one row when it fits
+            legend.setColumnCount(max(1, min(3, len(legend.items))))  # narrow enough for a side pane
             pw.getPlotItem().vb.setYRange(0, 100 * max(0.05, _top(self.rows)), padding=0.05)
             pw.getPlotItem().vb.enableAutoRange(x=True)
 
