@@ -1,4 +1,4 @@
-"""The `prefixlab` command: the desktop app by default, or generate / run / bench / replay."""
+"""The `prefixlab` command: the desktop app by default, or generate / run / bench / serve / replay."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay_cli.add_parser(sub)
     from .watch import cli as watch_cli
     watch_cli.add_parser(sub)
+    from .serve import cli as serve_cli
+    serve_cli.add_parser(sub)
     return parser
 
 

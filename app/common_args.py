@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engine import ModelLoadError, SamplingParams, load_model
+from engine.scheduler import SchedulerSettings
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -39,3 +40,27 @@ def load_model_or_exit(path: str | None):
         return load_model(path)
     except ModelLoadError as e:
         raise SystemExit(f"prefixlab: cannot load model: {e}") from None
+
+
+def add_scheduler_args(p: argparse.ArgumentParser, **defaults):
+    """The scheduler's settings as options (`defaults` overrides SchedulerSettings' own)."""
+    g = p.add_argument_group("scheduler")
+    d = SchedulerSettings(**defaults)
+    g.add_argument("--max-streams", type=int, default=d.max_streams, help="requests decoded together")
+    g.add_argument("--max-queue", type=int, default=d.max_queue, help="requests that may wait")
+    g.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, help="prompt tokens per prefill chunk")
+    g.add_argument("--page-rows", type=int, default=d.page_rows, help="positions per KV page")
+    g.add_argument("--pool-pages", type=int, default=None, help="bound the KV pool (default: grows)")
+    g.add_argument("--cache-pages", type=int, default=d.cache_pages, help="cache budget in pages (0: none)")
+    g.add_argument("--no-cache", action="store_true", help="turn the prefix cache off")
+    return g
+
+
+def scheduler_settings_from_args(args) -> SchedulerSettings:
+    """Checked SchedulerSettings from `add_scheduler_args` options (ValueError names the bad one)."""
+    settings = SchedulerSettings(
+        max_streams=args.max_streams, max_queue=args.max_queue, chunk_tokens=args.chunk_tokens,
+        page_rows=args.page_rows, pool_pages=args.pool_pages, cache_pages=args.cache_pages,
+        cache_enabled=not args.no_cache)
+    settings.validate()
+    return settings

@@ -19,8 +19,10 @@ from ui.settings_dialog import SettingsDialog
 
 from .controller import Controller
 from .scenario import Scenario, bundled_scenarios, load_scenario
+from .server_toggle import ServerToggle
 from .settings import AppSettings, qsettings, recent_models
 from .system_info import about_versions
+from .watch.gui import install_watch_action
 from .whatif_controller import WhatIfController
 
 SESSION_KEY = "session/json"
@@ -33,6 +35,7 @@ class Desktop(QObject):
         super().__init__()
         self.store = store or qsettings()
         self.controller = c = Controller(self.store, self)
+        self.server = ServerToggle(c, self)
         self.window = w = MainWindow(self.store)
         self._closed = False
         self._wire_actions()
@@ -62,6 +65,7 @@ class Desktop(QObject):
         w.act_flush.triggered.connect(c.flush_cache)
         w.act_probe.triggered.connect(self.probe_selected)
         w.act_settings.triggered.connect(self.open_settings)
+        w.act_server.toggled.connect(self.server.set_on)
         w.act_about.triggered.connect(self.show_about)
         w.prompt_list.run_requested.connect(self.run_prompt)
         w.recent_menu.aboutToShow.connect(lambda: w.set_recent_models(recent_models(self.store)))
@@ -70,6 +74,7 @@ class Desktop(QObject):
         w.scenario_chosen.connect(self.load_scenario)
         w.file_dropped.connect(self.handle_dropped_file)
         w.closing.connect(self.shutdown)
+        install_watch_action(w)
 
     def _wire_controller(self) -> None:
         w, c = self.window, self.controller
@@ -89,6 +94,8 @@ class Desktop(QObject):
         c.turn_finished.connect(lambda uid: self._card(uid).show_finished())
         c.turn_refused.connect(lambda uid, why: self._card(uid).show_refused(why))
         c.request_finished.connect(w.requests_table.add_record)
+        c.request_finished.connect(lambda _: w.served_view.set_report(self.server.friendliness()))
+        self.server.changed.connect(w.show_server)
         c.stats.connect(w.show_stats)
         c.scheduler_reset.connect(w.charts.clear)
         c.probe_ready.connect(w.cache_panel.show_probe)
@@ -271,4 +278,5 @@ class Desktop(QObject):
         self.store.sync()
         self._closed = True
         self.whatif.close()
+        self.server.shutdown()  # ends served streams and closes their connections first
         self.controller.shutdown()

@@ -15,19 +15,23 @@ def probe_prompt(scheduler: Scheduler, system: str, user: str, namespace: str = 
     tok = model.tokenizer
     prompt = chat_prompt(tok, turn_messages(system, user))
     r = engine.prefix_probe(cache, prompt, namespace)
-    d = r.first_diff_index
-    if d is not None and d < len(prompt):
-        context = tok.decode(prompt[max(0, d - PROBE_CONTEXT_TOKENS):d])
-        prompt_token = tok.decode([prompt[d]])
-        cached_token = tok.decode([r.cached_token]) if r.cached_token is not None else None
-    else:
-        end = r.matched_tokens if d is None else len(prompt)
-        context = tok.decode(prompt[max(0, end - PROBE_CONTEXT_TOKENS):end])
-        prompt_token = cached_token = None
+    context, prompt_token, cached_token = departure(tok, prompt, r)
     return {
         "matched_tokens": r.matched_tokens, "matched_pages": r.matched_pages, "n_prompt": len(prompt),
-        "stop_reason": r.stop_reason, "first_diff_index": d, "chain_id": r.nearest_chain_id,
+        "stop_reason": r.stop_reason, "first_diff_index": r.first_diff_index, "chain_id": r.nearest_chain_id,
         "context_before": context, "prompt_token": prompt_token, "cached_token": cached_token,
         "page_rows": scheduler.pool.page_rows, "namespace": namespace,
         "cache_enabled": scheduler.settings.cache_enabled, "user": user,
     }
+
+
+def departure(tok, prompt: list[int], r) -> tuple[str, str | None, str | None]:
+    """A probe's texts: the shared text before its first difference, then the prompt's token and
+    the cached one there (both None when the prompt never leaves the cache: the text before
+    the end of the match)."""
+    d = r.first_diff_index
+    if d is not None and d < len(prompt):
+        cached = tok.decode([r.cached_token]) if r.cached_token is not None else None
+        return tok.decode(prompt[max(0, d - PROBE_CONTEXT_TOKENS):d]), tok.decode([prompt[d]]), cached
+    end = r.matched_tokens if d is None else len(prompt)
+    return tok.decode(prompt[max(0, end - PROBE_CONTEXT_TOKENS):end]), None, None

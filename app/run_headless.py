@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import time
 
-from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused
+from engine.scheduler import FinishEvent, Scheduler, SubmitRefused
 
-from .common_args import add_model_arg, add_sampling_args, load_model_or_exit, sampling_from_args
+from .common_args import (
+    add_model_arg,
+    add_sampling_args,
+    add_scheduler_args,
+    load_model_or_exit,
+    sampling_from_args,
+    scheduler_settings_from_args,
+)
 from .scenario import load_scenario
 
 
@@ -17,15 +24,7 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt", action="append", help="a user prompt (repeat for several)")
     src.add_argument("--scenario", help="a scenario JSON file (see resources/scenarios)")
     p.add_argument("--system", default="", help="the shared system prompt")
-    g = p.add_argument_group("scheduler")
-    d = SchedulerSettings()
-    g.add_argument("--max-streams", type=int, default=d.max_streams)
-    g.add_argument("--max-queue", type=int, default=d.max_queue)
-    g.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens)
-    g.add_argument("--page-rows", type=int, default=d.page_rows)
-    g.add_argument("--pool-pages", type=int, default=None, help="bound the KV pool (default: grows)")
-    g.add_argument("--cache-pages", type=int, default=d.cache_pages, help="cache budget in pages (0: none)")
-    g.add_argument("--no-cache", action="store_true", help="turn the prefix cache off")
+    g = add_scheduler_args(p)
     g.add_argument("--namespace", default="", help="cache namespace of these requests")
     add_sampling_args(p)
     p.add_argument("--json", help="write the whole record (the JSON report) here")
@@ -56,9 +55,7 @@ def summary(sch: Scheduler, wall_s: float) -> str:
 def run(args) -> int:
     try:
         sampling = sampling_from_args(args)
-        settings = SchedulerSettings(args.max_streams, args.max_queue, args.chunk_tokens, args.page_rows,
-                                     args.pool_pages, args.cache_pages, not args.no_cache)
-        settings.validate()
+        settings = scheduler_settings_from_args(args)
         scenario = load_scenario(args.scenario) if args.scenario else None
     except ValueError as e:
         raise SystemExit(f"prefixlab run: {e}") from None

@@ -41,6 +41,9 @@ class AppSettings:
     repeat_penalty: float = 1.1
     seed: int = -1               # -1: a fresh seed per request
     max_new_tokens: int = 64
+    server_host: str = "127.0.0.1"   # the Server toggle's address (this machine only by default)
+    server_port: int = 8000
+    server_api_key: str = ""         # empty: no key asked
 
     # validation -----------------------------------------------------------
     def errors(self) -> list[str]:
@@ -61,6 +64,11 @@ class AppSettings:
         need_int("top_k", 0, 1_000_000)
         need_int("seed", -1, 2**31 - 1)
         need_int("max_new_tokens", 1, 65_536)
+        need_int("server_port", 1, 65_535)
+        if not self.server_host or len(self.server_host) > 253 or any(c.isspace() for c in self.server_host):
+            errs.append(f"Server host must be a host name or address, got {self.server_host!r}")
+        if any(ord(c) < 33 for c in self.server_api_key) or len(self.server_api_key) > 200:
+            errs.append("Server API key must be at most 200 characters, without spaces")
         if not 0.0 <= self.temperature <= 10.0:
             errs.append(f"Temperature must be from 0 (greedy) to 10, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -139,7 +147,8 @@ LABELS = {
     "max_streams": "Max streams", "chunk_tokens": "Chunk tokens", "cache_enabled": "Prefix cache",
     "namespace": "Namespace", "temperature": "Temperature", "top_k": "Top-k", "top_p": "Top-p",
     "min_p": "Min-p", "repeat_penalty": "Repetition penalty", "seed": "Seed",
-    "max_new_tokens": "Max new tokens",
+    "max_new_tokens": "Max new tokens", "server_host": "Server host", "server_port": "Server port",
+    "server_api_key": "Server API key",
 }
 
 

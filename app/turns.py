@@ -52,6 +52,14 @@ class TurnBook:
         self._tag_uid[tag] = t.uid
         return job
 
+    def served(self, t: Transcript, request_id: int, user: str) -> None:
+        """An HTTP request the server took: its card's turn, open under the request's id."""
+        tag = f"http-{request_id}"
+        t.start_conversation(tag, "")
+        t.begin_turn(user)
+        self._tag_uid[tag] = t.uid
+        self._rid_tag[request_id] = tag
+
     def next_scripted(self, uid: str) -> str | None:
         """The scenario's next turn for this card in this run, if any is left."""
         queue = self._script_queue.get(uid)

@@ -25,6 +25,7 @@ from engine.snapshot import SnapshotMaker
 from .driver import EngineDriver, finished_records, token_pieces
 from .model_info import model_info
 from .probe import probe_prompt
+from .report import build_report
 from .settings import AppSettings
 
 STATS_INTERVAL_S = 0.05       # stats_updated at most ~20 Hz
@@ -63,6 +64,8 @@ class EngineWorker(QObject):
     cache_flushed = Signal(int)
     report_ready = Signal(str, object)   # path, report data (built here, rendered in the UI thread)
     trace_saved = Signal(str, str)       # path, "" when written, else why not
+    served_submitted = Signal(list)      # [(request_id, client, preview, n_prompt), ...] from HTTP clients
+    _served_waiting = Signal()           # an HTTP request arrived (emitted on the server's thread)
 
     def __init__(self):
         super().__init__()
@@ -79,6 +82,8 @@ class EngineWorker(QObject):
         self._timer = QTimer(self)
         self._timer.setInterval(0)
         self._timer.timeout.connect(self.pump)
+        self.broker = None  # app.serve.broker.RequestBroker while the Server toggle is on
+        self._served_waiting.connect(self._wake_for_served)
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -88,6 +93,13 @@ class EngineWorker(QObject):
     def request_cancel(self, tags) -> None:
         """Stop these requests (by the tags they were submitted with) at the next step."""
         self.driver.request_cancel(tags)
+
+    def attach_broker(self, broker) -> None:
+        """Run HTTP requests from this broker on this worker's scheduler (None: stop taking them)."""
+        if broker is not None:
+            broker.wake = self._served_waiting.emit  # queued into this thread
+        self.broker = broker
+        self._served_waiting.emit()
 
     def request_shutdown(self) -> None:
         """Stop stepping at once; the queued `shutdown` slot then ends the thread."""
@@ -215,8 +227,6 @@ class EngineWorker(QObject):
         """Build the session's report data here (it reads the scheduler); the UI thread renders it."""
         if self.scheduler is None or self.model is None:
             raise RuntimeError("no model is loaded, so there is nothing to report")
-        from app.report import build_report  # the reports module; imported only when used
-
         report = build_report(self.scheduler, self.model, request.get("system", ""),
                               self._settings.sampling(), request.get("title", ""),
                               namespace=self._settings.namespace)
@@ -251,6 +261,7 @@ class EngineWorker(QObject):
             self._timer.stop()
             return
         try:
+            self._take_served()
             self._emit_events(self.driver.step())
         except Exception as e:  # noqa: BLE001 - a broken step must not kill the thread
             self.failed.emit(f"scheduler step: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
@@ -261,7 +272,26 @@ class EngineWorker(QObject):
         else:
             self._emit_stats()
 
+    @Slot()
+    def _wake_for_served(self) -> None:
+        if self.broker is not None and self.scheduler is not None and not self._quitting \
+                and not self._timer.isActive():
+            self.busy = True
+            self._timer.start()
+
+    def _take_served(self) -> None:
+        broker, s = self.broker, self.scheduler
+        if broker is None or s is None:
+            return
+        taken = broker.drain(s)
+        if taken:
+            self.busy = True
+            self.served_submitted.emit([(j.request_id, j.client, s.records[j.request_id].preview,
+                                         s.records[j.request_id].n_prompt) for j in taken])
+
     def _emit_events(self, events: list) -> None:
+        if self.broker is not None and self.scheduler is not None:
+            self.broker.dispatch(self.scheduler, events)
         pieces = token_pieces(events)
         if pieces:
             self.token_generated.emit(pieces)
@@ -297,6 +327,8 @@ class EngineWorker(QObject):
     def _new_scheduler(self) -> None:
         if self.model is None:
             return
+        if self.broker is not None:  # their requests lived in the old scheduler
+            self.broker.fail_all("the engine restarted (a new model or pool settings); retry")
         self.driver.reset(Scheduler(self.model, self._settings.scheduler_settings()))
         self._maker = SnapshotMaker()
         self.scheduler_reset.emit(self.scheduler.settings.to_dict())

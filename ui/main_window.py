@@ -33,6 +33,7 @@ from .format import pool_summary
 from .model_bar import ModelBar
 from .prompt_pane import PromptPane
 from .requests_table import RequestsTable
+from .served_view import ServedView
 from .stream_grid import StreamGrid
 from .stream_view import StreamView
 from .theme import apply_theme, current_theme, icon
@@ -98,9 +99,11 @@ class MainWindow(QMainWindow):
         self.charts.summary.setWordWrap(True)
         self.cache_panel = CachePanel()
         self.requests_table = RequestsTable()
+        self.served_view = ServedView()
         self.tabs.addTab(self.charts, "Charts")
         self.tabs.addTab(self.cache_panel, "Cache")
         self.tabs.addTab(self.requests_table, "Requests")
+        self.tabs.addTab(self.served_view, "Served")
         self.whatif = WhatIfPanel()
         self.tabs.addTab(self.whatif, "What-if")
         right = QWidget()
@@ -151,6 +154,9 @@ class MainWindow(QMainWindow):
                            tip="Give back every cached page no stream is using")
         self.act_probe = a("&Probe selected prompt", "Ctrl+P",
                            tip="How far the selected prompt would match the cache")
+        self.act_server = a("Ser&ver", tip="Serve the model over an OpenAI-compatible HTTP API "
+                                          "(host, port and key in Settings)")
+        self.act_server.setCheckable(True)
         self.act_settings = a("&Settings…", "Ctrl+,", "settings",
                               "Pool, cache, scheduler and sampling settings")
         self.act_about = a("&About PrefixLab", icon_name="info")
@@ -184,7 +190,7 @@ class MainWindow(QMainWindow):
         file_menu.addAction(self.act_quit)
         run_menu = bar.addMenu("&Run")
         for act in (self.act_run_all, self.act_run_selected, self.act_stop_all, None, self.act_probe,
-                    self.act_flush, None, self.act_settings):
+                    self.act_flush, None, self.act_server, self.act_settings):
             run_menu.addSeparator() if act is None else run_menu.addAction(act)
         view_menu = bar.addMenu("&View")
         for act in self.theme_actions.values():
@@ -226,7 +232,7 @@ class MainWindow(QMainWindow):
         tb.setObjectName("mainToolbar")
         tb.setMovable(False)
         tb.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
-        for act in (self.act_run_all, self.act_stop_all, self.act_flush, self.act_settings):
+        for act in (self.act_run_all, self.act_stop_all, self.act_flush, self.act_server, self.act_settings):
             tb.addAction(act)
         tb.addSeparator()
         self.model_bar = ModelBar()
@@ -241,6 +247,9 @@ class MainWindow(QMainWindow):
         self.state_label = QLabel("starting")
         self.pool_label = QLabel("no pool yet")
         self.pool_label.setToolTip("KV pool pages by state, cached chains, hits and prefill saved")
+        self.server_label = QLabel("")
+        self.server_label.setToolTip("The OpenAI-compatible server: point clients at this base URL")
+        sb.addPermanentWidget(self.server_label)
         sb.addPermanentWidget(self.pool_label)
         sb.addPermanentWidget(self.state_label)
 
@@ -267,6 +276,11 @@ class MainWindow(QMainWindow):
             self.state_label.setText(f"● running {running} stream(s)")
         else:
             self.state_label.setText("idle" if ready else "no model")
+
+    def show_server(self, base_url: str) -> None:
+        """The server's base URL in the status bar ("" when it is off)."""
+        self.act_server.setChecked(bool(base_url))
+        self.server_label.setText(f"serving {base_url}" if base_url else "")
 
     def show_status(self, text: str, ms: int = 0) -> None:
         self.statusBar().showMessage(text, ms)

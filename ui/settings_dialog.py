@@ -1,4 +1,4 @@
-"""The Settings dialog: pool, cache, scheduler and sampling; validated before it closes."""
+"""The Settings dialog: pool, cache, scheduler, sampling and server; validated before it closes."""
 
 from __future__ import annotations
 
@@ -112,6 +112,22 @@ class SettingsDialog(QDialog):
             f.addRow(name, w)
         lay.addWidget(samp)
 
+        server = QGroupBox("Server (OpenAI-compatible HTTP; Run → Server turns it on)")
+        f = QFormLayout(server)
+        self.server_host = QLineEdit()
+        self.server_host.setToolTip("Address to listen on: 127.0.0.1 is this machine only; 0.0.0.0 is every "
+                                    "network this machine is on")
+        self.server_port = _spin(1, 65_535, "TCP port; clients use http://host:port/v1")
+        self.server_api_key = QLineEdit()
+        self.server_api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
+        self.server_api_key.setPlaceholderText("(none: no key asked)")
+        self.server_api_key.setToolTip("Clients must send 'Authorization: Bearer <key>'; the key is also "
+                                       "their cache namespace")
+        f.addRow("Host", self.server_host)
+        f.addRow("Port", self.server_port)
+        f.addRow("API key", self.server_api_key)
+        lay.addWidget(server)
+
         self.error = QLabel()
         self.error.setObjectName("errorText")
         self.error.setWordWrap(True)
@@ -145,7 +161,9 @@ class SettingsDialog(QDialog):
             "chunk_tokens": self.chunk_tokens.value(), "temperature": round(self.temperature.value(), 4),
             "top_k": self.top_k.value(), "top_p": round(self.top_p.value(), 4),
             "min_p": round(self.min_p.value(), 4), "repeat_penalty": round(self.repeat_penalty.value(), 4),
-            "seed": self.seed.value(), "max_new_tokens": self.max_new_tokens.value()}
+            "seed": self.seed.value(), "max_new_tokens": self.max_new_tokens.value(),
+            "server_host": self.server_host.text().strip(), "server_port": self.server_port.value(),
+            "server_api_key": self.server_api_key.text().strip()}
 
     def accept(self) -> None:
         values = self.values()

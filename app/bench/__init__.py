@@ -6,9 +6,10 @@ ratio divides two numbers of the same run. The table shows each figure with its 
 
 Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
 cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
-the watcher's block events per second), replay ("Trace replay": the shipped Mooncake trace, one
-configuration and a sweep across cores), and blas: a diagnostic of decode and prefill with 1
-OpenBLAS thread vs the default (no target; not in --quick).
+the watcher's block events per second), serve ("OpenAI server": 8 streaming clients against
+`prefixlab serve` and llama-cpp-python's server; not in --quick), replay ("Trace replay": the
+shipped Mooncake trace, one configuration and a sweep across cores), and blas: a diagnostic of
+decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import shutil
 import sys
 import time
 
-SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "replay", "blas")
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
+            "blas")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
-QUICK_SKIPS = ("blas",)  # diagnostics --quick leaves out unless --only names them
+QUICK_SKIPS = ("blas", "serve")  # left out of --quick unless --only names them (serve: child servers)
 
 
 def add_parser(sub) -> None:
@@ -81,6 +83,7 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
     from . import cache as bench_cache
     from . import engine as bench_engine
     from . import sched as bench_sched
+    from . import serve as bench_serve
     from . import ui as bench_ui
     from .common import machine_info
 
@@ -109,7 +112,7 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
         if "load" in sections:
             section("load", lambda: bench_engine.load_figures(path, tmp_cache, quick))
             image_ready = "load" not in result["errors"]
-        needs_model = {"prefill", "decode", "batch", "scheduler", "blas"} & set(sections)
+        needs_model = {"prefill", "decode", "batch", "scheduler", "serve", "blas"} & set(sections)
         if needs_model:
             log("bench: loading the model ...")
             if image_ready:  # the load children just wrote a fresh weight image there
@@ -144,6 +147,8 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
         if "kv_events" in sections:
             from .kv_events import kv_events_figures
             section("kv_events", lambda: kv_events_figures(quick))
+        if "serve" in sections:
+            section("serve", lambda: bench_serve.serve_figures(path, quick, m.tokenizer.eos_ids))
         if "replay" in sections:
             from . import replay as bench_replay
             section("replay", lambda: bench_replay.replay_figures(quick))

@@ -1,0 +1,72 @@
+"""`prefixlab serve`: the scheduler behind an OpenAI-compatible HTTP server (DESIGN §8)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
+from .server import DEFAULT_MAX_TOKENS
+
+SERVE_MAX_STREAMS = 8  # HTTP traffic comes in bursts of many clients: batch them
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require this bearer key (repeat for several tenants; each key is its own "
+                        "cache namespace); also read from PREFIXLAB_API_KEY")
+    p.add_argument("--cors", action="store_true", help="allow cross-origin requests from any web page")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help="answer limit of a request that sets no max_tokens (pages are reserved for it "
+                        f"at admission; default {DEFAULT_MAX_TOKENS})")
+    add_scheduler_args(p, max_streams=SERVE_MAX_STREAMS)
+    p.set_defaults(func=run)
+
+
+def scheduler_factory(model_path: str | None, settings, prepare=None):
+    """Load the model and build its scheduler on the engine thread; `prepare(scheduler)` then
+    runs before the first request (e.g. a KV-event publisher attaching to its cache)."""
+    def build():
+        from engine import load_model
+        from engine.scheduler import Scheduler
+        scheduler = Scheduler(load_model(model_path), settings)
+        if prepare is not None:
+            prepare(scheduler)
+        return scheduler
+    return build
+
+
+def run(args) -> int:
+    from .runner import ServeError, Server
+
+    try:
+        settings = scheduler_settings_from_args(args)
+        if args.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    except ValueError as e:
+        raise SystemExit(f"prefixlab serve: {e}") from None
+    keys = list(args.api_key) + [k for k in [os.environ.get("PREFIXLAB_API_KEY")] if k]
+    try:
+        server = Server(scheduler_factory(getattr(args, "model", None), settings), args.host, args.port,
+                        api_keys=keys, cors=args.cors, default_max_tokens=args.default_max_tokens).start()
+    except ServeError as e:
+        raise SystemExit(f"prefixlab serve: {e}") from None
+    print(f"prefixlab serve: listening on {server.url}/v1 (loading the model...)", flush=True)
+    server.engine.ready.wait()
+    if server.engine.load_error:
+        server.stop()
+        raise SystemExit(f"prefixlab serve: cannot load model: {server.engine.load_error}")
+    print(f"prefixlab serve: ready; point clients at OPENAI_BASE_URL={server.url}/v1", flush=True)
+    try:
+        while server.http.is_alive():
+            threading.Event().wait(0.5)
+    except KeyboardInterrupt:
+        print("prefixlab serve: stopping", file=sys.stderr)
+    finally:
+        server.stop()
+    return 0

@@ -1,0 +1,113 @@
+"""A running server: uvicorn on its own thread over a socket bound up front (clear port errors)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+
+import uvicorn
+
+from .broker import RequestBroker
+from .engine_loop import EngineLoop
+from .server import DEFAULT_MAX_TOKENS, Backend, create_app
+
+START_TIMEOUT_S = 30.0
+
+
+class ServeError(RuntimeError):
+    """The server cannot start; the message says why and what to change."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or a ServeError naming the address (port 0: any free port)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ServeError(f"cannot listen on {host}:{port}: unknown host ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        why = "the port is in use (pick another with --port)" if e.errno == errno.EADDRINUSE else e.strerror
+        raise ServeError(f"cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class HttpThread:
+    """uvicorn serving an ASGI app on a daemon thread; `stop()` closes connections and joins."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000):
+        self.sock = bind(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="prefixlab-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> HttpThread:
+        self._thread.start()
+        ready = threading.Event()
+        while not self.server.started and self._thread.is_alive():
+            ready.wait(0.02)
+        if not self.server.started:
+            raise ServeError(f"the HTTP server on {self.url} did not start")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self.sock.close()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+def latest_row(scheduler) -> dict:
+    """The scheduler's last timeline row as a dict (a list's last item: safe from another thread)."""
+    rows = scheduler.timeline.rows if scheduler is not None else []
+    return rows[-1].to_dict() if rows else {}
+
+
+class Server:
+    """`prefixlab serve` as an object: an EngineLoop over `factory()` behind the HTTP app."""
+
+    def __init__(self, factory, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
+                 cors: bool = False, default_max_tokens: int = DEFAULT_MAX_TOKENS):
+        self.engine = EngineLoop(factory, RequestBroker())
+        self.backend = Backend(self.engine.broker, model=self._model, stats=self._stats,
+                               load_error=lambda: self.engine.load_error,
+                               default_max_tokens=default_max_tokens)
+        self.http = HttpThread(create_app(self.backend, api_keys, cors), host, port)
+
+    def _model(self):
+        s = self.engine.scheduler
+        return s.model if s is not None else None
+
+    def _stats(self) -> dict:
+        return latest_row(self.engine.scheduler)
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def start(self) -> Server:
+        """Serve at once (/health answers 503 while the engine thread loads the model)."""
+        self.http.start()
+        self.engine.start()
+        return self
+
+    def stop(self) -> None:
+        """Cancel what runs (streams end with their finish chunk), then close the connections."""
+        self.engine.stop()
+        self.http.stop()

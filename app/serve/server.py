@@ -1,0 +1,299 @@
+"""The FastAPI app: OpenAI's endpoints over a RequestBroker (DESIGN §8).
+
+Handlers never touch the scheduler: they parse and check the request, hand a
+`Job` to the broker and read its events from an asyncio queue the engine
+thread fills with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.scheduler import FinishEvent, TokenEvent
+
+from . import metrics
+from .broker import Job, Refused, RequestBroker
+from .friendliness import Friendliness
+from .protocol import (
+    ApiError,
+    ParsedRequest,
+    StopFilter,
+    chunk,
+    error_body,
+    new_id,
+    parse_chat,
+    parse_completion,
+    response,
+    usage_chunk,
+)
+
+DISCONNECT_POLL_S = 0.5
+# The answer limit of a request that sets none. OpenAI's is the context, but the scheduler
+# reserves every page a request may fill when it admits it (8192 positions of SmolLM2 are
+# ~450 MB of K/V per request), so the server caps it as llama.cpp's slots do; a request's own
+# max_tokens is honoured up to the context.
+DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass
+class Backend:
+    """What the HTTP side may read: the broker, the model once loaded, the latest stats row."""
+
+    broker: RequestBroker
+    model: Callable[[], object | None]
+    stats: Callable[[], dict]
+    load_error: Callable[[], str | None] = lambda: None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    friendliness: Friendliness = field(init=False)
+    ttft: metrics.TtftHistogram = field(default_factory=metrics.TtftHistogram)
+
+    def __post_init__(self):
+        self.friendliness = Friendliness(lambda: getattr(self.model(), "tokenizer", None))
+        self.broker.observers += [self.friendliness.observe, self.ttft.observe]
+
+
+def tenant_of(key: str) -> str:
+    """A stable, non-secret cache namespace for an API key."""
+    return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+
+
+def namespace_of(tenant: str, salt: str) -> str:
+    """The API key's tenant plus the request's cache_salt: two tenants never share a page."""
+    return f"{tenant}/{salt}" if tenant else salt
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def model_id(model) -> str:
+    return os.path.basename(model.path)
+
+
+def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool = False) -> FastAPI:
+    """The server's ASGI app; `api_keys` empty: no authentication."""
+    app = FastAPI(title="PrefixLab", docs_url=None, redoc_url=None, openapi_url=None)
+    keys = {k: tenant_of(k) for k in (api_keys or [])}
+    if cors:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, e: StarletteHTTPException):
+        message = "not found" if e.status_code == 404 else str(e.detail)
+        return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, e: RequestValidationError):
+        return JSONResponse(error_body(400, f"invalid request: {e.errors()!r:.300}"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, e: Exception):
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
+
+    def tenant(request: Request) -> str:
+        if not keys:
+            return ""
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        for key, name in keys.items():
+            if hmac.compare_digest(given.encode(), key.encode()):
+                return name
+        raise ApiError(401, "invalid API key: send 'Authorization: Bearer <key>'" if given else
+                       "missing API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key")
+
+    def loaded_model():
+        model = backend.model()
+        if model is None:
+            error = backend.load_error()
+            raise ApiError(503, f"the model failed to load: {error}" if error else "the model is loading",
+                           None, "model_not_ready")
+        return model
+
+    @app.get("/health")
+    async def health():
+        if backend.model() is None:
+            error = backend.load_error()
+            return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        text = metrics.render(backend.stats(), backend.ttft, backend.model() is not None)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        tenant(request)
+        model = loaded_model()
+        return {"object": "list", "data": [{"id": model_id(model), "object": "model",
+                                            "created": int(os.path.getmtime(model.path)),
+                                            "owned_by": "prefixlab"}]}
+
+    @app.get("/v1/prefixlab/friendliness")
+    async def friendliness(request: Request):
+        tenant(request)
+        return backend.friendliness.to_dict()
+
+    async def complete(request: Request, chat: bool) -> Response:
+        arrival = time.perf_counter()
+        ns_tenant = tenant(request)
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        req = parse_chat(body) if chat else parse_completion(body)
+        model = loaded_model()
+        remote = request.client.host if request.client else "?"
+        client = f"http {remote} model={req.model or '-'} user={req.user or '-'}"
+        call = _Call(backend.broker, asyncio.get_running_loop())
+        namespace = namespace_of(ns_tenant, req.cache_salt)
+        kwargs = _submit_kwargs(req, model, namespace, backend.default_max_tokens)
+        call.submit(Job(kwargs, call.sink, client=client, arrival=arrival))
+        first = await call.next()
+        if isinstance(first, Refused):
+            raise ApiError(first.status, first.message, None,
+                           "server_busy" if first.status == 503 else "invalid_request")
+        answer = _Answer(req, new_id(chat), model_id(model))
+        if req.stream:
+            return StreamingResponse(_stream(call, answer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _whole(request, call, answer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    return app
+
+
+def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens: int) -> dict:
+    """`Scheduler.submit` arguments (the context stops an answer before any max_tokens does)."""
+    max_new = min(req.max_tokens or default_max_tokens, model.config.context_length)
+    common = {"sampling": req.sampling, "max_new_tokens": max_new, "namespace": namespace}
+    if req.ignore_eos:
+        common["stop_ids"] = []  # exactly max_tokens tokens (benchmarks)
+    if req.chat:
+        last_user = next((m["content"] for m in reversed(req.messages) if m["role"] == "user"), "")
+        return {"messages": req.messages, "preview": last_user[:60], **common}
+    ids = req.prompt_ids if req.prompt_ids is not None else model.tokenizer.encode(req.prompt_text)
+    preview = req.prompt_text[-60:] if req.prompt_text else ""
+    return {"prompt": ids, "preview": preview, **common}
+
+
+class _Call:
+    """One request's link to the engine thread: events arrive on an asyncio queue."""
+
+    def __init__(self, broker: RequestBroker, loop: asyncio.AbstractEventLoop):
+        self.broker, self.loop = broker, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.ticket = 0
+        self.done = False
+
+    def sink(self, event) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def submit(self, job: Job) -> None:
+        self.ticket = self.broker.submit(job)
+
+    async def next(self):
+        event = await self.queue.get()
+        if isinstance(event, (Refused, FinishEvent)):
+            self.done = True
+        return event
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.broker.cancel(self.ticket)
+
+
+class _Answer:
+    """The text so far, cut at stop strings; the finish reason once known."""
+
+    def __init__(self, req: ParsedRequest, rid: str, model: str):
+        self.req, self.rid, self.model = req, rid, model
+        self.stops = StopFilter(req.stop)
+        self.parts: list[str] = []
+
+    def piece(self, call: _Call, event: TokenEvent) -> str:
+        text = self.stops.feed(event.text)
+        if self.stops.stopped:
+            call.cancel()  # a stop string: the rest of the answer is not wanted
+        self.parts.append(text)
+        return text
+
+    def finish(self, event: FinishEvent) -> tuple[str, str]:
+        tail = self.stops.flush()
+        self.parts.append(tail)
+        reason = "length" if event.reason == "length" and not self.stops.stopped else "stop"
+        return tail, reason
+
+
+async def _stream(call: _Call, answer: _Answer):
+    """SSE chunks: the role, the text pieces, the finish, the usage if asked, then [DONE]."""
+    req, rid, model = answer.req, answer.rid, answer.model
+    try:
+        if req.chat:
+            yield sse(chunk(req, rid, model, role=True))
+        while True:
+            event = await call.next()
+            if isinstance(event, TokenEvent):
+                text = answer.piece(call, event)
+                if text:
+                    yield sse(chunk(req, rid, model, text))
+            elif isinstance(event, FinishEvent):
+                tail, reason = answer.finish(event)
+                if tail:
+                    yield sse(chunk(req, rid, model, tail))
+                yield sse(chunk(req, rid, model, finish=reason))
+                if req.include_usage:
+                    yield sse(usage_chunk(req, rid, model, event.record))
+                yield "data: [DONE]\n\n"
+                return
+            elif isinstance(event, Refused):
+                yield sse(error_body(event.status, event.message))
+                return
+    finally:
+        call.cancel()  # the client went away (or we stopped): its pages go back
+
+
+async def _whole(request: Request, call: _Call, answer: _Answer) -> Response:
+    """Collect the answer; a client that hangs up meanwhile cancels it."""
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(call.next(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            if isinstance(event, TokenEvent):
+                answer.piece(call, event)
+            elif isinstance(event, FinishEvent):
+                _, reason = answer.finish(event)
+                return JSONResponse(response(answer.req, answer.rid, answer.model, "".join(answer.parts),
+                                             reason, event.record))
+            elif isinstance(event, Refused):
+                raise ApiError(event.status, event.message)
+    finally:
+        call.cancel()

@@ -1,0 +1,71 @@
+"""The window's Server toggle: an HTTP request becomes a card labelled with its client, and enters
+the chains table and the Served tab; the status bar shows the address."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+from app.bench.serve import free_port  # noqa: E402
+from tests.gui_helpers import LOAD_TIMEOUT_MS, SYSTEM, Errors, close_boxes, set_settings  # noqa: E402
+
+LABEL = "http 127.0.0.1 model=gpt-4o user=bob"
+
+
+@pytest.fixture
+def desktop(open_desktop, qtbot, tiny_gguf_path):
+    d = open_desktop(autoload=True, model_path=tiny_gguf_path)
+    d.window.show()
+    d.errors = Errors(d.controller)
+    qtbot.waitUntil(lambda: d.controller.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    return d
+
+
+def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbot):
+    d, w, c = desktop, desktop.window, desktop.controller
+    port = free_port()
+    set_settings(d, server_port=port, max_new_tokens=4)
+    w.act_server.trigger()
+    base = f"http://127.0.0.1:{port}/v1"
+    assert w.act_server.isChecked() and w.server_label.text() == f"serving {base}"
+
+    body = {"model": "gpt-4o", "user": "bob", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Any paint?"}]}
+    r = httpx.post(base + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"]
+
+    qtbot.waitUntil(lambda: len(c.finished_records) == 1 and not c.running, timeout=30_000)
+    uid = next(u for u in c.transcripts if u.startswith("http-"))
+    card = w.streams.card(uid)
+    assert card.title.text() == f"{LABEL}: Any paint?"
+    assert card.answer_text() == answer and card.turns[-1].reason == "length"
+    assert c.finished_records[0].client == LABEL
+    # The request donated its prompt's pages: its chain is in the cache panel.
+    chains = w.cache_panel.chains_table.chains_model
+    qtbot.waitUntil(lambda: chains.rowCount() > 0, timeout=10_000)
+    assert any(chains.chain_at(i).preview == "Any paint?" for i in range(chains.rowCount()))
+    assert w.served_view.item(0, 0).text() == LABEL and w.served_view.item(0, 1).text() == "1"
+
+    w.act_server.trigger()
+    assert not w.act_server.isChecked() and w.server_label.text() == ""
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(base + "/models", timeout=2)
+    assert not d.errors
+
+
+def test_a_port_in_use_is_an_error_and_the_toggle_stays_off(desktop, qtbot):
+    d, w = desktop, desktop.window
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        set_settings(d, server_port=taken.getsockname()[1])
+        w.act_server.trigger()
+    assert not w.act_server.isChecked() and w.server_label.text() == ""
+    assert d.errors and "the port is in use" in d.errors[-1]
+    close_boxes(w)
