@@ -41,8 +41,9 @@ class ServerToggle(QObject):
             return True
         s = c.settings
         try:
-            self.server.start(s.server_host, s.server_port, [s.server_api_key] if s.server_api_key else [])
-        except ServeError as e:
+            self.server.start(s.server_host, s.server_port, [s.server_api_key] if s.server_api_key else [],
+                              kv_events=s.server_kv_events)
+        except (ServeError, ValueError) as e:
             c.report_error("Could not start the server", str(e))
             self.changed.emit("")
             return False
