@@ -25,6 +25,7 @@ from .server_toggle import ServerToggle
 from .settings import AppSettings, qsettings, recent_models
 from .system_info import about_versions
 from .watch.gui import install_watch_action
+from .whatif_controller import WhatIfController
 
 SESSION_KEY = "session/json"
 
@@ -41,6 +42,10 @@ class Desktop(QObject):
         self._closed = False
         self._wire_actions()
         self._wire_controller()
+        self.whatif = WhatIfController(
+            w.whatif, lambda: w.ask_open_path("Open a trace", "", "Traces (*.jsonl *.json);;All (*)"),
+            c.client.save_trace, parent=self)
+        c.client.worker.trace_saved.connect(self.whatif.on_session_trace)
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
         self._installs = ModelInstalls(self)
@@ -283,5 +288,6 @@ class Desktop(QObject):
         self._save_session()
         self.store.sync()
         self._closed = True
+        self.whatif.close()
         self.server.shutdown()  # ends served streams and closes their connections first
         self.controller.shutdown()

@@ -7,7 +7,8 @@ ratio divides two numbers of the same run. The table shows each figure with its 
 Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
 cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
 the watcher's block events per second), serve ("OpenAI server": 8 streaming clients against
-`prefixlab serve` and llama-cpp-python's server; not in --quick), blas: a diagnostic of
+`prefixlab serve` and llama-cpp-python's server; not in --quick), replay ("Trace replay": the
+shipped Mooncake trace, one configuration and a sweep across cores), blas: a diagnostic of
 decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick), and
 llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is
 installed (no target; not in --quick).
@@ -25,8 +26,8 @@ import shutil
 import sys
 import time
 
-SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "blas",
-            "llama_cpp", "peer")
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
+            "blas", "llama_cpp", "peer")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 # left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run)
 QUICK_SKIPS = ("blas", "serve", "llama_cpp", "peer")
@@ -162,6 +163,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("kv_events", lambda: kv_events_figures(quick))
         if "serve" in sections:
             section("serve", lambda: bench_serve.serve_figures(path, quick, m.tokenizer.eos_ids))
+        if "replay" in sections:
+            from . import replay as bench_replay
+            section("replay", lambda: bench_replay.replay_figures(quick))
         if "llama_cpp" in sections:
             from .llama_cpp import llama_cpp_figures
             section("llama_cpp", lambda: llama_cpp_figures(path, quick, result["figures"]))

@@ -23,6 +23,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
     "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),
     "peer_w8_wall_ratio": (0.8, "<="),
+    "replay_one_config_s": (5.0, "<="), "replay_10k_blocks_s": (5.0, "<="),
+    "replay_sweep_core_share": (0.75, ">="),
 }
 PEER_TARGETS = ("peer_prefill_ratio", "peer_decode_ratio", "peer_batch8_ratio", "peer_w8_wall_ratio")
 
