@@ -25,8 +25,11 @@ class ServerToggle(QObject):
         self.controller = controller
         self.server = DesktopServer(controller.client.worker)
         self._nonce = secrets.token_hex(3)  # card ids differ across app runs (sessions keep cards)
+        self._request_of: dict[str, int] = {}  # served card uid -> its request id
+        self._address: tuple | None = None     # (host, port, key) the running server uses
         # A bound method of this QObject: Qt queues the call into the UI thread.
         controller.client.worker.served_submitted.connect(self._on_served)
+        controller.settings_changed.connect(self._on_settings)
 
     @property
     def base_url(self) -> str:
@@ -37,11 +40,13 @@ class ServerToggle(QObject):
         c = self.controller
         if not on:
             self.server.stop()
+            self._address = None
             self.changed.emit("")
             return True
         s = c.settings
         try:
             self.server.start(s.server_host, s.server_port, [s.server_api_key] if s.server_api_key else [])
+            self._address = (s.server_host, s.server_port, s.server_api_key)
         except ServeError as e:
             c.report_error("Could not start the server", str(e))
             self.changed.emit("")
@@ -49,6 +54,23 @@ class ServerToggle(QObject):
         self.changed.emit(self.base_url)
         c.status.emit(f"Serving on {self.base_url}: set OPENAI_BASE_URL={self.base_url} in a client", 10000)
         return True
+
+    def _on_settings(self, values: dict) -> None:
+        """A new host, port or key while serving: restart on it."""
+        new = (values["server_host"], values["server_port"], values["server_api_key"])
+        if self._address is not None and new != self._address:
+            self.set_on(False)
+            self.set_on(True)
+
+    def stop_card(self, uid: str) -> None:
+        """A served card's Stop: cancel its request (its client sees the answer end)."""
+        request_id = self._request_of.get(uid)
+        if request_id is not None and self.server.backend is not None:
+            self.server.backend.broker.cancel_request(request_id)
+
+    def stop_all(self) -> None:
+        if self.server.backend is not None:
+            self.server.backend.broker.cancel_all()
 
     def friendliness(self) -> dict:
         """The served traffic's cache-friendliness (GET /v1/prefixlab/friendliness's data)."""
@@ -62,6 +84,7 @@ class ServerToggle(QObject):
             t = c.transcript(f"http-{self._nonce}-{request_id}", f"{client}: {preview}")
             c.book.served(t, request_id, preview)
             t.accept(request_id, n_prompt)
+            self._request_of[t.uid] = request_id
             c.turn_started.emit(t.uid)
             c.turn_accepted.emit(t.uid)
         c.state_changed.emit(c.ready, c.loading, c.running)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -57,6 +58,34 @@ def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbo
     with pytest.raises(httpx.ConnectError):
         httpx.get(base + "/models", timeout=2)
     assert not d.errors
+
+
+def test_a_served_cards_stop_ends_its_clients_stream_and_a_new_port_restarts(desktop, qtbot):
+    d, w, c = desktop, desktop.window, desktop.controller
+    set_settings(d, server_port=free_port())
+    w.act_server.trigger()
+    body = {"max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}]}
+    lines: list[str] = []
+
+    def client() -> None:
+        with httpx.stream("POST", d.server.base_url + "/chat/completions", json=body, timeout=60) as r:
+            lines.extend(r.iter_lines())
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    qtbot.waitUntil(lambda: any(u.startswith("http-") for u in c.transcripts), timeout=30_000)
+    card = w.streams.card(next(u for u in c.transcripts if u.startswith("http-")))
+    qtbot.waitUntil(lambda: bool(card.answer_text()), timeout=30_000)
+    card.stop_button.click()
+    qtbot.waitUntil(lambda: not thread.is_alive() and not c.running, timeout=30_000)
+    assert card.turns[-1].reason == "cancelled"
+    assert lines[-2:] == ["data: [DONE]", ""] and any('"finish_reason": "stop"' in x for x in lines)
+
+    port = free_port()
+    set_settings(d, server_port=port)  # serving: the new port takes over at once
+    assert w.server_label.text() == f"serving http://127.0.0.1:{port}/v1"
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    w.act_server.trigger()
 
 
 def test_a_port_in_use_is_an_error_and_the_toggle_stays_off(desktop, qtbot):

@@ -86,6 +86,12 @@ class RequestBroker:
                 self._cancels.add(ticket)
         self.wake()
 
+    def cancel_request(self, request_id: int) -> None:
+        """Stop a job by the scheduler's request id (any thread)."""
+        job = self._by_request.get(request_id)
+        if job is not None:
+            self.cancel(job.ticket)
+
     def cancel_all(self) -> None:
         """Stop every job at the owner's next drain."""
         with self._lock:
