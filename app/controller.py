@@ -12,8 +12,10 @@ import os
 
 from PySide6.QtCore import QObject, QSettings, QTimer, Signal, Slot
 
+from engine.scheduler import POOL_FIELDS
 from ui.transcript import Transcript
 
+from .report import load_report, snapshot_from_report
 from .settings import AppSettings, add_recent_model
 from .turns import TurnBook
 from .worker import EngineClient
@@ -340,7 +342,7 @@ class Controller(QObject):
     def apply_settings(self, s: AppSettings) -> None:
         """Use and remember new settings (pool changes take effect when no stream runs)."""
         s.validate()
-        pool_change = (s.page_rows, s.pool_pages) != (self.settings.page_rows, self.settings.pool_pages)
+        pool_change = any(getattr(s, f) != getattr(self.settings, f) for f in POOL_FIELDS)
         self.settings = s
         s.save(self.store)
         self.client.apply_settings(s)
@@ -367,8 +369,6 @@ class Controller(QObject):
 
     def open_report(self, path: str) -> bool:
         """Show a saved report's charts, pool and chains (live data returns with the next run)."""
-        from .report import load_report, snapshot_from_report
-
         try:
             report = load_report(path)
             snap = snapshot_from_report(report)

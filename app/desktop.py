@@ -22,6 +22,7 @@ from .scenario import Scenario, bundled_scenarios, load_scenario
 from .server_toggle import ServerToggle
 from .settings import AppSettings, qsettings, recent_models
 from .system_info import about_versions
+from .watch.gui import install_watch_action
 
 SESSION_KEY = "session/json"
 
@@ -69,6 +70,7 @@ class Desktop(QObject):
         w.scenario_chosen.connect(self.load_scenario)
         w.file_dropped.connect(self.handle_dropped_file)
         w.closing.connect(self.shutdown)
+        install_watch_action(w)
 
     def _wire_controller(self) -> None:
         w, c = self.window, self.controller

@@ -14,13 +14,14 @@ from .settings import APPLICATION, ORGANIZATION, qsettings
 def make_app(argv: list[str] | None = None) -> QApplication:
     """The QApplication (made once), named and themed from the remembered settings."""
     from ui.theme import apply_theme, icon
+    from ui.window_state import THEME_KEY
 
     app = QApplication.instance() or QApplication(argv if argv is not None else sys.argv)
     app.setOrganizationName(ORGANIZATION)
     app.setApplicationName(APPLICATION)
     app.setApplicationDisplayName("PrefixLab")
     app.setWindowIcon(icon("prefixlab"))
-    apply_theme(app, str(qsettings().value("view/theme", "light")))
+    apply_theme(app, str(qsettings().value(THEME_KEY, "light")))
     return app
 
 

@@ -25,6 +25,7 @@ from engine.snapshot import SnapshotMaker
 from .driver import EngineDriver, finished_records, token_pieces
 from .model_info import model_info
 from .probe import probe_prompt
+from .report import build_report
 from .settings import AppSettings
 
 STATS_INTERVAL_S = 0.05       # stats_updated at most ~20 Hz
@@ -225,8 +226,6 @@ class EngineWorker(QObject):
         """Build the session's report data here (it reads the scheduler); the UI thread renders it."""
         if self.scheduler is None or self.model is None:
             raise RuntimeError("no model is loaded, so there is nothing to report")
-        from app.report import build_report  # the reports module; imported only when used
-
         report = build_report(self.scheduler, self.model, request.get("system", ""),
                               self._settings.sampling(), request.get("title", ""),
                               namespace=self._settings.namespace)

@@ -64,10 +64,10 @@ def test_series_equal_timeline_after_append_and_timer(run, panel, qtbot):
         np.testing.assert_array_equal(x, column(run.rows, "wall_s"))
         np.testing.assert_allclose(y, column(run.rows, name), err_msg=name)
     # The timer pushes the buffers to the curves (stacked for the pool chart).
-    curves = panel._charts.curves
+    curves = panel.curves
     xs = column(run.rows, "wall_s")
     qtbot.waitUntil(lambda: last_x(curves["hits"]) == xs[-1], timeout=2000)
-    assert panel._dirty is False
+    qtbot.waitUntil(lambda: not panel.refresh_pending, timeout=2000)
     for name in ("hits", "prefill_saved", "prefill_computed", "chains", "cached_pages"):
         np.testing.assert_allclose(drawn(curves[name], xs), column(run.rows, name), err_msg=name)
     np.testing.assert_allclose(drawn(curves["hit_rate"], xs), 100 * column(run.rows, "hit_rate"))
@@ -81,15 +81,14 @@ def test_series_equal_timeline_after_append_and_timer(run, panel, qtbot):
 
 
 def test_timer_coalesces_appends_and_stops_when_idle(run, panel, qtbot):
-    calls = []
-    original = panel._charts.refresh
-    panel._charts.refresh = lambda *a: (calls.append(1), original(*a))
+    qtbot.waitUntil(lambda: not panel.refresh_pending, timeout=2000)
+    start = panel.frames
     for row in run.rows:  # many appends in one event-loop turn: one refresh, not one per row
         panel.append([row], run.records)
-    assert calls == []
-    qtbot.waitUntil(lambda: len(calls) == 1, timeout=2000)
-    qtbot.waitUntil(lambda: not panel._timer.isActive(), timeout=2000)
-    assert len(calls) == 1
+    assert panel.frames == start and panel.refresh_pending
+    qtbot.waitUntil(lambda: panel.frames == start + 1, timeout=2000)
+    qtbot.waitUntil(lambda: not panel.refresh_pending, timeout=2000)
+    assert panel.frames == start + 1
 
 
 def test_ttft_split_matches_records(run, panel):
@@ -114,7 +113,7 @@ def test_records_replace_and_set_data_and_clear(run, panel):
     assert len(panel.series("ttft_hit")[0]) + len(panel.series("ttft_miss")[0]) == 1
     panel.set_data(run.rows[:3], run.records)
     np.testing.assert_allclose(panel.series("prefill_saved")[1], column(run.rows[:3], "prefill_saved"))
-    np.testing.assert_allclose(drawn(panel._charts.curves["prefill_saved"], column(run.rows[:3], "wall_s")),
+    np.testing.assert_allclose(drawn(panel.curves["prefill_saved"], column(run.rows[:3], "wall_s")),
                                column(run.rows[:3], "prefill_saved"))  # set_data redraws at once
     panel.clear()
     for name in ("hits", "ttft_hit", "ttft_miss"):
@@ -164,7 +163,7 @@ def test_themes_follow_the_palette(panel, qtbot):
     pal.setColor(QPalette.ColorRole.Base, QColor("#23262d"))
     pal.setColor(QPalette.ColorRole.WindowText, QColor("#e5e7eb"))
     panel.setPalette(pal)
-    qtbot.waitUntil(lambda: panel._current_theme().dark, timeout=1000)
+    qtbot.waitUntil(lambda: panel.theme.dark, timeout=1000)
     bg = panel.plot_widgets()["pool"].backgroundBrush().color()
     assert bg.lightness() < 100
 

@@ -9,11 +9,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 from app.serve.kv_events_publisher import KVEventPublisher  # noqa: E402
 from app.settings import qsettings  # noqa: E402
 from app.watch.gui import WatchWindow  # noqa: E402
-from tests.gui_helpers import gui_settings  # noqa: E402, F401 - a fixture
 from tests.kv_events_helpers import Event, Page  # noqa: E402
 
 
-def test_watch_window_shows_two_engines_side_by_side_and_remembers_them(qtbot, gui_settings):  # noqa: F811
+def test_watch_window_shows_two_engines_side_by_side_and_remembers_them(qtbot, gui_settings):
     pubs = [KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") for _ in range(2)]
     window = WatchWindow()
     qtbot.addWidget(window)
@@ -41,14 +40,14 @@ def test_watch_window_shows_two_engines_side_by_side_and_remembers_them(qtbot, g
     assert again.view.endpoints.text().split() == [p.endpoint for p in pubs]
 
 
-def test_watch_window_names_a_bad_endpoint(qtbot, gui_settings):  # noqa: F811
+def test_watch_window_names_a_bad_endpoint(qtbot, gui_settings):
     window = WatchWindow()
     qtbot.addWidget(window)
     assert not window.start_watching(["not-an-endpoint"], [], "")
     assert "Cannot watch" in window.view.status.text() and "not-an-endpoint" in window.view.status.text()
 
 
-def test_file_menu_opens_the_watch_window(qtbot, gui_settings):  # noqa: F811
+def test_file_menu_opens_the_watch_window(qtbot, gui_settings):
     from PySide6.QtWidgets import QMainWindow
 
     from app.watch.gui import install_watch_action
@@ -65,3 +64,14 @@ def test_file_menu_opens_the_watch_window(qtbot, gui_settings):  # noqa: F811
     act.trigger()  # once open, the same window comes back to the front
     assert main._watch_window is first
     first.close()
+
+
+def test_the_apps_file_menu_has_watch_a_server(qtbot, gui_settings):
+    from app.desktop import Desktop
+    desk = Desktop(autoload=False)
+    qtbot.addWidget(desk.window)
+    file_menu = next(a.menu() for a in desk.window.menuBar().actions() if a.text() == "&File")
+    (act,) = [a for a in file_menu.actions() if a.text() == "&Watch a server…"]
+    act.trigger()
+    assert desk.window._watch_window.isVisible()
+    desk.window.close()

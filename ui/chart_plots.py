@@ -200,7 +200,7 @@ class ChartSet:
             rate_vb.linkedViewChanged(item.vb, rate_vb.XAxis)
 
         item.vb.sigResized.connect(sync)
-        self._sync_rate = sync
+        self.sync_rate = sync
         item.setLabel("left", "hits")
         item.setLabel("right", "hit rate (%)")
         item.setLabel("bottom", "wall time (s)")
@@ -275,7 +275,7 @@ class ChartSet:
         if buf.n:
             cap = float(buf.column("capacity").max())
             self.widgets["pool"].getPlotItem().vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)
-        self._sync_rate()
+        self.sync_rate()
 
     def _set_step(self, name: str, x: np.ndarray, y: np.ndarray) -> None:
         xs, ys = step_changes(x, y)

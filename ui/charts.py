@@ -35,6 +35,7 @@ class ChartsPanel(QWidget):
         self._records: list[RequestRecord] = []
         self._ttft = self._split_ttft([])
         self._dirty = False
+        self.frames = 0  # refreshes drawn (many appends in one event-loop turn make one)
         self._theme: Theme | None = None
         self._charts = ChartSet(self)
         self.summary = QLabel(self)
@@ -114,7 +115,7 @@ class ChartsPanel(QWidget):
             out = {}
             for name, pw in charts.widgets.items():
                 pw.getPlotItem().vb.autoRange(padding=0.04)
-                charts._sync_rate()
+                charts.sync_rate()
                 out[name] = png_bytes(pw.grab())
             return out
         finally:
@@ -124,11 +125,27 @@ class ChartsPanel(QWidget):
         """Push the buffered data to the curves now (the timer does this on its own)."""
         self._dirty = False
         self._charts.refresh(self._buf, self._ttft)
+        self.frames += 1
         self._update_summary()
 
     @property
     def row_count(self) -> int:
         return self._buf.n
+
+    @property
+    def curves(self) -> dict[str, pg.PlotDataItem]:
+        """The drawn curve of each timeline series (the pool's areas stacked)."""
+        return dict(self._charts.curves)
+
+    @property
+    def refresh_pending(self) -> bool:
+        """Data not drawn yet, or the refresh timer still awake."""
+        return self._dirty or self._timer.isActive()
+
+    @property
+    def theme(self) -> Theme:
+        """The colours the charts are drawn in now."""
+        return self._current_theme()
 
     # internals --------------------------------------------------------
     def _set_records(self, records: list[RequestRecord]) -> None:

@@ -53,6 +53,7 @@ class WatchWindow(QMainWindow):
         self.store.setValue("watch/replay_endpoints", " ".join(replays))
         self.store.setValue("watch/topic", topic)
         self.store.sync()
+        self.view.set_fields(endpoints, replays, topic)
         self.view.clear()
         self.view.prepare(len(endpoints))
         self.view.set_connected(True, f"Watching {len(endpoints)} engine(s); waiting for events…")
@@ -101,6 +102,9 @@ def install_watch_action(main_window: QMainWindow) -> QAction:
         if win is None:
             # A child of the main window (still its own window): it closes when the app does.
             win = main_window._watch_window = WatchWindow(main_window)
+            closing = getattr(main_window, "closing", None)  # the app's window says when it closes
+            if closing is not None:
+                closing.connect(win.stop_watching)
         win.show()
         win.raise_()
         win.activateWindow()

@@ -1,0 +1,77 @@
+"""Screenshot of File → Watch a server with two engines side by side, for the README.
+
+    python tools/watch_screenshot.py [--out docs/screenshot-watch.png]
+
+Two real schedulers on the bundled model, each publishing its cache as KV events on
+127.0.0.1 (as `prefixlab serve --kv-events` does), answer questions that share one
+system prompt; the watch window subscribes to both and is grabbed offscreen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+if not os.environ.get("DISPLAY"):
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtCore import QSettings  # noqa: E402
+
+SYSTEM = ("You are the assistant of Bolt & Board, a neighbourhood hardware store. We sell power drills, "
+          "hand saws, screws, nails, paint and ladders. Answer in one short sentence.")
+QUESTIONS = [["Do you sell drills?", "Do you have green paint?", "Can I buy a ladder here?"],
+             ["Are nails sold by weight?", "Do you sell drills?", "Which saw cuts metal?",
+              "Do you rent ladders?"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "screenshot-watch.png"))
+    args = p.parse_args(argv)
+    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
+    from app.gui import make_app
+    from app.serve.kv_events_publisher import KVEventPublisher
+    from app.watch.gui import WatchWindow
+    from engine import SamplingParams, load_model
+    from engine.scheduler import Scheduler, SchedulerSettings
+    from ui.theme import apply_theme
+
+    app = make_app([sys.argv[0]])
+    apply_theme(app, "light")
+    model = load_model()
+    engines = []
+    for _ in QUESTIONS:
+        sched = Scheduler(model, SchedulerSettings(max_streams=4, page_rows=16))
+        engines.append((sched, KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*").attach(sched.cache)))
+    window = WatchWindow()
+    window.resize(1500, 900)
+    window.show()
+    window.start_watching([pub.endpoint for _, pub in engines],
+                          [pub.replay_endpoint for _, pub in engines], "")
+    for (sched, pub), questions in zip(engines, QUESTIONS):
+        pub.wait_for_subscriber(10)
+        for q in questions:
+            sched.submit(system=SYSTEM, user=q, sampling=SamplingParams(temperature=0.0), max_new_tokens=12)
+        while sched.has_work():
+            sched.step()
+            app.processEvents()
+        pub.flush(10)
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        app.processEvents()
+        time.sleep(0.01)
+    window.grab().save(args.out)
+    print(f"wrote {args.out}")
+    window.close()
+    for _, pub in engines:
+        pub.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
