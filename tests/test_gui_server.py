@@ -27,7 +27,7 @@ def desktop(open_desktop, qtbot, tiny_gguf_path):
     return d
 
 
-def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbot):
+def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbot, tmp_path):
     d, w, c = desktop, desktop.window, desktop.controller
     port = free_port()
     set_settings(d, server_port=port, max_new_tokens=4)
@@ -52,6 +52,11 @@ def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbo
     qtbot.waitUntil(lambda: chains.rowCount() > 0, timeout=10_000)
     assert any(chains.chain_at(i).preview == "Any paint?" for i in range(chains.rowCount()))
     assert w.served_view.item(0, 0).text() == LABEL and w.served_view.item(0, 1).text() == "1"
+    assert w.requests_table.item(0, w.requests_table.columnCount() - 1).text() == LABEL
+    # ... and in the exported report.
+    c.export_report(str(tmp_path / "report.html"), "")
+    qtbot.waitUntil(lambda: bool(c.last_report_paths), timeout=30_000)
+    assert LABEL in (tmp_path / "report.html").read_text("utf-8")
 
     w.act_server.trigger()
     assert not w.act_server.isChecked() and w.server_label.text() == ""
