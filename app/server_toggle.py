@@ -33,6 +33,7 @@ class ServerToggle(QObject):
 
     @property
     def base_url(self) -> str:
+        """What clients set as OPENAI_BASE_URL ("" when off)."""
         return f"{self.server.url}/v1" if self.server.url else ""
 
     def set_on(self, on: bool) -> bool:
@@ -69,6 +70,7 @@ class ServerToggle(QObject):
             self.server.backend.broker.cancel_request(request_id)
 
     def stop_all(self) -> None:
+        """Stop every served request (Stop all)."""
         if self.server.backend is not None:
             self.server.backend.broker.cancel_all()
 
@@ -90,4 +92,5 @@ class ServerToggle(QObject):
         c.state_changed.emit(c.ready, c.loading, c.running)
 
     def shutdown(self) -> None:
+        """Stop serving (the app quits)."""
         self.server.stop()

@@ -13,6 +13,7 @@ SERVE_MAX_STREAMS = 8  # HTTP traffic comes in bursts of many clients: batch the
 
 
 def add_parser(sub) -> None:
+    """The `serve` subcommand and its options."""
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
@@ -42,6 +43,7 @@ def scheduler_factory(model_path: str | None, settings, prepare=None):
 
 
 def run(args) -> int:
+    """Serve until Ctrl-C; a bad option or a port in use exits with a message."""
     from .runner import ServeError, Server
 
     try:

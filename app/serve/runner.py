@@ -52,6 +52,7 @@ class HttpThread:
 
     @property
     def url(self) -> str:
+        """The base address, e.g. http://127.0.0.1:8000."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
@@ -70,6 +71,7 @@ class HttpThread:
         self.sock.close()
 
     def is_alive(self) -> bool:
+        """True while uvicorn serves."""
         return self._thread.is_alive()
 
 
@@ -99,6 +101,7 @@ class Server:
 
     @property
     def url(self) -> str:
+        """The base address, e.g. http://127.0.0.1:8000."""
         return self.http.url
 
     def start(self) -> Server:

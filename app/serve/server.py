@@ -75,10 +75,12 @@ def namespace_of(tenant: str, salt: str) -> str:
 
 
 def sse(obj) -> str:
+    """One Server-Sent Events message."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def model_id(model) -> str:
+    """The id clients see: the GGUF file name."""
     return os.path.basename(model.path)
 
 
