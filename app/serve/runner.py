@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import socket
 import threading
+import time
 
 import uvicorn
 
@@ -57,15 +58,16 @@ class HttpThread:
         return f"http://{host}:{self.port}"
 
     def start(self) -> HttpThread:
+        """Serve on the thread; return once uvicorn accepts connections."""
         self._thread.start()
-        ready = threading.Event()
         while not self.server.started and self._thread.is_alive():
-            ready.wait(0.02)
+            time.sleep(0.02)
         if not self.server.started:
             raise ServeError(f"the HTTP server on {self.url} did not start")
         return self
 
     def stop(self) -> None:
+        """Close the connections (open ones get a grace period) and join the thread."""
         self.server.should_exit = True
         self._thread.join(10)
         self.sock.close()
