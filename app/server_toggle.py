@@ -46,9 +46,10 @@ class ServerToggle(QObject):
             return True
         s = c.settings
         try:
-            self.server.start(s.server_host, s.server_port, [s.server_api_key] if s.server_api_key else [])
-            self._address = (s.server_host, s.server_port, s.server_api_key)
-        except ServeError as e:
+            self.server.start(s.server_host, s.server_port, [s.server_api_key] if s.server_api_key else [],
+                              kv_events=s.server_kv_events)
+            self._address = (s.server_host, s.server_port, s.server_api_key, s.server_kv_events)
+        except (ServeError, ValueError) as e:
             c.report_error("Could not start the server", str(e))
             self.changed.emit("")
             return False
@@ -58,7 +59,8 @@ class ServerToggle(QObject):
 
     def _on_settings(self, values: dict) -> None:
         """A new host, port or key while serving: restart on it."""
-        new = (values["server_host"], values["server_port"], values["server_api_key"])
+        new = (values["server_host"], values["server_port"], values["server_api_key"],
+               values["server_kv_events"])
         if self._address is not None and new != self._address:
             self.set_on(False)
             self.set_on(True)

@@ -12,6 +12,8 @@ from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerSettings
 from engine.stream import reserved_positions
 
+from .serve.kv_events import normalize_endpoint
+
 ORGANIZATION = "PrefixLab"
 APPLICATION = "PrefixLab"
 MAX_RECENT_MODELS = 8
@@ -44,6 +46,7 @@ class AppSettings:
     server_host: str = "127.0.0.1"   # the Server toggle's address (this machine only by default)
     server_port: int = 8000
     server_api_key: str = ""         # empty: no key asked
+    server_kv_events: str = ""       # empty: off; else where the Server publishes the cache (vLLM's events)
 
     # validation -----------------------------------------------------------
     def errors(self) -> list[str]:
@@ -69,6 +72,11 @@ class AppSettings:
             errs.append(f"Server host must be a host name or address, got {self.server_host!r}")
         if any(ord(c) < 33 for c in self.server_api_key) or len(self.server_api_key) > 200:
             errs.append("Server API key must be at most 200 characters, without spaces")
+        if self.server_kv_events:
+            try:
+                normalize_endpoint(self.server_kv_events)
+            except ValueError as e:
+                errs.append(f"Server KV events: {e}")
         if not 0.0 <= self.temperature <= 10.0:
             errs.append(f"Temperature must be from 0 (greedy) to 10, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -148,7 +156,7 @@ LABELS = {
     "namespace": "Namespace", "temperature": "Temperature", "top_k": "Top-k", "top_p": "Top-p",
     "min_p": "Min-p", "repeat_penalty": "Repetition penalty", "seed": "Seed",
     "max_new_tokens": "Max new tokens", "server_host": "Server host", "server_port": "Server port",
-    "server_api_key": "Server API key",
+    "server_api_key": "Server API key", "server_kv_events": "Server KV events",
 }
 
 

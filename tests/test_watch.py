@@ -78,7 +78,7 @@ def test_cli_watch_writes_the_rebuilt_state_at_the_end_of_duration(tmp_path, cap
     try:
         t = _publish_when_subscribed(pub)
         assert cli_main(["watch", "--kv-events", pub.endpoint, "--kv-events-replay", pub.replay_endpoint,
-                         "--duration", "1.5", "--json", str(out)]) == 0
+                         "--duration", "3", "--json", str(out)]) == 0
         t.join()
     finally:
         pub.close()
@@ -225,7 +225,7 @@ def test_cli_watch_model_shows_chains_as_text(tmp_path, tiny_gguf_path, tiny_mod
     t.start()
     try:
         assert cli_main(["watch", "--kv-events", pub.endpoint, "--model", tiny_gguf_path, "--quiet",
-                         "--duration", "1.5", "--json", str(out)]) == 0
+                         "--duration", "3", "--json", str(out)]) == 0
         t.join()
     finally:
         pub.close()

@@ -126,6 +126,12 @@ class SettingsDialog(QDialog):
         f.addRow("Host", self.server_host)
         f.addRow("Port", self.server_port)
         f.addRow("API key", self.server_api_key)
+        self.server_kv_events = QLineEdit()
+        self.server_kv_events.setPlaceholderText("(off) e.g. 127.0.0.1:5557")
+        self.server_kv_events.setToolTip("Publish the prefix cache as KV events in vLLM's format on this "
+                                         "ZeroMQ endpoint (File → Watch a server, llm-d, Dynamo read it); "
+                                         "ZeroMQ has no authentication: keep it on 127.0.0.1")
+        f.addRow("KV events", self.server_kv_events)
         lay.addWidget(server)
 
         self.error = QLabel()
@@ -163,7 +169,8 @@ class SettingsDialog(QDialog):
             "min_p": round(self.min_p.value(), 4), "repeat_penalty": round(self.repeat_penalty.value(), 4),
             "seed": self.seed.value(), "max_new_tokens": self.max_new_tokens.value(),
             "server_host": self.server_host.text().strip(), "server_port": self.server_port.value(),
-            "server_api_key": self.server_api_key.text().strip()}
+            "server_api_key": self.server_api_key.text().strip(),
+            "server_kv_events": self.server_kv_events.text().strip()}
 
     def accept(self) -> None:
         values = self.values()

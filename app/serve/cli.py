@@ -7,6 +7,7 @@ import sys
 import threading
 
 from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
+from .kv_events_publisher import add_kv_events_args, publisher_from_args
 from .server import DEFAULT_MAX_TOKENS
 
 SERVE_MAX_STREAMS = 8  # HTTP traffic comes in bursts of many clients: batch them
@@ -29,6 +30,7 @@ def add_parser(sub) -> None:
                    help="answer limit of a request that sets no max_tokens (pages are reserved for it "
                         f"at admission; default {DEFAULT_MAX_TOKENS})")
     add_scheduler_args(p, max_streams=SERVE_MAX_STREAMS, chunk_tokens=SERVE_CHUNK_TOKENS)
+    add_kv_events_args(p)
     p.set_defaults(func=run)
 
 
@@ -53,18 +55,27 @@ def run(args) -> int:
         settings = scheduler_settings_from_args(args)
         if args.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+        publisher = publisher_from_args(args)  # binds now: a taken port fails before the model loads
     except ValueError as e:
         raise SystemExit(f"prefixlab serve: {e}") from None
     keys = list(args.api_key) + [k for k in [os.environ.get("PREFIXLAB_API_KEY")] if k]
+    prepare = (lambda scheduler: publisher.attach(scheduler.cache)) if publisher else None
     try:
-        server = Server(scheduler_factory(getattr(args, "model", None), settings), args.host, args.port,
-                        api_keys=keys, cors=args.cors, default_max_tokens=args.default_max_tokens).start()
+        server = Server(scheduler_factory(getattr(args, "model", None), settings, prepare), args.host,
+                        args.port, api_keys=keys, cors=args.cors,
+                        default_max_tokens=args.default_max_tokens).start()
     except ServeError as e:
+        _close(publisher)
         raise SystemExit(f"prefixlab serve: {e}") from None
     print(f"prefixlab serve: listening on {server.url}/v1 (loading the model...)", flush=True)
+    if publisher:
+        replay = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+        print(f"prefixlab serve: KV events on {publisher.endpoint}{replay} (vLLM's format; ZeroMQ has "
+              "no authentication)", flush=True)
     server.engine.ready.wait()
     if server.engine.load_error:
         server.stop()
+        _close(publisher)
         raise SystemExit(f"prefixlab serve: cannot load model: {server.engine.load_error}")
     print(f"prefixlab serve: ready; point clients at OPENAI_BASE_URL={server.url}/v1", flush=True)
     try:
@@ -74,4 +85,10 @@ def run(args) -> int:
         print("prefixlab serve: stopping", file=sys.stderr)
     finally:
         server.stop()
+        _close(publisher)
     return 0
+
+
+def _close(publisher) -> None:
+    if publisher is not None:
+        publisher.close()

@@ -19,6 +19,7 @@ class DesktopServer:
         self.worker = worker
         self.http: HttpThread | None = None
         self.backend: Backend | None = None
+        self.publisher = None   # the KV-event publisher, while serving with kv_events
 
     @property
     def url(self) -> str | None:
@@ -26,19 +27,45 @@ class DesktopServer:
         return self.http.url if self.http is not None else None
 
     def start(self, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
-              cors: bool = False) -> str:
-        """Serve at host:port (ServeError when the port is taken); return the base URL."""
+              cors: bool = False, kv_events: str = "") -> str:
+        """Serve at host:port (ServeError when the port is taken; ValueError for a bad or taken
+        KV-event endpoint); return the base URL. `kv_events`: also publish the cache there."""
         self.stop()
         w = self.worker
+        if kv_events:
+            self._publish(kv_events)
         broker = RequestBroker()
         self.backend = Backend(broker, model=lambda: w.model if w.scheduler is not None else None,
                                stats=lambda: latest_row(w.scheduler))
-        self.http = HttpThread(create_app(self.backend, api_keys, cors), host, port).start()
+        try:
+            self.http = HttpThread(create_app(self.backend, api_keys, cors), host, port).start()
+        except Exception:
+            self.stop()  # a taken HTTP port: the publisher must not keep its port either
+            raise
         w.attach_broker(broker)
         return self.http.url
 
+    def _publish(self, endpoint: str) -> None:
+        from .kv_events import normalize_endpoint
+        from .kv_events_publisher import KVEventPublisher
+        self.publisher = KVEventPublisher(normalize_endpoint(endpoint))
+        # A new scheduler (new model, new pool) has a new cache: the publisher follows it. Called
+        # in the worker's thread as it emits, so no insert of the new cache is missed.
+        self.worker.scheduler_reset.connect(self._follow_scheduler)
+        self._follow_scheduler()
+
+    def _follow_scheduler(self, *_) -> None:
+        scheduler = self.worker.scheduler
+        if self.publisher is not None and scheduler is not None:
+            self.publisher.attach(scheduler.cache)
+
     def stop(self) -> None:
         """Stop taking requests, end open ones and close the connections."""
+        if self.publisher is not None:
+            self.worker.scheduler_reset.disconnect(self._follow_scheduler)
+            self.publisher.detach()
+            self.publisher.close()
+            self.publisher = None
         if self.http is None:
             return
         self.backend.broker.cancel_all()  # the worker ends them at its next step: streams finish

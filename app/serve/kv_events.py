@@ -103,6 +103,19 @@ def encode_batch(events: list, ts: float | None = None, data_parallel_rank: int 
     return _encoder.encode([time.time() if ts is None else ts, events, data_parallel_rank])
 
 
+def normalize_endpoint(text: str) -> str:
+    """A ZeroMQ endpoint from what a user types: `tcp://h:p` as is, `h:p` and a bare port as tcp."""
+    text = text.strip()
+    if "://" in text:
+        return text
+    if text.isdigit():
+        return f"tcp://127.0.0.1:{text}"
+    host, sep, port = text.rpartition(":")
+    if sep and port.isdigit():
+        return f"tcp://{host or '127.0.0.1'}:{port}"
+    raise ValueError(f"not a ZeroMQ endpoint: {text!r} (use tcp://127.0.0.1:5557, 127.0.0.1:5557 or 5557)")
+
+
 def seq_bytes(seq: int) -> bytes:
     """A sequence number as the 8-byte big-endian frame (signed: the replay end marker is -1)."""
     return seq.to_bytes(8, "big", signed=True)

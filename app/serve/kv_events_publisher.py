@@ -27,7 +27,15 @@ from collections import deque
 
 import zmq
 
-from .kv_events import END_SEQ, cleared_event, encode_batch, removed_event, seq_bytes, stored_event
+from .kv_events import (
+    END_SEQ,
+    cleared_event,
+    encode_batch,
+    normalize_endpoint,
+    removed_event,
+    seq_bytes,
+    stored_event,
+)
 
 MAX_EVENTS_PER_BATCH = 4096
 
@@ -122,6 +130,12 @@ class KVEventPublisher:
         cache.add_listener(self)
         return self
 
+    def detach(self) -> None:
+        """Stop listening to the cache."""
+        if self._cache is not None:
+            self._cache.remove_listener(self)
+            self._cache = None
+
     # the sender thread ------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -211,19 +225,6 @@ class KVEventPublisher:
 
 
 # command line ---------------------------------------------------------------
-def normalize_endpoint(text: str) -> str:
-    """A ZeroMQ endpoint from what a user types: `tcp://h:p` as is, `h:p` and a bare port as tcp."""
-    text = text.strip()
-    if "://" in text:
-        return text
-    if text.isdigit():
-        return f"tcp://127.0.0.1:{text}"
-    host, sep, port = text.rpartition(":")
-    if sep and port.isdigit():
-        return f"tcp://{host or '127.0.0.1'}:{port}"
-    raise ValueError(f"not a ZeroMQ endpoint: {text!r} (use tcp://127.0.0.1:5557, 127.0.0.1:5557 or 5557)")
-
-
 def add_kv_events_args(p) -> None:
     """`--kv-events`, `--kv-events-replay`, `--kv-events-topic` on a command that runs a scheduler."""
     g = p.add_argument_group("KV events (vLLM's wire format; ZeroMQ has no authentication)")
