@@ -26,7 +26,7 @@ class ServerToggle(QObject):
         self.server = DesktopServer(controller.client.worker)
         self._nonce = secrets.token_hex(3)  # card ids differ across app runs (sessions keep cards)
         self._request_of: dict[str, int] = {}  # served card uid -> its request id
-        self._address: tuple | None = None     # (host, port, key) the running server uses
+        self._address: tuple | None = None     # (host, port, key, KV events) the running server uses
         # A bound method of this QObject: Qt queues the call into the UI thread.
         controller.client.worker.served_submitted.connect(self._on_served)
         controller.settings_changed.connect(self._on_settings)
@@ -58,7 +58,7 @@ class ServerToggle(QObject):
         return True
 
     def _on_settings(self, values: dict) -> None:
-        """A new host, port or key while serving: restart on it."""
+        """A new host, port, key or KV-events endpoint while serving: restart on it."""
         new = (values["server_host"], values["server_port"], values["server_api_key"],
                values["server_kv_events"])
         if self._address is not None and new != self._address:
