@@ -103,3 +103,23 @@ def test_a_port_in_use_is_an_error_and_the_toggle_stays_off(desktop, qtbot):
     assert not w.act_server.isChecked() and w.server_label.text() == ""
     assert d.errors and "the port is in use" in d.errors[-1]
     close_boxes(w)
+
+
+def test_quitting_while_serving_ends_open_streams_cleanly(desktop, qtbot):
+    d, w, c = desktop, desktop.window, desktop.controller
+    set_settings(d, server_port=free_port())
+    w.act_server.trigger()
+    body = {"max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}]}
+    lines: list[str] = []
+
+    def client() -> None:
+        with httpx.stream("POST", d.server.base_url + "/chat/completions", json=body, timeout=60) as r:
+            lines.extend(r.iter_lines())
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    qtbot.waitUntil(lambda: any(c.transcripts[u].turns and c.transcripts[u].pieces
+                                for u in c.transcripts if u.startswith("http-")), timeout=30_000)
+    w.close()  # the app quits: the stream ends with its finish chunk, then the connection closes
+    thread.join(30)
+    assert not thread.is_alive() and lines[-2:] == ["data: [DONE]", ""]
