@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine import ModelLoadError, SamplingParams, load_model
+from engine import ModelLoadError, ModelNotInstalled, SamplingParams, load_model
 from engine.scheduler import SchedulerSettings
 
 
@@ -31,13 +31,22 @@ def sampling_from_args(args) -> SamplingParams:
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=argparse.SUPPRESS,
-                   help="GGUF model file (default: the bundled SmolLM2-135M-Instruct)")
+                   help="GGUF model file or built-in name (smollm2-135m, gemma3-270m; "
+                        "default: the bundled SmolLM2-135M-Instruct)")
 
 
 def load_model_or_exit(path: str | None):
-    """Load the model, or print the loader's message and exit with status 2."""
+    """Load the model (a file or a built-in name, installed on demand), or say why and exit (status 2)."""
     try:
         return load_model(path)
+    except ModelNotInstalled as e:
+        from .builtin_models import offer_install
+        try:
+            if offer_install(e.model):
+                return load_model_or_exit(path)
+        except RuntimeError as failed:
+            raise SystemExit(f"prefixlab: {failed}") from None
+        raise SystemExit(f"prefixlab: cannot load model: {e}") from None
     except ModelLoadError as e:
         raise SystemExit(f"prefixlab: cannot load model: {e}") from None
 

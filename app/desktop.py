@@ -13,16 +13,19 @@ import os
 
 from PySide6.QtCore import QObject, QSettings
 
+from engine import BUILTIN_MODELS
 from ui.about import AboutDialog
 from ui.main_window import MainWindow
 from ui.settings_dialog import SettingsDialog
 
+from .builtin_menu import ModelInstalls
 from .controller import Controller
 from .scenario import Scenario, bundled_scenarios, load_scenario
 from .server_toggle import ServerToggle
 from .settings import AppSettings, qsettings, recent_models
 from .system_info import about_versions
 from .watch.gui import install_watch_action
+from .whatif_controller import WhatIfController
 
 SESSION_KEY = "session/json"
 
@@ -39,8 +42,13 @@ class Desktop(QObject):
         self._closed = False
         self._wire_actions()
         self._wire_controller()
+        self.whatif = WhatIfController(
+            w.whatif, lambda: w.ask_open_path("Open a trace", "", "Traces (*.jsonl *.json);;All (*)"),
+            c.client.save_trace, parent=self)
+        c.client.worker.trace_saved.connect(self.whatif.on_session_trace)
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
+        self._installs = ModelInstalls(self)
         self._restore_session()
         w.show_state(c.ready, c.loading, c.running)
         w.prompt_pane.show_settings(c.settings.to_dict())
@@ -66,6 +74,7 @@ class Desktop(QObject):
         w.prompt_list.run_requested.connect(self.run_prompt)
         w.recent_menu.aboutToShow.connect(lambda: w.set_recent_models(recent_models(self.store)))
         w.recent_chosen.connect(self.open_model_path)
+        w.builtin_chosen.connect(self.open_builtin)
         w.recent_cleared.connect(self._clear_recent)
         w.scenario_chosen.connect(self.load_scenario)
         w.file_dropped.connect(self.handle_dropped_file)
@@ -114,7 +123,10 @@ class Desktop(QObject):
 
     # the model --------------------------------------------------------------------------
     def load_model(self, path: str | None) -> bool:
-        """Load a model (None: the bundled one); asks first if streams run."""
+        """Load a model (None: the bundled one; a built-in name: installed first if need be); asks
+        first if streams run."""
+        if path in BUILTIN_MODELS and not os.path.exists(path):
+            return self.open_builtin(path)
         c = self.controller
         if c.running:
             if not self.window.confirm("Switch model?",
@@ -127,6 +139,10 @@ class Desktop(QObject):
 
     def open_model_path(self, path: str) -> bool:
         return self.load_model(os.path.abspath(path))
+
+    def open_builtin(self, name: str) -> bool:
+        """Open a built-in model; one that is not installed is installed first, once the user agrees."""
+        return self._installs.open(name)
 
     def open_model_dialog(self) -> None:
         recent = recent_models(self.store)
@@ -274,5 +290,6 @@ class Desktop(QObject):
         self._save_session()
         self.store.sync()
         self._closed = True
+        self.whatif.close()
         self.server.shutdown()  # ends served streams and closes their connections first
         self.controller.shutdown()

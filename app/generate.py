@@ -31,7 +31,7 @@ def run(args) -> int:
         raise SystemExit("prefixlab generate: --max-new must be >= 1")
     m = load_model_or_exit(getattr(args, "model", None))
     if args.raw:
-        prompt = dl.encode(m, args.prompt)
+        prompt = m.tokenizer.encode_prompt(args.prompt)  # with the BOS a model like Gemma wants
     else:
         prompt = chat_prompt(m.tokenizer, turn_messages(args.system, args.prompt))
     pool = dl.create_kv_pool(m)

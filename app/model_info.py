@@ -26,4 +26,11 @@ def model_info(model) -> dict:
         "load_seconds": float(model.load_seconds),
         "from_image": bool(model.from_image),
         "template_warning": model.tokenizer.template_warning,
+        # architecture, tokenizer type and quantization mix, e.g. "gemma3 (sliding window 512 on
+        # 15/18 layers, ...), SentencePiece tokenizer, Q4_K x27, Q5_0 x81, Q6_K x9, Q8_0 x10, F32 x109"
+        "description": model.describe(),
+        "quant_mix": model.quant_mix,
+        "tokenizer_model": model.tokenizer_model,
+        "sliding_window": int(cfg.sliding_window),
+        "adds_bos": bool(model.tokenizer.add_bos),
     }

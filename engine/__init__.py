@@ -32,13 +32,15 @@ from .prefix_cache import (
     prefix_probe,
     prefix_release,
 )
+from .registry import BUILTIN_MODELS, BuiltinModel, ModelNotInstalled, resolve_model
 from .sampler import Sampler, SamplingParams
 
 __all__ = [
-    "BlockManager", "CacheEvent", "CachedPageInfo", "ChainRecord", "KVPool", "Model", "ModelConfig",
-    "ModelLoadError", "PoolExhausted", "PrefixCache", "ProbeResult", "Sampler", "SamplingParams",
-    "Session", "TemplateError", "create_kv_pool", "create_prefix_cache", "create_session", "decode",
-    "default_model_path", "encode", "eval", "eval_batch", "load_model", "prefix_attach",
-    "prefix_chain_list", "prefix_held_groups", "prefix_held_pages", "prefix_insert", "prefix_probe",
-    "prefix_release", "release_kv_pages",
+    "BUILTIN_MODELS", "BlockManager", "BuiltinModel", "CacheEvent", "CachedPageInfo", "ChainRecord",
+    "KVPool", "Model", "ModelConfig", "ModelLoadError", "ModelNotInstalled", "PoolExhausted",
+    "PrefixCache", "ProbeResult", "Sampler", "SamplingParams", "Session", "TemplateError",
+    "create_kv_pool", "create_prefix_cache", "create_session", "decode", "default_model_path",
+    "encode", "eval", "eval_batch", "load_model", "prefix_attach", "prefix_chain_list",
+    "prefix_held_groups", "prefix_held_pages", "prefix_insert", "prefix_probe", "prefix_release",
+    "release_kv_pages", "resolve_model",
 ]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from .chat_templates import BASE_MODEL_NOTE, family_template
 from .errors import TemplateError
 
 if TYPE_CHECKING:
@@ -131,16 +132,21 @@ def render_template(template: str, messages: list[dict], add_generation_prompt: 
         raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
 
-def checked_template(template: str | None) -> tuple[str, str]:
-    """The template to use and a warning when the GGUF's own one is unusable."""
+def checked_template(template: str | None, arch: str | None = None) -> tuple[str, str]:
+    """The template to use and a warning when the GGUF's own one is missing or unusable.
+
+    The fallback is the architecture's known turn format (Gemma's for gemma3), else plain ChatML.
+    """
+    family = family_template(arch)
+    name, fallback = family if family else ("plain ChatML", FALLBACK_TEMPLATE)
     if not template:
-        return FALLBACK_TEMPLATE, "the model has no chat template; using plain ChatML"
+        return fallback, f"the model has no chat template; using {name} ({BASE_MODEL_NOTE})"
     probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
              {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
     try:
         render_template(template, probe, True, bos_token="", eos_token="")
     except TemplateError as e:
-        return FALLBACK_TEMPLATE, f"{e}; using plain ChatML instead"
+        return fallback, f"{e}; using {name} instead"
     return template, ""
 
 
@@ -153,8 +159,12 @@ def turn_messages(system: str | None, user: str) -> list[dict]:
 
 
 def chat_prompt(tok: TextTokenizer, messages: list[dict]) -> list[int]:
-    """The tokens of a first turn: the template over `messages`, with the generation prompt."""
-    return tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+    """The tokens of a first turn: the template over `messages`, with the generation prompt.
+
+    A whole prompt: it starts with BOS when the model wants one (Gemma), whether or not the
+    template writes it, and never with two.
+    """
+    return tok.encode_prompt(tok.render_chat(messages, add_generation_prompt=True))
 
 
 @dataclass(frozen=True)
@@ -186,7 +196,7 @@ def start_turn(tok: TextTokenizer, conv: Conversation, new: list[dict]) -> Turn:
     if conv.history_tokens and after.startswith(before):
         prompt = conv.history_tokens + tuple(tok.encode(after[len(before):]))
     else:
-        prompt = tuple(tok.encode(after))
+        prompt = tuple(tok.encode_prompt(after))
     return Turn(conv, messages, prompt)
 
 

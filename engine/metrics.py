@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -116,3 +117,15 @@ class Timeline:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+@dataclass(frozen=True)
+class RequestTokens:
+    """What a request brought and gave back, for traces (app/replay): its prompt, the tokens
+    its session handed the cache when it ended (None: it never ran), and when (seconds after
+    the scheduler started). Arrays of int32: 4 bytes a token, kept for every request."""
+
+    prompt: array
+    donated: array | None
+    admitted_s: float | None
+    donated_s: float | None

@@ -1,4 +1,4 @@
-"""The llama forward pass over paged KV, as small pure NumPy functions."""
+"""The forward pass of llama, qwen2, qwen3 and gemma3 over paged KV, as small pure NumPy functions."""
 
 from __future__ import annotations
 
@@ -15,19 +15,25 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
 
 
-def rope_angles(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_angles(positions: np.ndarray, head_dim: int, base: float, scale: float = 1.0,
+                factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
-    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]            # [N, hd/2]
+    if factors is not None:
+        inv_freq = inv_freq / factors                                               # Llama 3's rope_freqs
+    angles = (positions[:, None] * scale).astype(np.float64) * inv_freq[None, :]  # [N, hd/2]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    # x [N, H, hd]; rotates ADJACENT pairs (2i, 2i+1) as llama.cpp's GGUF layout expects
-    a, b = x[..., 0::2], x[..., 1::2]          # [N, H, hd/2] each
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = False) -> np.ndarray:
+    # x [N, H, hd]; llama GGUFs rotate ADJACENT pairs (2i, 2i+1), NEOX-type models (qwen2/3,
+    # gemma3) the pairs (i, i + hd/2), as llama.cpp's rope types do
+    half = x.shape[-1] // 2
+    a, b = (x[..., :half], x[..., half:]) if neox else (x[..., 0::2], x[..., 1::2])  # [N, H, hd/2]
     c, s = cos[:, None, :], sin[:, None, :]    # [N, 1, hd/2]
     out = np.empty_like(x)                     # [N, H, hd]
-    out[..., 0::2] = a * c - b * s
-    out[..., 1::2] = a * s + b * c
+    lo, hi = (out[..., :half], out[..., half:]) if neox else (out[..., 0::2], out[..., 1::2])
+    lo[...] = a * c - b * s
+    hi[...] = a * s + b * c
     return out
 
 
@@ -39,14 +45,17 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def causal_bias(T: int, S: int, n_past: int) -> np.ndarray:
-    # [T, S]: 0 where query t (at position n_past + t) may see key s, -inf after it
-    future = np.arange(S)[None, :] > (n_past + np.arange(T))[:, None]
-    return np.where(future, np.float32(-np.inf), np.float32(0.0))
+def causal_bias(T: int, S: int, n_past: int, key_start: int = 0, window: int = 0) -> np.ndarray:
+    # [T, S]: 0 where query t (at position n_past + t) may see key s (at key_start + s), else -inf:
+    # not after it, and with a window, fewer than `window` positions before it (llama.cpp's SWA)
+    gap = (n_past + np.arange(T))[:, None] - (key_start + np.arange(S))[None, :]  # [T, S]
+    hidden = (gap < 0) | (gap >= window) if window else gap < 0
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int) -> np.ndarray:
-    """Causal grouped-query attention of T new queries over S = n_past + T keys."""
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
+              key_start: int = 0, window: int = 0) -> np.ndarray:
+    """Causal grouped-query attention of T new queries over S keys at positions key_start.. n_past + T - 1."""
     T, H, hd = q.shape          # q [T, H, hd]
     S, KV, _ = k.shape          # k, v [S, KV, hd]
     R = H // KV
@@ -56,8 +65,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int) -> np.nd
     vt = np.ascontiguousarray(v.transpose(1, 0, 2))                               # [KV, S, hd]
     scores = qg @ kt                                                              # [KV, R*T, S]
     scores *= np.float32(1.0 / np.sqrt(hd))
-    if T > 1:
-        scores.reshape(KV, R, T, S)[...] += causal_bias(T, S, n_past)             # [KV, R, T, S]
+    if T > 1 or key_start + window <= n_past:
+        scores.reshape(KV, R, T, S)[...] += causal_bias(T, S, n_past, key_start, window)  # [KV, R, T, S]
     probs = softmax(scores)                                                       # [KV, R*T, S]
     out = probs @ vt                                                              # [KV, R*T, hd]
     return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
@@ -78,13 +87,30 @@ def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np
     return (x @ blocks).transpose(1, 0, 2).reshape(len(x), -1)              # [N, out]
 
 
-def swiglu(x: np.ndarray, w: Weights, layer: int) -> np.ndarray:
+def gelu_tanh(g: np.ndarray) -> np.ndarray:
+    # [N, ff]: GELU's tanh approximation (llama.cpp's ggml_gelu, Gemma's gelu_pytorch_tanh)
+    inner = g * g                              # [N, ff]
+    inner *= np.float32(0.044715)
+    inner += 1.0
+    inner *= g
+    inner *= np.float32(np.sqrt(2.0 / np.pi))
+    np.tanh(inner, out=inner)
+    inner += 1.0
+    inner *= g
+    inner *= np.float32(0.5)
+    return inner
+
+
+def gated_ffn(x: np.ndarray, w: Weights, layer: int, act_name: str = "silu") -> np.ndarray:
     gu = linear(x, w, "w_gate_up", layer)      # [N, 2*ff]
     ff = gu.shape[1] // 2
     g, u = gu[:, :ff], gu[:, ff:]              # [N, ff] each
-    act = np.exp(-g)                           # [N, ff]; silu(g) = g / (1 + e^-g)
-    act += 1.0
-    np.divide(g, act, out=act)
+    if act_name == "gelu_tanh":
+        act = gelu_tanh(g)                     # [N, ff]
+    else:
+        act = np.exp(-g)                       # [N, ff]; silu(g) = g / (1 + e^-g)
+        act += 1.0
+        np.divide(g, act, out=act)
     act *= u
     return linear(act, w, "w_down", layer)     # [N, d]
 
@@ -99,36 +125,72 @@ def page_slots(rows: int, sessions: list[SeqSlots], counts: list[int]) -> tuple[
     return np.concatenate(pages), np.concatenate(offsets)
 
 
-def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first n positions of K and V of one session at one layer."""
+def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int,
+              first_page: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of positions first_page * page_rows .. n - 1 of one session at one layer."""
     c = pool.cfg
-    k = pool.k[layer, page_table].reshape(-1, c.n_kv_heads, c.head_dim)[:n]  # [n, KV, hd]
-    v = pool.v[layer, page_table].reshape(-1, c.n_kv_heads, c.head_dim)[:n]  # [n, KV, hd]
+    pages = page_table[first_page:]
+    m = n - first_page * pool.page_rows
+    k = pool.k[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
+    v = pool.v[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
     return k, v
+
+
+def window_first_page(n_past: int, window: int, page_rows: int) -> int:
+    """The first page a sliding layer reads: the one holding the oldest key the first new query sees."""
+    return max(0, n_past - window + 1) // page_rows if window else 0
 
 
 def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
           sessions: list[SeqSlots], counts: list[int], cos: np.ndarray, sin: np.ndarray,
           slots: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """One transformer block over the concatenated new tokens of every session."""
-    d, kv, H, KV, hd = cfg.d_model, cfg.kv_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q_dim, kv, H, KV, hd = cfg.q_dim, cfg.kv_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     N = x.shape[0]
     h = rms_norm(x, w.attn_norm[layer], cfg.norm_eps)            # [N, d]
-    qkv = linear(h, w, "wqkv", layer)                            # [N, d + 2kv]
-    qk = apply_rope(qkv[:, :d + kv].reshape(N, H + KV, hd), cos, sin)  # [N, H+KV, hd]: one pass for q|k
+    qkv = linear(h, w, "wqkv", layer)                            # [N, q_dim + 2kv]
+    if w.bqkv is not None:
+        qkv += w.bqkv[layer]                                     # [N, q_dim + 2kv]
+    qk = qkv[:, :q_dim + kv].reshape(N, H + KV, hd)              # [N, H+KV, hd]
+    if w.attn_q_norm is not None:
+        qk = np.concatenate([rms_norm(qk[:, :H], w.attn_q_norm[layer], cfg.norm_eps),
+                             rms_norm(qk[:, H:], w.attn_k_norm[layer], cfg.norm_eps)], axis=1)
+    qk = apply_rope(qk, cos, sin, cfg.rope_neox)                 # [N, H+KV, hd]: one pass for q|k
     q, k = qk[:, :H], qk[:, H:]                                  # [N, H, hd], [N, KV, hd]
-    v = qkv[:, d + kv:].reshape(N, KV, hd)                       # [N, KV, hd]
+    v = qkv[:, q_dim + kv:].reshape(N, KV, hd)                   # [N, KV, hd]
     pool.k[layer, slots[0], slots[1]] = k
     pool.v[layer, slots[0], slots[1]] = v
-    attn = np.empty((N, d), dtype=np.float32)                    # [N, d]
+    window = cfg.layer_window(layer)
+    attn = np.empty((N, q_dim), dtype=np.float32)                # [N, q_dim]
     start = 0
     for s, n in zip(sessions, counts):
-        ks, vs = gather_kv(pool, layer, s.page_table, s.n_past + n)
-        attn[start:start + n] = attention(q[start:start + n], ks, vs, s.n_past)
+        first = window_first_page(s.n_past, window, pool.page_rows)
+        ks, vs = gather_kv(pool, layer, s.page_table, s.n_past + n, first)
+        attn[start:start + n] = attention(q[start:start + n], ks, vs, s.n_past,
+                                          first * pool.page_rows, window)
         start += n
-    x = x + linear(attn, w, "wo", layer)                         # [N, d]
+    out = linear(attn, w, "wo", layer)                           # [N, d]
+    if w.post_attn_norm is not None:
+        out = rms_norm(out, w.post_attn_norm[layer], cfg.norm_eps)  # [N, d]
+    x = x + out                                                  # [N, d]
     h = rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)             # [N, d]
-    return x + swiglu(h, w, layer)                               # [N, d]
+    out = gated_ffn(h, w, layer, cfg.ffn_act)                    # [N, d]
+    if w.post_ffn_norm is not None:
+        out = rms_norm(out, w.post_ffn_norm[layer], cfg.norm_eps)   # [N, d]
+    return x + out                                               # [N, d]
+
+
+def layer_angles(cfg: ModelConfig, positions: np.ndarray,
+                 factors: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(cos, sin) [N, hd/2] of every layer; layers that share a RoPE base share the arrays."""
+    made: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
+    out = []
+    for layer in range(cfg.n_layers):
+        key = cfg.layer_rope(layer)
+        if key not in made:
+            made[key] = rope_angles(positions, cfg.head_dim, *key, factors)
+        out.append(made[key])
+    return out
 
 
 def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: list[list[int]],
@@ -143,11 +205,13 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
     counts = [len(t) for t in token_lists]
     tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
     positions = np.concatenate([np.arange(s.n_past, s.n_past + n) for s, n in zip(sessions, counts)])
-    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_base)   # [N, hd/2] each
+    angles = layer_angles(cfg, positions, w.rope_freqs)             # per layer: [N, hd/2] x 2
     slots = page_slots(pool.page_rows, sessions, counts)
     x = np.asarray(w.token_embd[tokens], dtype=np.float32)          # [N, d]
+    if cfg.scale_embeddings:
+        x = x * np.float32(cfg.embed_scale)                          # [N, d]
     for layer in range(cfg.n_layers):
-        x = block(x, w, cfg, layer, pool, sessions, counts, cos, sin, slots)
+        x = block(x, w, cfg, layer, pool, sessions, counts, *angles[layer], slots)
     rows = slice(None) if all_positions else np.cumsum(counts) - 1
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
     logits = linear(h, w, "output_t")                                # [B or N, vocab]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from array import array
 from collections import deque
 
 import numpy as np
@@ -23,7 +24,7 @@ from .admission import can_take, must_wait, plan_prefill
 from .api import create_kv_pool, create_session, eval_batch
 from .chat import Conversation, finish_turn, start_turn, turn_messages
 from .loader import Model
-from .metrics import RequestRecord, Timeline, page_states, timeline_row
+from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
 from .prefix_cache import create_prefix_cache, prefix_attach, prefix_insert
 from .sampler import Sampler, SamplingParams
 from .stream import Batch, FinishEvent, SchedulerSettings, Stream, SubmitRefused, TokenEvent, check_fits
@@ -50,6 +51,7 @@ class Scheduler:
         self.active: list[Stream] = []
         self.closing: list[Stream] = []       # finished turns whose closing tokens run next step
         self.records: dict[int, RequestRecord] = {}
+        self.tokens: dict[int, RequestTokens] = {}  # ended requests' prompts and donations (traces)
         self.conversations: dict[str, Conversation] = {}
         self._turns_running: set[str] = set()
         self.timeline = Timeline()
@@ -275,6 +277,8 @@ class Scheduler:
             self.closing.append(s)
         elif s.session is not None:
             self._donate_and_release(s)
+        else:  # cancelled while queued: it never attached nor donated
+            self.tokens[s.id] = RequestTokens(array("i", s.prompt), None, None, s.record.finished_s)
         return FinishEvent(s.id, s.finish_reason, s.record)
 
     def _closing_tail(self, s: Stream, turn: list[int]) -> list[int]:
@@ -289,8 +293,11 @@ class Scheduler:
 
     def _donate_and_release(self, s: Stream) -> None:
         """Publish what the session evaluated (a cancelled stream: what ran), then release it."""
+        donated = self.pool.tokens(s.session)
         if self.settings.cache_enabled:
-            self._publish(s, self.pool.tokens(s.session))
+            self._publish(s, donated)
+        self.tokens[s.id] = RequestTokens(array("i", s.prompt), array("i", donated),
+                                          s.admitted_at - self._t0, time.perf_counter() - self._t0)
         s.closing = []
         self.pool.free_session(s.session)
 

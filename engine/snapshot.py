@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .metrics import RequestRecord, TimelineRow
+from .model import window_first_page
 from .prefix_cache import ChainRecord, prefix_chain_list
 
 
@@ -22,6 +23,7 @@ class PageInfo:
     owners: list[int] = field(default_factory=list)  # request ids whose session holds the page
     first_position: int | None = None
     text: str = ""
+    read_by: str = ""  # sliding-window models: which layers the owner's next step still reads it with
 
 
 @dataclass
@@ -37,6 +39,14 @@ class Snapshot:
     page_rows: int
     prefill_tok_s: float
     seconds_saved: float
+
+
+def _read_by(cfg, in_window: bool) -> str:
+    if in_window:
+        return "all layers"
+    n_global = sum(not cfg.is_sliding(i) for i in range(cfg.n_layers))
+    return (f"{n_global} full-attention layer{'s' * (n_global != 1)} only (it lies before the "
+            f"{cfg.sliding_window}-position window of the other {cfg.n_layers - n_global})")
 
 
 class SnapshotMaker:
@@ -59,10 +69,12 @@ class SnapshotMaker:
                 text = self._text_by_key[key] = tok.decode(entry.tokens)
             pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]), entry.chain_id,
                                    first_position=entry.depth * rows, text=text)
+        cfg = scheduler.model.config
         for stream in scheduler.streams():
             s = stream.session
             if s is None:
                 continue
+            first = window_first_page(s.n_past, cfg.sliding_window, rows)
             for i, page in enumerate(s.page_table):
                 info = pages.get(page)
                 if info is None:
@@ -70,6 +82,8 @@ class SnapshotMaker:
                     info = pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]),
                                                   first_position=i * rows, text=tok.decode(toks))
                 info.owners.append(stream.id)
+                if cfg.sliding_window and not info.read_by:
+                    info.read_by = _read_by(cfg, i >= first)
         for key in [k for k in self._text_by_key if k not in live_keys]:
             del self._text_by_key[key]
         return Snapshot(

@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-IMAGE_VERSION = 3  # 2: index.json carries its own checksum; 3: the output head [d, vocab]
+IMAGE_VERSION = 5  # 2: index.json checksum; 3: output head [d, vocab]; 5: architectures, one head copy
 ALIGN = 64
 CRC_BLOCK = 1 << 24
 

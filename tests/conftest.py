@@ -70,6 +70,31 @@ def real_model():
 
 
 @pytest.fixture(scope="session")
+def gemma_model():
+    """Gemma 3 270M Q4_K_M (the built-in gemma3-270m), loaded once, in memory (no 0.75 GB image).
+
+    tools/setup.sh test installs its chunk packages: no skip.
+    """
+    try:
+        return engine.load_model(engine.resolve_model("gemma3-270m"), use_image=False)
+    except engine.ModelLoadError as e:
+        pytest.fail(f"the Gemma 3 reference tests need gemma3-270m ({e})", pytrace=False)
+
+
+@pytest.fixture
+def gemma_missing(monkeypatch):
+    """gemma3-270m's packages look uninstalled (find_spec finds none of them); returns its BuiltinModel."""
+    import importlib.util
+    real = importlib.util.find_spec
+
+    def fake(name, *args, **kwargs):
+        return None if name.startswith("gemma3_270m") else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+    return engine.BUILTIN_MODELS["gemma3-270m"]
+
+
+@pytest.fixture(scope="session")
 def reference() -> dict:
     """llama.cpp's tokenizations and greedy runs of the bundled model."""
     with open(REFERENCE_FILE, encoding="utf-8") as fh:

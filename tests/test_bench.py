@@ -26,6 +26,7 @@ CACHE = ["attach_us_per_page", "insert_us_per_page", "evict_us_per_page"]
 SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_hit_mean_s",
          "ttft_miss_mean_s", "ttft_hit_miss_ratio", "queue_wait_mean_s", "queue_wait_max_s",
          "plain_queue_wait_mean_s", "sched_wall_cached8_s", "sched_wall_ratio_streams8"]
+REPLAY = ["replay_one_config_s", "replay_10k_blocks_s", "replay_sweep_wall_s", "replay_sweep_core_share"]
 QUEUE_WAITS = {"queue_wait_mean_s", "queue_wait_max_s", "plain_queue_wait_mean_s"}
 
 
@@ -94,7 +95,7 @@ def test_quick_bench_has_every_figure_finite_and_positive(quick_run):
     assert quick_run["errors"] == {}
     assert quick_run["quick"] is True
     figs = quick_run["figures"]
-    for name in ENGINE + CACHE + SCHED:
+    for name in ENGINE + CACHE + SCHED + REPLAY:
         assert name in figs, f"missing figure {name}"
         v = figs[name]["value"]
         assert isinstance(v, float) and math.isfinite(v), f"{name} = {v!r}"

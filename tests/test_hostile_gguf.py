@@ -333,3 +333,66 @@ def test_fuzzed_header_bytes_give_only_model_load_errors(good, fuzz_dir, data):
         # A refusal is quick; a flip that still loads does the work of a real load.
         assert time.process_time() - c0 < TIME_LIMIT_S
 
+
+
+# --- architecture metadata (issue 13) ---------------------------------------------------------
+
+def _arch_file(tmp_path, arch: str, **metadata) -> str:
+    from tests.tiny_arch import write_arch_gguf
+    return write_arch_gguf(tmp_path / f"{arch}-hostile.gguf", arch, metadata=metadata)
+
+
+def _spm(key: str):
+    from tests.tiny_arch import arch_metadata
+    return arch_metadata("gemma3")[f"tokenizer.ggml.{key}"]
+
+
+ARCH_CASES = {
+    "sliding window 0": (dict(**{"gemma3.attention.sliding_window": 0}),
+                         r"sliding_window = 0 is out of range"),
+    "sliding window 2**40": (dict(**{"gemma3.attention.sliding_window": 2**40}),
+                             r"sliding_window = 1099511627776 is out of range"),
+    "scores one short": (dict(**{"tokenizer.ggml.scores": _spm("scores")[:-1]}),
+                         r"tokenizer.ggml.scores has \d+ entries, expected one per token"),
+    "scores not numbers": (dict(**{"tokenizer.ggml.scores": ["x"] * len(_spm("scores"))}),
+                           r"tokenizer.ggml.scores' is not an array of the expected type"),
+    "token type 99": (dict(**{"tokenizer.ggml.token_type": [*_spm("token_type")[:-1], 99]}),
+                      r"token_type\[\d+\] = 99 is not a llama.cpp token type"),
+    "token type -1": (dict(**{"tokenizer.ggml.token_type": [-1, *_spm("token_type")[1:]]}),
+                      r"token_type\[0\] = -1"),
+    "duplicate token": (dict(**{"tokenizer.ggml.tokens": ["<pad>", "<pad>", *_spm("tokens")[2:]]}),
+                        r"duplicate token '<pad>'"),
+    "value length differs from key length": (dict(**{"gemma3.attention.value_length": 16}),
+                                              r"value_length 16 differs from key_length 32"),
+    "key length 0": (dict(**{"gemma3.attention.key_length": 0}), r"key_length = 0 is out of range"),
+    "no sliding window": (dict(**{"gemma3.attention.sliding_window": "wide"}),
+                          r"sliding_window' = 'wide' is not a int"),
+    "rope scaling yarn": (dict(**{"gemma3.rope.scaling.type": "yarn"}),
+                          r"scaling.type 'yarn' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_hostile_architecture_metadata(tmp_path, case):
+    metadata, expected = ARCH_CASES[case]
+    message = load_error(_arch_file(tmp_path, "gemma3", **metadata))
+    assert re.search(expected, message), f"{case}: {message}"
+
+
+
+@pytest.mark.parametrize("factors, expected", [
+    (np.zeros(8, np.float32), r"rope_freqs.weight has a factor <= 0"),
+    (np.ones(5, np.float32), r"'rope_freqs.weight' has shape \(5,\), expected \(8,\)"),
+])
+def test_hostile_rope_freqs(tmp_path, factors, expected):
+    from tests.tiny_arch import write_arch_gguf
+    path = write_arch_gguf(tmp_path / "l3.gguf", "llama3", tensors={"rope_freqs.weight": factors})
+    assert re.search(expected, load_error(path))
+
+
+def test_string_arrays_are_capped(tmp_path, monkeypatch):
+    """Each string is a Python object: a file of millions of empty strings must not become them."""
+    from engine import gguf_header
+    monkeypatch.setattr(gguf_header, "MAX_STRING_ITEMS", 100)
+    message = load_error(write_tiny_gguf(tmp_path / "many.gguf"))
+    assert re.search(r"tokenizer.ggml.tokens': absurd array length 269 .*at most 100 strings", message)

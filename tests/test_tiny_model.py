@@ -37,7 +37,7 @@ def contiguous_logits(m, tokens, chunks=None) -> list[np.ndarray]:
             att = em.attention(q, K[layer, :n_past + T], V[layer, :n_past + T], n_past)
             x = x + em.linear(att.astype(np.float32), w, "wo", layer)  # the engine keeps float32
             h = em.rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)
-            x = x + em.swiglu(h, w, layer)
+            x = x + em.gated_ffn(h, w, layer)
         out.append(em.linear(em.rms_norm(x[-1:], w.output_norm, cfg.norm_eps), w, "output_t")[0])
         n_past += T
     return out

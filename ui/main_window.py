@@ -37,6 +37,7 @@ from .served_view import ServedView
 from .stream_grid import StreamGrid
 from .stream_view import StreamView
 from .theme import apply_theme, current_theme, icon
+from .whatif_panel import WhatIfPanel
 from .window_state import DEFAULT_SIZE, THEME_KEY, restore_window, save_window
 
 DEFAULT_SPLIT = [290, 470, 640]  # the charts need ~600 px
@@ -49,6 +50,7 @@ class MainWindow(QMainWindow):
     file_dropped = Signal(str)       # a .gguf or .json dropped on the window
     scenario_chosen = Signal(object)  # the payload given to set_scenarios
     recent_chosen = Signal(str)
+    builtin_chosen = Signal(str)     # a built-in model's name (Models menu)
     recent_cleared = Signal()
     closing = Signal()
 
@@ -103,6 +105,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.cache_panel, "Cache")
         self.tabs.addTab(self.requests_table, "Requests")
         self.tabs.addTab(self.served_view, "Served")
+        self.whatif = WhatIfPanel()
+        self.tabs.addTab(self.whatif, "What-if")
         right = QWidget()
         right_lay = QVBoxLayout(right)
         right_lay.setContentsMargins(4, 8, 8, 8)
@@ -185,6 +189,8 @@ class MainWindow(QMainWindow):
         file_menu.addAction(self.act_open_report)
         file_menu.addSeparator()
         file_menu.addAction(self.act_quit)
+        self.models_menu = bar.addMenu("&Models")
+        self.set_builtin_models([])
         run_menu = bar.addMenu("&Run")
         for act in (self.act_run_all, self.act_run_selected, self.act_stop_all, None, self.act_probe,
                     self.act_flush, None, self.act_server, self.act_settings):
@@ -195,6 +201,17 @@ class MainWindow(QMainWindow):
         view_menu.addSeparator()
         view_menu.addAction(self.act_reset_layout)
         bar.addMenu("&Help").addAction(self.act_about)
+
+    def set_builtin_models(self, models: list[tuple[str, str, bool, str]]) -> None:
+        """Fill the Models menu with (name, title, installed, note); an uninstalled one offers to install."""
+        self.models_menu.clear()
+        for name, title, installed, note in models:
+            act = self.models_menu.addAction(title if installed else f"{title} — install…")
+            act.setToolTip(note)
+            act.setStatusTip(note)
+            act.triggered.connect(lambda _=False, n=name: self.builtin_chosen.emit(n))
+        if not models:
+            self.models_menu.addAction("(none)").setEnabled(False)
 
     def set_recent_models(self, paths: list[str]) -> None:
         """Fill File → Recent models."""

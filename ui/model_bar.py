@@ -74,6 +74,8 @@ class ModelBar(QFrame):
         self.name.setToolTip(info["path"])
         self.chips["arch"].setText(info["arch"])
         self.chips["quant"].setText(info["quant"])
+        self.chips["quant"].setToolTip(info.get("quant_mix", ""))
+        self.chips["arch"].setToolTip(info.get("description", ""))
         self.chips["params"].setText(f"{format_count(info['n_params'])} params")
         self.chips["params"].setToolTip(f"{info['n_params']:,} parameters")
         self.chips["context"].setText(f"ctx {info['context_length']:,}")
@@ -81,7 +83,8 @@ class ModelBar(QFrame):
         for chip in self.chips.values():
             chip.show()
         warning = info.get("template_warning", "")
-        self.chips["template"].setText("⚠ plain ChatML template")
+        self.chips["template"].setText("⚠ Gemma turn template" if "Gemma" in warning
+                                       else "⚠ plain ChatML template")
         self.chips["template"].setToolTip(warning)
         self.chips["template"].setVisible(bool(warning))
         how = "from the prepared weight image" if info.get("from_image") else "from the GGUF"

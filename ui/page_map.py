@@ -180,6 +180,8 @@ class PageMap(QWidget):
                 last = info.first_position + max(self._page_rows, 1) - 1
                 rows.append(("positions", f"{info.first_position}–{last}" if self._page_rows
                              else str(info.first_position)))
+            if getattr(info, "read_by", ""):  # sliding-window models (Gemma 3)
+                rows.append(("read by", html.escape(info.read_by)))
         body = "".join(f"<tr><td style='color:#6e7781;padding-right:8px'>{k}</td><td>{v}</td></tr>"
                        for k, v in rows)
         text = ""

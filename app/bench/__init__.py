@@ -7,8 +7,11 @@ ratio divides two numbers of the same run. The table shows each figure with its 
 Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
 cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
 the watcher's block events per second), serve ("OpenAI server": 8 streaming clients against
-`prefixlab serve` and llama-cpp-python's server; not in --quick), and blas: a diagnostic of
-decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick).
+`prefixlab serve` and llama-cpp-python's server; not in --quick), replay ("Trace replay": the
+shipped Mooncake trace, one configuration and a sweep across cores), blas: a diagnostic of
+decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick), and
+llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is
+installed (no target; not in --quick).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import shutil
 import sys
 import time
 
-SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "blas")
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
+            "blas", "llama_cpp")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
-QUICK_SKIPS = ("blas", "serve")  # left out of --quick unless --only names them (serve: child servers)
+# left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run)
+QUICK_SKIPS = ("blas", "serve", "llama_cpp")
 
 
 def add_parser(sub) -> None:
@@ -35,7 +40,7 @@ def add_parser(sub) -> None:
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=argparse.SUPPRESS,
-                   help="GGUF model file (default: the bundled SmolLM2-135M-Instruct)")
+                   help="GGUF model file or built-in name (gemma3-270m; default: the bundled SmolLM2)")
     p.add_argument("--json", metavar="OUT.json", help="write every figure and the machine to this file")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for tests); not for targets")
     p.add_argument("--only", metavar="NAME,...",
@@ -87,7 +92,7 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
 
     log = log or (lambda msg: None)
     sections = list(sections)
-    path = os.path.abspath(model_path) if model_path else dl.default_model_path()
+    path = dl.resolve_model(model_path)  # a file, or a built-in name such as gemma3-270m
     t_start = time.perf_counter()
     result: dict = {"schema": 1, "quick": quick, "sections_run": sections, "machine": machine_info(),
                     "model": {"path": path}, "figures": {}, "details": {}, "errors": {}}
@@ -128,7 +133,8 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             result["model"].update({
                 "name": m.name, "arch": m.arch, "quant": m.quant, "n_params": m.n_params,
                 "file_size": m.file_size, "matmul_bytes": m.weights.matmul_bytes(),
-                "from_image": m.from_image, "config": dict(m.config.__dict__)})
+                "from_image": m.from_image, "config": dict(m.config.__dict__),
+                "description": m.describe(), "quant_mix": m.quant_mix})
             if "prefill" in sections:
                 section("prefill", lambda: bench_engine.prefill_figures(m, quick))
             if "decode" in sections or "batch" in sections:  # the batch speedup needs single-stream
@@ -147,6 +153,12 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("kv_events", lambda: kv_events_figures(quick))
         if "serve" in sections:
             section("serve", lambda: bench_serve.serve_figures(path, quick, m.tokenizer.eos_ids))
+        if "replay" in sections:
+            from . import replay as bench_replay
+            section("replay", lambda: bench_replay.replay_figures(quick))
+        if "llama_cpp" in sections:
+            from .llama_cpp import llama_cpp_figures
+            section("llama_cpp", lambda: llama_cpp_figures(path, quick, result["figures"]))
     finally:
         shutil.rmtree(tmp_cache, ignore_errors=True)
     result["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -192,6 +204,8 @@ def format_table(result: dict) -> str:
     head = (f"prefixlab bench{' --quick' if result['quick'] else ''}: {m['cpu_model']}, "
             f"{m['cpus_usable']} CPUs, numpy {m['numpy']} "
             f"({m['blas'].get('name', '?')} {m['blas'].get('version', '')}), {m['timestamp']}")
+    if result["model"].get("description"):
+        head += f"\nmodel: {result['model'].get('name', '')}: {result['model']['description']}"
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
                                                             if t["missed"] else "")]
     ui = result["details"].get("ui")

@@ -20,6 +20,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     "warm_load_s": (1.5, "<="), "peak_rss_gb": (1.2, "<="), "sched_wall_ratio": (0.45, "<="),
     "ttft_hit_miss_ratio": (0.3, "<="), "ui_max_gap_ms": (100.0, "<="),
     "watch_block_events_per_s": (50_000, ">="), "watch_ui_stall_ms": (100, "<="),
+    "replay_one_config_s": (5.0, "<="), "replay_10k_blocks_s": (5.0, "<="),
+    "replay_sweep_core_share": (0.75, ">="),
 }
 
 

@@ -54,9 +54,10 @@ class GemmReference:
     def __init__(self, m, n: int, n_sets: int, seed: int = 0):
         w = m.weights
         rng = np.random.default_rng(seed)
-        d, ff = w.wqkv.shape[1], w.w_down.shape[1]
+        d, q, ff = w.wqkv.shape[1], w.wo.shape[1], w.w_down.shape[1]
         self.n_layers = m.config.n_layers
         self.x = rng.standard_normal((n, d), dtype=np.float32)     # [n, d]
+        self.a = rng.standard_normal((n, q), dtype=np.float32)     # [n, q_dim]: attention output
         self.h = rng.standard_normal((n, ff), dtype=np.float32)    # [n, ff]
         # Distinct weight sets cycled over the layers so one layer's weights are not simply
         # cache-resident every time, as they would not be in the model.
@@ -68,11 +69,11 @@ class GemmReference:
                        "w_gate_up": list(shapes[2]), "w_down": list(shapes[3])}
 
     def run(self) -> None:
-        x, h = self.x, self.h
+        x, a, h = self.x, self.a, self.h
         for layer in range(self.n_layers):
             wqkv, wo, wgu, wd = self.sets[layer % len(self.sets)]
-            x @ wqkv   # [n, d + 2kv]
-            x @ wo     # [n, d]
+            x @ wqkv   # [n, q_dim + 2kv]
+            a @ wo     # [n, d]
             x @ wgu    # [n, 2ff]
             h @ wd     # [n, d]
 

@@ -53,6 +53,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     context_length: int
     n_layers: int
     vocab_size: int
+    description: str = ""   # architecture, tokenizer type and quantization mix (Model.describe)
 
 
 class ReportSettings(msgspec.Struct, kw_only=True):
@@ -172,7 +173,8 @@ def model_info(model: Model) -> ModelInfo:
         sha = ""  # the file went away after loading; the report still says which model ran
     return ModelInfo(file_name=d["file"], sha256=sha, file_size=d["file_size"], name=d["name"],
                      architecture=d["arch"], quantization=d["quant"], parameters=d["n_params"],
-                     context_length=d["context_length"], n_layers=d["n_layers"], vocab_size=d["vocab_size"])
+                     context_length=d["context_length"], n_layers=d["n_layers"], vocab_size=d["vocab_size"],
+                     description=d["description"])
 
 
 def _totals(scheduler, records: list[RequestRecord], rows: list[TimelineRow]) -> Totals:

@@ -191,7 +191,8 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
     if sp.seed is not None and sp.temperature > 0:
         sampling += f", seed {sp.seed}"
     model_rows = _kv([("file", m.file_name), ("name", m.name), ("architecture", m.architecture),
-                      ("quantization", m.quantization), ("parameters", m.parameters),
+                      ("quantization", m.quantization), ("model", m.description),
+                      ("parameters", m.parameters),
                       ("context length", m.context_length), ("layers", m.n_layers),
                       ("file size", format_bytes(m.file_size)), ("sha256", m.sha256)])
     settings_rows = _kv([

@@ -198,7 +198,8 @@ def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens
     if req.chat:
         last_user = next((m["content"] for m in reversed(req.messages) if m["role"] == "user"), "")
         return {"messages": req.messages, "preview": last_user[:60], **common}
-    ids = req.prompt_ids if req.prompt_ids is not None else model.tokenizer.encode(req.prompt_text)
+    # a text prompt starts with the BOS the model wants (Gemma), as llama.cpp's server adds it
+    ids = req.prompt_ids if req.prompt_ids is not None else model.tokenizer.encode_prompt(req.prompt_text)
     preview = req.prompt_text[-60:] if req.prompt_text else ""
     return {"prompt": ids, "preview": preview, **common}
 
