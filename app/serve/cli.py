@@ -27,8 +27,8 @@ def add_parser(sub) -> None:
                         "cache namespace); also read from PREFIXLAB_API_KEY")
     p.add_argument("--cors", action="store_true", help="allow cross-origin requests from any web page")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
-                   help="answer limit of a request that sets no max_tokens (pages are reserved for it "
-                        f"at admission; default {DEFAULT_MAX_TOKENS})")
+                   help="answer limit of a request that sets no max_tokens (default: the context, "
+                        "as OpenAI's; a bounded --pool-pages reserves every page of it at admission)")
     add_scheduler_args(p, max_streams=SERVE_MAX_STREAMS, chunk_tokens=SERVE_CHUNK_TOKENS)
     add_kv_events_args(p)
     p.set_defaults(func=run)
@@ -53,7 +53,7 @@ def run(args) -> int:
 
     try:
         settings = scheduler_settings_from_args(args)
-        if args.default_max_tokens < 1:
+        if args.default_max_tokens is not None and args.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
         publisher = publisher_from_args(args)  # binds now: a taken port fails before the model loads
     except ValueError as e:

@@ -87,7 +87,7 @@ class Server:
     """`prefixlab serve` as an object: an EngineLoop over `factory()` behind the HTTP app."""
 
     def __init__(self, factory, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
-                 cors: bool = False, default_max_tokens: int = DEFAULT_MAX_TOKENS):
+                 cors: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
         self.engine = EngineLoop(factory, RequestBroker())
         self.backend = Backend(self.engine.broker, model=self._model, stats=self._stats,
                                load_error=lambda: self.engine.load_error,
