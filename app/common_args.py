@@ -55,10 +55,11 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults):
     """The scheduler's settings as options (`defaults` overrides SchedulerSettings' own)."""
     g = p.add_argument_group("scheduler")
     d = SchedulerSettings(**defaults)
-    g.add_argument("--max-streams", type=int, default=d.max_streams, help="requests decoded together")
-    g.add_argument("--max-queue", type=int, default=d.max_queue, help="requests that may wait")
-    g.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, help="prompt tokens per prefill chunk")
-    g.add_argument("--page-rows", type=int, default=d.page_rows, help="positions per KV page")
+    for flag, name, text in (("--max-streams", "max_streams", "requests decoded together"),
+                             ("--max-queue", "max_queue", "requests that may wait"),
+                             ("--chunk-tokens", "chunk_tokens", "prompt tokens per prefill chunk"),
+                             ("--page-rows", "page_rows", "positions per KV page")):
+        g.add_argument(flag, type=int, default=getattr(d, name), help=text + " (default %(default)s)")
     g.add_argument("--pool-pages", type=int, default=None, help="bound the KV pool (default: grows)")
     g.add_argument("--cache-pages", type=int, default=d.cache_pages, help="cache budget in pages (0: none)")
     g.add_argument("--no-cache", action="store_true", help="turn the prefix cache off")

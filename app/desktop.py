@@ -69,6 +69,7 @@ class Desktop(QObject):
         w.act_probe.triggered.connect(self.probe_selected)
         w.act_settings.triggered.connect(self.open_settings)
         w.act_server.toggled.connect(self.server.set_on)
+        w.act_stop_all.triggered.connect(self.server.stop_all)
         w.act_about.triggered.connect(self.show_about)
         w.prompt_list.run_requested.connect(self.run_prompt)
         w.recent_menu.aboutToShow.connect(lambda: w.set_recent_models(recent_models(self.store)))
@@ -112,6 +113,7 @@ class Desktop(QObject):
     def _add_card(self, transcript) -> None:
         card = self.window.add_card(transcript)
         card.stop_clicked.connect(self.controller.stop_stream)
+        card.stop_clicked.connect(self.server.stop_card)
         card.run_clicked.connect(self.run_prompt)
         card.followup_submitted.connect(self.controller.send_followup)
 

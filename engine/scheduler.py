@@ -230,7 +230,10 @@ class Scheduler:
                     s.record.chain_hit = self.cache.pages[deepest].chain_id
                 s.record.n_cached = matched
                 self.prefill_saved += matched
-            self.pool.reserve(s.session, s.positions)  # every page it may fill: forward never allocates
+            # A bounded pool takes every page the request may fill now, so it never runs dry
+            # mid-answer; an unbounded one grows as the answer does (eval_batch allocates).
+            bounded = self.pool.max_pages is not None
+            self.pool.reserve(s.session, s.positions if bounded else len(s.prompt))
             self.active.append(s)
 
     def postprocess(self, batch: Batch, logits: np.ndarray | None) -> list:
@@ -325,13 +328,12 @@ class Scheduler:
         return FinishEvent(s.id, s.finish_reason, s.record)
 
     def _closing_tail(self, s: Stream, turn: list[int]) -> list[int]:
-        """The turn's tokens the session has not evaluated, as far as its reserved pages reach."""
+        """The turn's tokens the session has not evaluated, as far as its reserved positions reach."""
         evaluated = self.pool.tokens(s.session)
         n = len(evaluated)
         if turn[:n] != evaluated:
             return []
-        room = min(len(self.pool.table(s.session)) * self.pool.page_rows,
-                   self.model.config.context_length) - n
+        room = min(s.positions, self.model.config.context_length) - n
         return turn[n:n + max(0, room)]
 
     def _donate_and_release(self, s: Stream) -> None:
