@@ -184,16 +184,16 @@ def test_quick_bench_table_lists_every_figure(quick_run):
 @pytest.mark.model
 def test_peer_section_prints_every_ratio_against_llama_cpp(real_model, monkeypatch):
     from app.bench import peer
-    monkeypatch.setattr(peer, "llama_cpp_version", lambda: None)
+    monkeypatch.setattr(peer.llama_cpp, "version", lambda: None)
     figures, details = peer.peer_figures(real_model, quick=True)
     assert figures == {} and "llama_cpp is not importable" in details["reason"]
     monkeypatch.undo()
     pytest.importorskip("llama_cpp")
     figures, details = peer.peer_figures(real_model, quick=True)
     for name in ("peer_prefill_ratio", "peer_decode_ratio", "peer_batch8_ratio",
-                 "peer_llama_cpp_prefill_tok_s", "peer_llama_cpp_decode_tok_s"):
+                 "llama_cpp_prefill_tok_s", "llama_cpp_decode_tok_s"):
         assert figures[name]["value"] > 0 and math.isfinite(figures[name]["value"]), name
     t = details["seconds"]
     ours = details["decode_tokens"] / min(t["our_single"])
-    peer_decode = figures["peer_llama_cpp_decode_tok_s"]["value"]
+    peer_decode = figures["llama_cpp_decode_tok_s"]["value"]
     assert close(figures["peer_decode_ratio"]["value"], ours / peer_decode)

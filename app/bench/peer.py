@@ -21,6 +21,7 @@ import numpy as np
 
 import engine as dl
 
+from . import llama_cpp
 from .common import child_env, figure, ratio, target
 from .engine import bench_prompt
 
@@ -29,44 +30,9 @@ PEER_THREADS = 2
 W8_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w8.json")
 
 
-def llama_cpp_version() -> str | None:
-    """llama-cpp-python's version when it is importable, else None."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return getattr(llama_cpp, "__version__", "?")
-
-
 def load_w8() -> dict:
     with open(W8_FILE, encoding="utf-8") as fh:
         return json.load(fh)
-
-
-# llama.cpp in this process ---------------------------------------------------------------
-def _peer_model(path: str):
-    from llama_cpp import Llama
-    return Llama(model_path=path, n_threads=PEER_THREADS, n_threads_batch=PEER_THREADS, n_ctx=1024,
-                 n_batch=512, verbose=False)
-
-
-def _peer_prefill(llm, prompt: list[int]) -> float:
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    return time.perf_counter() - t0
-
-
-def _peer_decode(llm, prompt: list[int], n: int) -> float:
-    """Seconds for n greedy tokens after the first (llama.cpp samples inside generate)."""
-    llm.reset()
-    t0 = 0.0
-    for i, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True)):
-        if i == 0:
-            t0 = time.perf_counter()
-        if i == n:
-            break
-    return time.perf_counter() - t0
 
 
 # PrefixLab in this process ---------------------------------------------------------------
@@ -139,7 +105,7 @@ def _timed_child(cmd: list[str], env: dict) -> tuple[float, str]:
 def peer_w8_child(path: str) -> dict:
     """The llama.cpp side of W8 (run in a child): load, answer the questions one by one."""
     w8 = load_w8()
-    llm = _peer_model(path)
+    llm = llama_cpp.load(path, PEER_THREADS)
     n_gen = []
     for q in w8["prompts"]:
         out = llm.create_chat_completion(
@@ -151,22 +117,22 @@ def peer_w8_child(path: str) -> dict:
 
 # the section -----------------------------------------------------------------------------
 def peer_figures(m, quick: bool) -> tuple[dict, dict]:
-    version = llama_cpp_version()
+    version = llama_cpp.version()
     if version is None:
         return {}, {"available": False,
                     "reason": "llama_cpp is not importable (pip install llama-cpp-python)"}
     n_prefill, ctx, n_dec, n_batch_steps, reps = (32, 32, 2, 1, 1) if quick else (256, 128, 16, 4, 3)
     streams = 8
     prompt = bench_prompt(m, n_prefill)
-    llm = _peer_model(m.path)
+    llm = llama_cpp.load(m.path, PEER_THREADS)
     ours = _OurDecode(m, ctx, streams)
     _our_prefill(m, prompt)                                   # warm-up: pages, first touch
-    _peer_prefill(llm, prompt)
+    llama_cpp.prefill_seconds(llm, prompt)
     t = {"our_prefill": [], "peer_prefill": [], "our_single": [], "peer_single": [], "our_batch": []}
     for _ in range(reps):                                     # interleaved, best of each
-        t["peer_prefill"].append(_peer_prefill(llm, prompt))
+        t["peer_prefill"].append(llama_cpp.prefill_seconds(llm, prompt))
         t["our_prefill"].append(_our_prefill(m, prompt))
-        t["peer_single"].append(_peer_decode(llm, prompt[:ctx], n_dec))
+        t["peer_single"].append(llama_cpp.decode_seconds(llm, prompt[:ctx], n_dec))
         t["our_single"].append(ours.single(n_dec))
         t["our_batch"].append(ours.batched(n_batch_steps))
     ours.close()
@@ -198,9 +164,10 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
         "peer_batch8_ratio": figure(
             ratio(our_b, peer_dec), "x", ISSUE, **target("peer_batch8_ratio"),
             note=f"{streams} streams aggregate {our_b:.1f} tok/s vs llama.cpp's one stream"),
-        "peer_llama_cpp_prefill_tok_s": figure(peer_pf, "tok/s", ISSUE,
-                                          note=f"llama-cpp-python {version}, {PEER_THREADS} threads"),
-        "peer_llama_cpp_decode_tok_s": figure(peer_dec, "tok/s", ISSUE),
+        # llama.cpp's own speed, named by its owner (the llama_cpp section then reuses it)
+        **llama_cpp.speed_figures(peer_pf, peer_dec, ISSUE, note=(
+            f"{n_prefill}-token prefill, decode at context {ctx}; llama-cpp-python {version}, "
+            f"{PEER_THREADS} threads, same GGUF")),
     }
     if walls["ours"]:
         ours_w, peer_w = min(walls["ours"]), min(walls["peer"])
