@@ -18,7 +18,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 TARGETS: dict[str, tuple[float, str]] = {
     "prefill_flops_fraction": (0.55, ">="), "decode_bw_fraction": (0.8, ">="), "batch_speedup": (2.5, ">="),
     "warm_load_s": (1.5, "<="), "peak_rss_gb": (1.2, "<="), "sched_wall_ratio": (0.45, "<="),
-    "ttft_hit_miss_ratio": (0.3, "<="), "ui_max_gap_ms": (100.0, "<="),
+    # ttft_hit_miss_ratio: one request alone on a cold cache vs another question alone on the cached
+    # system prompt, TTFT from arrival (issue 10). The hit prefills only the uncached tail (28 of
+    # 236 tokens, 12%) plus a fixed per-request cost; measured 0.17-0.18 (best/median of 5, SmolLM2,
+    # 2 busy cores). 0.25 leaves room for load noise yet fails if the hit recomputes much of the prefix.
+    "ttft_hit_miss_ratio": (0.25, "<="), "ui_max_gap_ms": (100.0, "<="),
     "watch_block_events_per_s": (50_000, ">="), "watch_ui_stall_ms": (100, "<="),
     # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
     "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),
