@@ -31,19 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
 
-    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
-    from app.desktop import Desktop
-    from app.gui import make_app
+    app, desktop = open_desktop()
     from app.scenario import bundled_scenarios
     from app.settings import AppSettings
-    from ui.theme import apply_theme
 
-    app = make_app([sys.argv[0]])
-    apply_theme(app, "light")
-    desktop = Desktop()
     window, control = desktop.window, desktop.controller
-    window.resize(1400, 900)
-    window.show()
 
     def wait(pred, what: str) -> float:
         t0 = time.perf_counter()
@@ -101,6 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {light} and {dark}")
     window.close()
     return 0 if control.last_error is None else 1
+
+
+def open_desktop():
+    """The app on throw-away settings, light theme, its window shown at 1400x900: (app, desktop)."""
+    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
+    from app.desktop import Desktop
+    from app.gui import make_app
+    from ui.theme import apply_theme
+
+    app = make_app([sys.argv[0]])
+    apply_theme(app, "light")
+    desktop = Desktop()
+    desktop.window.resize(1400, 900)
+    desktop.window.show()
+    return app, desktop
 
 
 def settle(app, seconds: float = 0.4) -> None:

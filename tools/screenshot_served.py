@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,9 +19,7 @@ sys.path.insert(0, ROOT)
 if not os.environ.get("DISPLAY"):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from PySide6.QtCore import QSettings  # noqa: E402
-
-from tools.screenshot import settle  # noqa: E402
+from tools.screenshot import open_desktop, settle  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,21 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args(argv)
 
-    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
+    app, desktop = open_desktop()
     from app.bench.serve import W8, free_port
-    from app.desktop import Desktop
-    from app.gui import make_app
     from app.scenario import load_scenario
     from app.serve import loadtest
     from app.settings import AppSettings
-    from ui.theme import apply_theme
 
-    app = make_app([sys.argv[0]])
-    apply_theme(app, "light")
-    desktop = Desktop()
     window, control = desktop.window, desktop.controller
-    window.resize(1400, 900)
-    window.show()
     while control.model_info is None:
         settle(app, 0.1)
     control.apply_settings(AppSettings.from_dict({**control.settings.to_dict(), "server_port": free_port()}))
