@@ -65,10 +65,10 @@ def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbo
     assert not d.errors
 
 
-def test_a_served_cards_stop_ends_its_clients_stream_and_a_new_port_restarts(desktop, qtbot):
-    d, w, c = desktop, desktop.window, desktop.controller
+def serve_a_long_streamed_answer(d) -> tuple[threading.Thread, list[str]]:
+    """Turn the server on and start a client thread streaming a long answer; its SSE lines fill in."""
     set_settings(d, server_port=free_port())
-    w.act_server.trigger()
+    d.window.act_server.trigger()
     body = {"max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}]}
     lines: list[str] = []
 
@@ -78,6 +78,12 @@ def test_a_served_cards_stop_ends_its_clients_stream_and_a_new_port_restarts(des
 
     thread = threading.Thread(target=client)
     thread.start()
+    return thread, lines
+
+
+def test_a_served_cards_stop_ends_its_clients_stream_and_a_new_port_restarts(desktop, qtbot):
+    d, w, c = desktop, desktop.window, desktop.controller
+    thread, lines = serve_a_long_streamed_answer(d)
     qtbot.waitUntil(lambda: any(u.startswith("http-") for u in c.transcripts), timeout=30_000)
     card = w.streams.card(next(u for u in c.transcripts if u.startswith("http-")))
     qtbot.waitUntil(lambda: bool(card.answer_text()), timeout=30_000)
@@ -107,17 +113,7 @@ def test_a_port_in_use_is_an_error_and_the_toggle_stays_off(desktop, qtbot):
 
 def test_quitting_while_serving_ends_open_streams_cleanly(desktop, qtbot):
     d, w, c = desktop, desktop.window, desktop.controller
-    set_settings(d, server_port=free_port())
-    w.act_server.trigger()
-    body = {"max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}]}
-    lines: list[str] = []
-
-    def client() -> None:
-        with httpx.stream("POST", d.server.base_url + "/chat/completions", json=body, timeout=60) as r:
-            lines.extend(r.iter_lines())
-
-    thread = threading.Thread(target=client)
-    thread.start()
+    thread, lines = serve_a_long_streamed_answer(d)
     qtbot.waitUntil(lambda: any(c.transcripts[u].turns and c.transcripts[u].pieces
                                 for u in c.transcripts if u.startswith("http-")), timeout=30_000)
     w.close()  # the app quits: the stream ends with its finish chunk, then the connection closes
