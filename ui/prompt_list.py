@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .theme import icon
+from .theme import card_button
 
 UID_ROLE = Qt.ItemDataRole.UserRole
 
@@ -38,13 +38,14 @@ class PromptList(QWidget):
         title.setObjectName("panelTitle")
         head.addWidget(title)
         head.addStretch(1)
-        self.scenario_button = self._tool("scenario", "Load a scenario")
+        self.scenario_button = card_button("scenario", "Load a scenario")
         self.scenario_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         head.addWidget(self.scenario_button)
-        self.run_button = self._tool("run-one", "Run the selected prompt alone (Ctrl+R)", self._run_selected)
-        self.duplicate_button = self._tool("duplicate", "Duplicate the selected prompt",
-                                           self.duplicate_selected)
-        self.remove_button = self._tool("remove", "Remove the selected prompt (Delete)", self.remove_selected)
+        self.run_button = card_button("run-one", "Run the selected prompt alone (Ctrl+R)", self._run_selected)
+        self.duplicate_button = card_button("duplicate", "Duplicate the selected prompt",
+                                            self.duplicate_selected)
+        self.remove_button = card_button("remove", "Remove the selected prompt (Delete)",
+                                         self.remove_selected)
         for b in (self.run_button, self.duplicate_button, self.remove_button):
             head.addWidget(b)
         lay.addLayout(head)
@@ -67,21 +68,10 @@ class PromptList(QWidget):
         self.entry.setPlaceholderText("Type a prompt and press Enter to add it")
         self.entry.returnPressed.connect(self._add_from_entry)
         add_row.addWidget(self.entry, 1)
-        self.add_button = self._tool("add", "Add the prompt", self._add_from_entry)
+        self.add_button = card_button("add", "Add the prompt", self._add_from_entry)
         add_row.addWidget(self.add_button)
         lay.addLayout(add_row)
         self._update_buttons()
-
-    def _tool(self, name: str, tip: str, slot=None) -> QToolButton:
-        b = QToolButton()
-        b.setObjectName("cardButton")
-        b.setIcon(icon(name))
-        b.setIconSize(QSize(18, 18))
-        b.setToolTip(tip)
-        b.setAutoRaise(True)
-        if slot is not None:
-            b.clicked.connect(slot)
-        return b
 
     # queries ----------------------------------------------------------------
     def prompts(self) -> list[tuple[str, str]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor, QFont, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QFrame,
@@ -11,12 +11,11 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QSizePolicy,
     QTextEdit,
-    QToolButton,
     QVBoxLayout,
 )
 
 from .format import secs
-from .theme import color, icon, repolish
+from .theme import card_button, color, repolish
 from .transcript import Transcript, Turn
 
 CARD_MIN_WIDTH = 320
@@ -69,9 +68,10 @@ class StreamView(QFrame):
         self.title.setObjectName("cardTitle")
         self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         head.addWidget(self.title, 1)
-        self.run_button = self._button("run-one", "Run this prompt again (a new conversation)",
-                                       lambda: self.run_clicked.emit(self.uid))
-        self.stop_button = self._button("stop", "Stop this stream", lambda: self.stop_clicked.emit(self.uid))
+        self.run_button = card_button("run-one", "Run this prompt again (a new conversation)",
+                                       lambda: self.run_clicked.emit(self.uid), size=16)
+        self.stop_button = card_button("stop", "Stop this stream", lambda: self.stop_clicked.emit(self.uid),
+                                       size=16)
         self.stop_button.setEnabled(False)
         head.addWidget(self.run_button)
         head.addWidget(self.stop_button)
@@ -101,7 +101,7 @@ class StreamView(QFrame):
         self.followup.setObjectName("followUp")
         self.followup.setPlaceholderText("Follow-up question (continues this conversation)…")
         self.followup.returnPressed.connect(self._send_followup)
-        self.send_button = self._button("send", "Send the follow-up", self._send_followup)
+        self.send_button = card_button("send", "Send the follow-up", self._send_followup, size=16)
         foot.addWidget(self.followup, 1)
         foot.addWidget(self.send_button)
         lay.addLayout(foot)
@@ -125,15 +125,6 @@ class StreamView(QFrame):
             " { height: 0; border: none; background: none; }"
             "QScrollBar::add-page:vertical, QScrollBar::sub-page:vertical { background: none; }")
 
-    def _button(self, name: str, tip: str, slot) -> QToolButton:
-        b = QToolButton()
-        b.setObjectName("cardButton")
-        b.setIcon(icon(name))
-        b.setIconSize(QSize(16, 16))
-        b.setToolTip(tip)
-        b.setAutoRaise(True)
-        b.clicked.connect(slot)
-        return b
 
     # state --------------------------------------------------------------------
     @property

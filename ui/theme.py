@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
+from PySide6.QtCore import QSize
 from PySide6.QtGui import QColor, QIcon, QPalette
-from PySide6.QtWidgets import QApplication, QStyleFactory, QWidget
+from PySide6.QtWidgets import QApplication, QStyleFactory, QToolButton, QWidget
 
 RESOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "resources")
 STYLES_DIR = os.path.join(RESOURCES, "styles")
@@ -38,6 +39,19 @@ def icon(name: str) -> QIcon:
     """An icon from resources/icons (an empty icon if the file is missing)."""
     path = os.path.join(ICONS_DIR, f"{name}.svg")
     return QIcon(path) if os.path.isfile(path) else QIcon()
+
+
+def card_button(name: str, tip: str, slot=None, size: int = 18) -> QToolButton:
+    """A flat icon button styled as the cards' ("cardButton"), calling `slot` when clicked."""
+    b = QToolButton()
+    b.setObjectName("cardButton")
+    b.setIcon(icon(name))
+    b.setIconSize(QSize(size, size))
+    b.setToolTip(tip)
+    b.setAutoRaise(True)
+    if slot is not None:
+        b.clicked.connect(slot)
+    return b
 
 
 def palette(theme: str) -> QPalette:
