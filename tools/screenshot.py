@@ -38,13 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     window, control = desktop.window, desktop.controller
 
     def wait(pred, what: str) -> float:
-        t0 = time.perf_counter()
-        while not pred():
-            app.processEvents()
-            time.sleep(0.005)
-            if time.perf_counter() - t0 > args.timeout:
-                raise TimeoutError(f"timed out waiting for {what}")
-        return time.perf_counter() - t0
+        return wait_until(app, pred, what, args.timeout)
 
     print(f"model loaded in {wait(lambda: control.model_info is not None, 'the model'):.1f} s")
     scenario = next(s for s in bundled_scenarios() if args.scenario.lower() in s.name.lower())
@@ -108,6 +102,17 @@ def open_desktop():
     desktop.window.resize(1400, 900)
     desktop.window.show()
     return app, desktop
+
+
+def wait_until(app, pred, what: str, timeout: float) -> float:
+    """Run the event loop until pred() holds; seconds it took (TimeoutError naming `what` after `timeout`)."""
+    t0 = time.perf_counter()
+    while not pred():
+        app.processEvents()
+        time.sleep(0.005)
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"timed out waiting for {what}")
+    return time.perf_counter() - t0
 
 
 def settle(app, seconds: float = 0.4) -> None:

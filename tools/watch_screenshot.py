@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -21,6 +20,8 @@ if not os.environ.get("DISPLAY"):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtCore import QSettings  # noqa: E402
+
+from tools.screenshot import settle  # noqa: E402
 
 SYSTEM = ("You are the assistant of Bolt & Board, a neighbourhood hardware store. We sell power drills, "
           "hand saws, screws, nails, paint and ladders. Answer in one short sentence.")
@@ -61,10 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             sched.step()
             app.processEvents()
         pub.flush(10)
-    end = time.monotonic() + 3
-    while time.monotonic() < end:
-        app.processEvents()
-        time.sleep(0.01)
+    settle(app, 3.0)
     window.grab().save(args.out)
     print(f"wrote {args.out}")
     window.close()

@@ -14,12 +14,13 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 if not os.environ.get("DISPLAY"):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from tools.screenshot import wait_until  # noqa: E402
 
 TRACE = os.path.join(ROOT, "resources", "traces", "mooncake", "conversation_trace.jsonl")
 BUDGETS = "inf, 100000, 30000, 10000, 3000, 1000"
@@ -52,12 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     window.splitter.setSizes([260, 380, 960])  # after show: the window's restore sets its own
 
     def wait(pred, what: str) -> None:
-        t0 = time.perf_counter()
-        while not pred():
-            app.processEvents()
-            time.sleep(0.01)
-            if time.perf_counter() - t0 > args.timeout:
-                raise TimeoutError(f"timed out waiting for {what}")
+        wait_until(app, pred, what, args.timeout)
 
     desktop.whatif.load_trace(TRACE)
     wait(lambda: panel.run_button.isEnabled() or panel.error.text(), "the trace's plan")
