@@ -36,7 +36,7 @@ from .requests_table import RequestsTable
 from .served_view import ServedView
 from .stream_grid import StreamGrid
 from .stream_view import StreamView
-from .theme import apply_theme, current_theme, icon
+from .theme import apply_theme, current_theme, icon, titled_box
 from .whatif_panel import WhatIfPanel
 from .window_state import DEFAULT_SIZE, THEME_KEY, restore_window, save_window
 
@@ -81,15 +81,7 @@ class MainWindow(QMainWindow):
         self.splitter.addWidget(self.prompt_pane)
 
         self.streams = StreamGrid()
-        center = QWidget()
-        center_lay = QVBoxLayout(center)
-        center_lay.setContentsMargins(4, 8, 4, 8)
-        center_lay.setSpacing(4)
-        head = QLabel("STREAMS")
-        head.setObjectName("panelTitle")
-        center_lay.addWidget(head)
-        center_lay.addWidget(self.streams, 1)
-        self.splitter.addWidget(center)
+        self.splitter.addWidget(titled_box("STREAMS", self.streams, (4, 8, 4, 8)))
 
         self.tabs = QTabWidget()
         self.tabs.setObjectName("sideTabs")

@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (
 )
 
 from .prompt_list import PromptList
-from .theme import icon
+from .theme import icon, titled_box
 
 DEFAULT_SPLIT = [240, 460]
 
@@ -36,19 +36,11 @@ class PromptPane(QWidget):
         lay.setContentsMargins(8, 8, 4, 8)
         self.splitter = QSplitter(Qt.Orientation.Vertical)
         self.splitter.setObjectName("leftSplitter")
-        sys_box = QWidget()
-        sys_lay = QVBoxLayout(sys_box)
-        sys_lay.setContentsMargins(0, 0, 0, 0)
-        sys_lay.setSpacing(4)
-        title = QLabel("SYSTEM PROMPT")
-        title.setObjectName("panelTitle")
-        sys_lay.addWidget(title)
         self.system_edit = QPlainTextEdit()
         self.system_edit.setObjectName("systemPrompt")
         self.system_edit.setPlaceholderText("Shared by every prompt: the part the cache can reuse.")
         self.system_edit.setTabChangesFocus(True)
-        sys_lay.addWidget(self.system_edit)
-        self.splitter.addWidget(sys_box)
+        self.splitter.addWidget(titled_box("SYSTEM PROMPT", self.system_edit))
         self.prompt_list = PromptList()
         self.splitter.addWidget(self.prompt_list)
         self.splitter.setSizes(DEFAULT_SPLIT)

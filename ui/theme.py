@@ -6,7 +6,7 @@ import os
 
 from PySide6.QtCore import QSize
 from PySide6.QtGui import QColor, QIcon, QPalette
-from PySide6.QtWidgets import QApplication, QStyleFactory, QToolButton, QWidget
+from PySide6.QtWidgets import QApplication, QLabel, QStyleFactory, QToolButton, QVBoxLayout, QWidget
 
 RESOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "resources")
 STYLES_DIR = os.path.join(RESOURCES, "styles")
@@ -52,6 +52,19 @@ def card_button(name: str, tip: str, slot=None, size: int = 18) -> QToolButton:
     if slot is not None:
         b.clicked.connect(slot)
     return b
+
+
+def titled_box(title: str, body: QWidget, margins: tuple[int, int, int, int] = (0, 0, 0, 0)) -> QWidget:
+    """A panel: its title in the panels' caps style ("panelTitle") above `body`, which takes the rest."""
+    box = QWidget()
+    lay = QVBoxLayout(box)
+    lay.setContentsMargins(*margins)
+    lay.setSpacing(4)
+    head = QLabel(title)
+    head.setObjectName("panelTitle")
+    lay.addWidget(head)
+    lay.addWidget(body, 1)
+    return box
 
 
 def palette(theme: str) -> QPalette:
