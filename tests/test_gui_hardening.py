@@ -67,6 +67,16 @@ def transcripts(cards) -> list[str]:
 
 
 # 1. closing during a model load ------------------------------------------------------------------
+def assert_closes_at_once(w, c, during: str) -> None:
+    """Closing the window ends the client's thread within CLOSE_LIMIT_S."""
+    thread = c.client.thread
+    t0 = time.perf_counter()
+    w.close()
+    took = time.perf_counter() - t0
+    assert not thread.isRunning()
+    assert took < CLOSE_LIMIT_S, f"closing during {during} took {took:.1f} s"
+
+
 def test_close_during_a_slow_load_ends_the_thread_at_once(qtbot, open_desktop, monkeypatch):
     started, release = threading.Event(), threading.Event()
 
@@ -86,12 +96,7 @@ def test_close_during_a_slow_load_ends_the_thread_at_once(qtbot, open_desktop, m
     qtbot.waitUntil(started.is_set, timeout=10_000)
     assert c.loading and w.model_bar.loading and not w.act_run_all.isEnabled()
 
-    thread = c.client.thread
-    t0 = time.perf_counter()
-    w.close()
-    took = time.perf_counter() - t0
-    assert not thread.isRunning()
-    assert took < CLOSE_LIMIT_S, f"closing during a load took {took:.1f} s"
+    assert_closes_at_once(w, c, "a load")
     qtbot.wait(100)
     release.set()
     safety.cancel()
@@ -109,12 +114,7 @@ def test_close_during_a_cold_load_of_the_bundled_model(qtbot, open_desktop, tmp_
     errors = Errors(c)
     qtbot.waitUntil(lambda: bool(loader_threads()), timeout=10_000)  # the load is under way
     assert c.loading and c.model_info is None
-    thread = c.client.thread
-    t0 = time.perf_counter()
-    w.close()
-    took = time.perf_counter() - t0
-    assert not thread.isRunning()
-    assert took < CLOSE_LIMIT_S, f"closing during a cold load took {took:.1f} s"
+    assert_closes_at_once(w, c, "a cold load")
     join_loaders()
     qtbot.wait(100)
     assert not errors and c.last_error is None and not error_boxes(w)
