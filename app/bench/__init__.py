@@ -13,7 +13,8 @@ decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --qu
 llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is
 installed (no target; not in --quick).
 --peer llama-cpp adds the peer section ("Performance"): llama-cpp-python on the same GGUF,
-prefill, decode, eight streams and the W8 workload, as ratios with the issue's targets.
+prefill, decode, eight streams and the W8 workload, as ratios with the issue's targets
+(its llama.cpp tok/s are the llama_cpp_* figures, which the llama_cpp section then reuses).
 """
 
 from __future__ import annotations
