@@ -22,6 +22,7 @@ import engine
 from engine.scheduler import POOL_FIELDS, Scheduler, SubmitRefused
 from engine.snapshot import SnapshotMaker
 
+from .blas_share import leave_core_for_ui
 from .driver import EngineDriver, finished_records, token_pieces
 from .model_info import model_info
 from .probe import probe_prompt
@@ -198,6 +199,7 @@ class EngineWorker(QObject):
             accepted.append((tag, rid, s.records[rid].n_prompt))
         if accepted:
             self.requests_submitted.emit(accepted)
+            leave_core_for_ui()
             self.busy = True
             if not self._timer.isActive():
                 self._timer.start()
@@ -262,6 +264,7 @@ class EngineWorker(QObject):
     def _wake_for_served(self) -> None:
         if self.broker is not None and self.scheduler is not None and not self._quitting \
                 and not self._timer.isActive():
+            leave_core_for_ui()
             self.busy = True
             self._timer.start()
 
