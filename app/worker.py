@@ -4,7 +4,7 @@
 and the Scheduler; nothing else touches them. The UI feeds it by queued
 signals (through `EngineClient`, which lives in the UI thread) and gets plain
 data back by signals: token pieces batched per step, finished records, and a
-Snapshot copy at most ~20 times a second. Cancellation is a flag the worker
+Snapshot copy at most ~10 times a second. Cancellation is a flag the worker
 checks between steps, so a stop lands within one step even while the event
 queue is busy.
 """
@@ -29,7 +29,7 @@ from .probe import probe_prompt
 from .report import build_report
 from .settings import AppSettings
 
-STATS_INTERVAL_S = 0.05       # stats_updated at most ~20 Hz
+STATS_INTERVAL_S = 0.1        # stats_updated at most ~10 Hz: each costs both threads time
 LOAD_POLL_S = 0.05            # a load in progress looks this often whether the app quits
 
 

@@ -40,8 +40,7 @@ def ui_figures(model_path: str, quick: bool, cache_dir: str | None) -> tuple[dic
     if cache_dir:
         extra["PREFIXLAB_CACHE_DIR"] = cache_dir
     rounds = 1 if quick else ROUNDS
-    cmd = [sys.executable, "-m", "app.bench.ui_child", model_path or "", "1" if quick else "0", str(rounds),
-           "0" if quick else "1"]
+    cmd = [sys.executable, "-m", "app.bench.ui_child", model_path or "", str(int(quick)), str(rounds), "1"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=child_env(**extra))
     except subprocess.TimeoutExpired:
