@@ -25,6 +25,7 @@ from .page_map import png_bytes
 REFRESH_HZ = 5           # measured (bench "desktop app"): 15 Hz cost the worker ~1.9x its headless time
 MAX_REFRESH_MS = 1000    # the slowest the charts back off to
 PAINT_SHARE = 10         # interval >= PAINT_SHARE x the time the last frame took to paint
+STAGGER_MS = 30          # the charts of one refresh paint this far apart, not in one long stall
 
 
 class ChartsPanel(QWidget):
@@ -59,6 +60,12 @@ class ChartsPanel(QWidget):
         self._timer = QTimer(self)
         self._timer.setInterval(1000 // REFRESH_HZ)
         self._timer.timeout.connect(self._on_tick)
+        # One refresh repaints five plots; painted together they block the UI thread for
+        # ~100 ms on a busy 2-core machine, so each waits its turn (updates off until then).
+        self._unveil: list[pg.PlotWidget] = []
+        self._unveil_timer = QTimer(self)
+        self._unveil_timer.setInterval(STAGGER_MS)
+        self._unveil_timer.timeout.connect(self._unveil_next)
         self._apply_theme()
         self.refresh()
 
@@ -125,6 +132,8 @@ class ChartsPanel(QWidget):
     def refresh(self) -> None:
         """Push the buffered data to the curves now (the timer does this on its own)."""
         self._dirty = False
+        if not self._unveil_timer.isActive():
+            self._unveil_all()
         self._charts.refresh(self._buf, self._ttft)
         self.frames += 1
         self._update_summary()
@@ -177,12 +186,33 @@ class ChartsPanel(QWidget):
         if self._dirty and self._hidden_in_window():
             self._timer.stop()  # showEvent draws what came in meanwhile
         elif self._dirty:
-            painted = sum(pw.paint_s for pw in self._charts.widgets.values())
+            painted = 0.0
+            for pw in self._charts.widgets.values():  # the paints the last refresh caused
+                painted, pw.painted_s = painted + pw.painted_s, 0.0
             self._timer.setInterval(int(min(MAX_REFRESH_MS, max(1000 // REFRESH_HZ,
                                                                 PAINT_SHARE * 1000 * painted))))
-            self.refresh()
+            self._staggered_refresh()
         else:
             self._timer.stop()  # idle: no wake-ups until the next append
+
+    def _staggered_refresh(self) -> None:
+        self._unveil_all()
+        self._unveil = list(self._charts.widgets.values())[1:]  # the first paints at once
+        for pw in self._unveil:
+            pw.setUpdatesEnabled(False)
+        self._unveil_timer.start()
+        self.refresh()
+
+    def _unveil_next(self) -> None:
+        if self._unveil:
+            self._unveil.pop(0).setUpdatesEnabled(True)
+        if not self._unveil:
+            self._unveil_timer.stop()
+
+    def _unveil_all(self) -> None:
+        while self._unveil:
+            self._unveil.pop(0).setUpdatesEnabled(True)
+        self._unveil_timer.stop()
 
     def _flush(self) -> None:
         if self._dirty:
