@@ -1,4 +1,4 @@
-"""The `prefixlab` command: the desktop app by default, or generate / run / bench / serve."""
+"""The `prefixlab` command: the desktop app by default, or generate / run / bench / serve / replay."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ def build_parser() -> argparse.ArgumentParser:
                                         "default: the bundled SmolLM2-135M-Instruct)")
     sub = parser.add_subparsers(dest="command")
     from . import bench, builtin_models, generate, run_headless
+    from .replay import cli as replay_cli
     generate.add_parser(sub)
     run_headless.add_parser(sub)
     bench.add_parser(sub)
     builtin_models.add_parser(sub)
+    replay_cli.add_parser(sub)
     from .watch import cli as watch_cli
     watch_cli.add_parser(sub)
     from .serve import cli as serve_cli

@@ -55,13 +55,18 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults):
     """The scheduler's settings as options (`defaults` overrides SchedulerSettings' own)."""
     g = p.add_argument_group("scheduler")
     d = SchedulerSettings(**defaults)
-    g.add_argument("--max-streams", type=int, default=d.max_streams, help="requests decoded together")
-    g.add_argument("--max-queue", type=int, default=d.max_queue, help="requests that may wait")
-    g.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, help="prompt tokens per prefill chunk")
-    g.add_argument("--page-rows", type=int, default=d.page_rows, help="positions per KV page")
+    for flag, name, text in (("--max-streams", "max_streams", "requests decoded together"),
+                             ("--max-queue", "max_queue", "requests that may wait"),
+                             ("--chunk-tokens", "chunk_tokens", "prompt tokens per prefill chunk"),
+                             ("--page-rows", "page_rows", "positions per KV page")):
+        g.add_argument(flag, type=int, default=getattr(d, name), help=text + " (default %(default)s)")
     g.add_argument("--pool-pages", type=int, default=None, help="bound the KV pool (default: grows)")
     g.add_argument("--cache-pages", type=int, default=d.cache_pages, help="cache budget in pages (0: none)")
     g.add_argument("--no-cache", action="store_true", help="turn the prefix cache off")
+    g.add_argument("--spec-k", type=int, default=d.spec_k,
+                   help=f"speculative decoding: tokens drafted per stream and step (default {d.spec_k})")
+    g.add_argument("--no-spec", action="store_true",
+                   help="turn speculative decoding (n-gram drafts from the prompt) off")
     return g
 
 
@@ -70,6 +75,6 @@ def scheduler_settings_from_args(args) -> SchedulerSettings:
     settings = SchedulerSettings(
         max_streams=args.max_streams, max_queue=args.max_queue, chunk_tokens=args.chunk_tokens,
         page_rows=args.page_rows, pool_pages=args.pool_pages, cache_pages=args.cache_pages,
-        cache_enabled=not args.no_cache)
+        cache_enabled=not args.no_cache, spec_enabled=not args.no_spec, spec_k=args.spec_k)
     settings.validate()
     return settings

@@ -25,6 +25,7 @@ from .server_toggle import ServerToggle
 from .settings import AppSettings, qsettings, recent_models
 from .system_info import about_versions
 from .watch.gui import install_watch_action
+from .whatif_controller import WhatIfController
 
 SESSION_KEY = "session/json"
 
@@ -41,6 +42,10 @@ class Desktop(QObject):
         self._closed = False
         self._wire_actions()
         self._wire_controller()
+        self.whatif = WhatIfController(
+            w.whatif, lambda: w.ask_open_path("Open a trace", "", "Traces (*.jsonl *.json);;All (*)"),
+            c.client.save_trace, parent=self)
+        c.client.worker.trace_saved.connect(self.whatif.on_session_trace)
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
         self._installs = ModelInstalls(self)
@@ -64,6 +69,7 @@ class Desktop(QObject):
         w.act_probe.triggered.connect(self.probe_selected)
         w.act_settings.triggered.connect(self.open_settings)
         w.act_server.toggled.connect(self.server.set_on)
+        w.act_stop_all.triggered.connect(self.server.stop_all)
         w.act_about.triggered.connect(self.show_about)
         w.prompt_list.run_requested.connect(self.run_prompt)
         w.recent_menu.aboutToShow.connect(lambda: w.set_recent_models(recent_models(self.store)))
@@ -107,6 +113,7 @@ class Desktop(QObject):
     def _add_card(self, transcript) -> None:
         card = self.window.add_card(transcript)
         card.stop_clicked.connect(self.controller.stop_stream)
+        card.stop_clicked.connect(self.server.stop_card)
         card.run_clicked.connect(self.run_prompt)
         card.followup_submitted.connect(self.controller.send_followup)
 
@@ -283,5 +290,6 @@ class Desktop(QObject):
         self._save_session()
         self.store.sync()
         self._closed = True
+        self.whatif.close()
         self.server.shutdown()  # ends served streams and closes their connections first
         self.controller.shutdown()

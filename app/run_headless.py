@@ -29,6 +29,10 @@ def add_parser(sub) -> None:
     add_sampling_args(p)
     p.add_argument("--json", help="write the whole record (the JSON report) here")
     p.add_argument("--report", help="write a report: .html, .pdf, .json or .csv/.zip")
+    p.add_argument("--trace", metavar="OUT.jsonl",
+                   help="write the requests as a trace (docs/trace-schema.md)")
+    p.add_argument("--redact", action="store_true",
+                   help="with --trace: write block hashes only (the Mooncake form), no token ids")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     p.set_defaults(func=run, max_new=None)  # a scenario's own max_new_tokens applies unless given
 
@@ -37,8 +41,9 @@ def describe(r) -> str:
     """One line per finished request, e.g. `cached 48 of 67 prompt tokens, ttft 22 ms, 41 tok/s`."""
     ttft = f"{r.ttft_s * 1e3:.0f} ms" if r.ttft_s is not None else "-"
     rate = f"{r.decode_tps:.0f} tok/s" if r.decode_tps else "- tok/s"
+    spec = f", drafts {r.spec_acceptance:.0%} accepted" if r.spec_acceptance is not None else ""
     return (f"#{r.id} [{r.finish_reason}] cached {r.n_cached} of {r.n_prompt} prompt tokens, "
-            f"ttft {ttft}, {rate}, {r.n_gen} tokens  {r.preview[:40]!r}")
+            f"ttft {ttft}, {rate}, {r.n_gen} tokens{spec}  {r.preview[:40]!r}")
 
 
 def summary(sch: Scheduler, wall_s: float) -> str:
@@ -87,6 +92,14 @@ def run(args) -> int:
     for path in filter(None, (args.json, args.report)):
         write_report(path, sch, m, system, sampling, scenario.name if scenario else "")
         print(f"wrote {path}")
+    if args.trace:
+        from .replay.record import save_session_trace
+        from .replay.trace import TraceError
+        try:
+            n = save_session_trace(args.trace, sch, m.name, source="run", redact=args.redact)
+        except TraceError as e:
+            raise SystemExit(f"prefixlab run: {e}") from None
+        print(f"wrote {args.trace}: {n} requests" + (" (redacted: block hashes only)" if args.redact else ""))
     return 0
 
 

@@ -33,7 +33,7 @@ class AppSettings:
     pool_pages: int = 0          # 0: the pool grows
     cache_pages: int = 0         # cache budget in pages; 0: unbounded
     max_streams: int = 8
-    chunk_tokens: int = 64
+    chunk_tokens: int = 128      # the scheduler's default (engine/stream.py says why)
     cache_enabled: bool = True
     namespace: str = ""
     temperature: float = 0.0

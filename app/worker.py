@@ -64,6 +64,7 @@ class EngineWorker(QObject):
     probe_ready = Signal(dict)
     cache_flushed = Signal(int)
     report_ready = Signal(str, object)   # path, report data (built here, rendered in the UI thread)
+    trace_saved = Signal(str, str)       # path, "" when written, else why not
     served_submitted = Signal(list)      # [(request_id, client, preview, n_prompt), ...] from HTTP clients
     _served_waiting = Signal()           # an HTTP request arrived (emitted on the server's thread)
 
@@ -233,6 +234,19 @@ class EngineWorker(QObject):
                               namespace=self._settings.namespace)
         self.report_ready.emit(request["path"], report)
 
+    @Slot(str)
+    def save_trace(self, path: str) -> None:
+        """Write the session's ended requests as a trace (the What-if tab's "This session")."""
+        from app.replay.record import save_session_trace
+        try:
+            if self.scheduler is None or self.model is None:
+                raise RuntimeError("no model is loaded yet, so there is no session to replay")
+            save_session_trace(path, self.scheduler, self.model.name)
+        except Exception as e:  # noqa: BLE001 - the tab shows why; the thread lives on
+            self.trace_saved.emit(path, str(e))
+            return
+        self.trace_saved.emit(path, "")
+
     @Slot()
     def shutdown(self) -> None:
         """Stop stepping and end the thread's event loop (the UI thread then waits)."""
@@ -341,6 +355,7 @@ class EngineClient(QObject):
     _flush = Signal()
     _probe = Signal(dict)
     _report = Signal(object)
+    _trace = Signal(str)
     _shutdown = Signal()
 
     def __init__(self, parent: QObject | None = None):
@@ -356,6 +371,7 @@ class EngineClient(QObject):
         self._flush.connect(self.worker.flush_cache)
         self._probe.connect(self.worker.probe)
         self._report.connect(self.worker.make_report)
+        self._trace.connect(self.worker.save_trace)
         self._shutdown.connect(self.worker.shutdown)
         self._tags = 0
         self.thread.start()
@@ -388,6 +404,10 @@ class EngineClient(QObject):
 
     def make_report(self, path: str, system: str = "", title: str = "") -> None:
         self._report.emit({"path": path, "system": system, "title": title})
+
+    def save_trace(self, path: str) -> None:
+        """Ask for the session's trace at `path`; the answer comes as `worker.trace_saved`."""
+        self._trace.emit(path)
 
     def shutdown(self) -> None:
         """Stop, quit() and wait() (DESIGN §6); safe to call twice."""

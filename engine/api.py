@@ -7,6 +7,7 @@ import numpy as np
 from .kv_pool import KVPool, Session
 from .loader import Model
 from .model import forward
+from .threads import blas_threads
 
 
 def create_kv_pool(m: Model, page_rows: int = 16, max_pages: int | None = None) -> KVPool:
@@ -53,12 +54,13 @@ def _check_eval(m: Model, s: Session, tokens, pool: KVPool) -> list[int]:
 
 
 def eval_batch(m: Model, sessions: list[Session], token_lists: list,
-               all_positions: bool = False) -> np.ndarray:
+               all_positions: bool = False, n_logits: list[int] | None = None) -> np.ndarray:
     """One forward pass for many sessions; float32[B, vocab] logits after each last token.
 
     The pool allocates the new tokens' slots first (all or nothing: PoolExhausted changes
     nothing), the forward pass writes their K/V, then the pool records the tokens.
-    `all_positions` returns logits after every new token instead (teacher forcing).
+    `all_positions` returns logits after every new token instead (teacher forcing);
+    `n_logits` after each session's last `n_logits[i]` tokens, concatenated (speculative decoding).
     """
     if len(sessions) != len(token_lists) or not sessions:
         raise ValueError("eval_batch needs one token list per session, and at least one session")
@@ -66,8 +68,12 @@ def eval_batch(m: Model, sessions: list[Session], token_lists: list,
         raise ValueError("eval_batch got the same session twice")
     pool = sessions[0].pool
     toks = [_check_eval(m, s, t, pool) for s, t in zip(sessions, token_lists)]
+    if n_logits is not None and (len(n_logits) != len(toks) or
+                                 any(not 1 <= k <= len(t) for k, t in zip(n_logits, toks))):
+        raise ValueError("n_logits needs one count per session, each between 1 and its token count")
     slots = pool.allocate(sessions, [len(t) for t in toks])
-    logits = forward(m, pool, slots, toks, all_positions)
+    blas_threads().fit(sum(len(t) for t in toks))  # no more BLAS threads than free cores
+    logits = forward(m, pool, slots, toks, all_positions, n_logits)
     pool.commit(sessions, toks)
     return logits
 

@@ -230,6 +230,22 @@ class BlockManager:
                 raise RuntimeError(f"session {s.id}: committing tokens past its allocated pages")
             seq.tokens.extend(int(t) for t in toks)
 
+    def rollback(self, s: Session, n_tokens: int) -> None:
+        """Forget the session's last `n_tokens` evaluated tokens (rejected speculative drafts).
+
+        Their pages stay with the session (reserved at admission); the next tokens overwrite
+        those rows. Only private pages can lose tokens: a cached or shared page is immutable.
+        """
+        seq = self._live(s)
+        if not 0 <= n_tokens <= len(seq.tokens):
+            raise ValueError(f"session {s.id}: cannot roll back {n_tokens} of {len(seq.tokens)} tokens")
+        keep = len(seq.tokens) - n_tokens
+        rows = self.page_rows
+        for page in seq.pages[keep // rows:pages_for(len(seq.tokens), rows)]:
+            if self.refs[page] != 1:
+                raise RuntimeError(f"session {s.id}: rolling back into shared or cached page {page}")
+        del seq.tokens[keep:]
+
     def check_fresh(self, s: Session) -> None:
         """Raise unless the session is live, of this pool, and has no page and no token."""
         seq = self._live(s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -12,16 +13,29 @@ from tokenizers import Tokenizer
 from .chat import checked_template
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .gguf_loader import GGUFFile, open_gguf, quant_mix, read_float_array, read_int_array, read_string_array
 from .registry import resolve_model
 from .tokenizer import TextTokenizer, build_tokenizer
 from .weight_image import read_image, write_image
+
+if TYPE_CHECKING:  # gguf (0.1 s to import) is needed only to build an image: imported then
+    from .gguf_loader import GGUFFile
 
 TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
 BIG_HEAD_BYTES = 256 << 20  # an output head this large is worth naming in the description
 
 COLUMN_BLOCK = 64
 BLOCKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "output_t")
+
+
+def to_column_blocks(w: np.ndarray) -> np.ndarray | None:
+    """w [..., K, N] as [..., N/64, K, 64] contiguous column blocks; None when N % 64 != 0."""
+    *lead, K, N = w.shape
+    if N % COLUMN_BLOCK:
+        return None
+    return np.ascontiguousarray(w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK).swapaxes(-3, -2))
+
+
+BLOCKS_SUFFIX = "@blocks"  # weight-image name of an array's column blocks
 
 
 @dataclass
@@ -45,19 +59,16 @@ class Weights:
     post_ffn_norm: np.ndarray | None = None   # [L, d]
     rope_freqs: np.ndarray | None = None      # [head_dim/2]: RoPE frequency divisors (Llama 3.1+)
 
-    column_blocks: dict = field(default_factory=dict, repr=False)  # small-batch copies, made on first use
+    column_blocks: dict = field(default_factory=dict, repr=False)  # from the image, or made on first use
 
     def blocked(self, name: str) -> np.ndarray | None:
         """`name` ([L,] K, N) as [L,] N/64, K, 64 column blocks, or None when N is not a multiple of 64.
 
         OpenBLAS runs a GEMM of 2-16 rows at a third of a GEMV's bandwidth, but a batch of
-        64-column blocks at full speed; the copy is made only once batched decoding starts.
+        64-column blocks at full speed. The weight image stores them; otherwise made on first use.
         """
         if name not in self.column_blocks:
-            w = getattr(self, name)
-            *lead, K, N = w.shape
-            self.column_blocks[name] = None if N % COLUMN_BLOCK else np.ascontiguousarray(
-                w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK).swapaxes(-3, -2))
+            self.column_blocks[name] = to_column_blocks(getattr(self, name))
         return self.column_blocks[name]
 
     def prepare_batched(self) -> None:
@@ -164,6 +175,9 @@ def _weight_arrays(gf: GGUFFile):
         if name == "rope_freqs" and not (arr > 0).all():
             raise ModelLoadError(f"{gf.path}: rope_freqs.weight has a factor <= 0")
         yield name, arr
+        blocks = to_column_blocks(arr) if name in BLOCKED_WEIGHTS else None
+        if blocks is not None:  # stored, so a warm start neither copies nor holds a second set
+            yield name + BLOCKS_SUFFIX, blocks
 
 
 def _flag(gf: GGUFFile, key: str, default: bool) -> bool:
@@ -183,6 +197,7 @@ def _token_id(gf: GGUFFile, key: str) -> int | None:
 
 def _tokenizer_info(gf: GGUFFile) -> tuple[dict, Tokenizer]:
     """The tokenizer built from the GGUF's vocabulary, and the facts about it the image keeps."""
+    from .gguf_loader import quant_mix, read_float_array, read_int_array, read_string_array
     meta = gf.metadata
     model = str(meta.get("tokenizer.ggml.model", ""))
     tokens = read_string_array(gf, "tokenizer.ggml.tokens") or []
@@ -224,8 +239,10 @@ def _build(info: dict, arrays: dict[str, np.ndarray], path: str, size: int, t0: 
         template_warning=warning)
     tied = info["tied_output"]
     head = arrays["output_t"].T                                  # [vocab, d] view
+    plain = {k: v for k, v in arrays.items() if k != "token_embd" and not k.endswith(BLOCKS_SUFFIX)}
+    blocks = {k[:-len(BLOCKS_SUFFIX)]: v for k, v in arrays.items() if k.endswith(BLOCKS_SUFFIX)}
     weights = Weights(token_embd=head if tied else arrays["token_embd"], output=head,
-                      **{k: v for k, v in arrays.items() if k != "token_embd"})
+                      column_blocks=blocks, **plain)
     return Model(path=path, name=info["name"], arch=info["arch"], quant=info["quant"], config=cfg,
                  weights=weights, tokenizer=tokenizer, file_size=size,
                  n_params=cfg.n_params(tied_output=tied),
@@ -256,6 +273,7 @@ def load_model(path: str | os.PathLike | None = None, use_image: bool = True) ->
             except Exception:
                 pass  # an image that does not build is rebuilt from the GGUF, never trusted
     try:
+        from .gguf_loader import open_gguf
         gf = open_gguf(path)
         facts, tk = _tokenizer_info(gf)
         info = {"name": gf.name, "arch": gf.arch, "quant": gf.quant, "config": gf.config.__dict__,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -84,6 +85,15 @@ class RequestRecord:
     submitted_s: float = 0.0           # arrival, seconds after the scheduler started
     finished_s: float | None = None
     client: str = ""                    # where the request came from, e.g. "http 127.0.0.1 user=bob"
+    spec_drafted: int = 0               # speculative draft tokens verified for this request
+    spec_accepted: int = 0              # of those, the ones its sampler agreed with
+    spec_acceptance: float | None = None  # accepted / drafted (None while nothing was drafted)
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        """Add one verification's drafted and accepted tokens."""
+        self.spec_drafted += drafted
+        self.spec_accepted += accepted
+        self.spec_acceptance = self.spec_accepted / self.spec_drafted if self.spec_drafted else None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,3 +126,15 @@ class Timeline:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+@dataclass(frozen=True)
+class RequestTokens:
+    """What a request brought and gave back, for traces (app/replay): its prompt, the tokens
+    its session handed the cache when it ended (None: it never ran), and when (seconds after
+    the scheduler started). Arrays of int32: 4 bytes a token, kept for every request."""
+
+    prompt: array
+    donated: array | None
+    admitted_s: float | None
+    donated_s: float | None

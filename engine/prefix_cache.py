@@ -5,9 +5,15 @@ tokens (the namespace salts page 0), so equal keys mean equal prefixes. Hashes
 route, tokens verify: a hit is accepted only when the stored tokens, parent and
 namespace equal the prompt's. The cache holds one pool reference per page.
 
-Eviction gives back least-recently-used pages that no session holds, and only
-leaves (pages with no cached child), so the deepest page of a chain goes first
+Eviction gives back pages that no session holds, in the order of a pluggable
+policy (engine/eviction.py). The default, leaf-LRU, takes the least recently
+used leaf (a page with no cached child): the deepest page of a chain goes first
 and no cached page is ever stranded behind an evicted head.
+
+A cache made with `id_keys=True` (the replay of hash-id traces) keys each page
+by an id the caller passes in place of its tokens: one id per page (page_rows 1),
+already chained like Mooncake's block hashes, so nothing is hashed and the page
+stores and indexes no tokens; the same attach and insert calls drive it.
 
 The cache works over any BlockManager (a KVPool, or a bare manager with no K/V
 storage, as the trace replay uses): it only moves page ids and references.
@@ -18,13 +24,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import heapq
 import itertools
 import struct
 import time
 from collections.abc import Callable
 
 from .block_manager import BlockManager, Session
+from .eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .prefix_records import (
     CacheCounters,
     CachedPage,
@@ -61,12 +67,15 @@ class _Trie:
 
 
 class PrefixCache:
-    """Cached pages by chained key, chain records, an LRU heap of evictable leaves."""
+    """Cached pages by chained key, chain records, and an eviction policy (default leaf-LRU)."""
 
-    def __init__(self, max_pages: int = 0, hash_fn: HashFn | None = None):
+    def __init__(self, max_pages: int = 0, hash_fn: HashFn | None = None,
+                 policy: str | EvictionPolicy = DEFAULT_POLICY, id_keys: bool = False):
         if not isinstance(max_pages, int) or max_pages < 0:
             raise ValueError(f"max_pages must be an integer >= 0 (0: unbounded), got {max_pages!r}")
         self.max_pages = max_pages
+        self.id_keys = id_keys
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.hash_fn = hash_fn or blake2b_64
         self.pages: dict[int, CachedPage] = {}
         self.roots: dict[str, set[int]] = {}
@@ -76,7 +85,7 @@ class PrefixCache:
         self.pool: BlockManager | None = None
         self._clock = itertools.count(1)
         self._chain_ids = itertools.count(1)
-        self._leaf_heap: list[tuple[int, int]] = []  # (last_used, key), stale entries skipped
+        self._births = itertools.count(1)
         self.by_page: dict[int, int] = {}            # pool page -> key
         self.siblings: dict[tuple[str, int | None], _Trie] = {}  # (namespace, parent) -> tokens
         self.listeners: list[Callable[[CacheEvent], None]] = []
@@ -97,6 +106,8 @@ class PrefixCache:
 
     # keys -------------------------------------------------------------
     def page_key(self, parent: int | None, tokens, namespace: str) -> int:
+        if self.id_keys:
+            return tokens[0]  # the page's own (already chained) id
         if parent is None:
             salt = b"ns:" + namespace.encode("utf-8") + b"\0"
         else:
@@ -104,28 +115,19 @@ class PrefixCache:
         return self.hash_fn(salt + struct.pack(f"<{len(tokens)}q", *tokens))  # int64 LE
 
     def verify(self, entry: CachedPage, parent: int | None, tokens, namespace: str) -> bool:
+        # An id-keyed page has no tokens: its id is its whole prefix (chained by the trace).
         return (entry.parent == parent and entry.namespace == namespace
-                and entry.tokens == tuple(tokens))
+                and (self.id_keys or entry.tokens == tuple(tokens)))
 
     # recency ----------------------------------------------------------
     def touch(self, entry: CachedPage) -> None:
         entry.last_used = next(self._clock)
-        if not entry.children:
-            self._push_leaf(entry)
-
-    def _current(self, stamp: int, key: int) -> bool:
-        entry = self.pages.get(key)
-        return entry is not None and entry.last_used == stamp and not entry.children
-
-    def _push_leaf(self, entry: CachedPage) -> None:
-        heapq.heappush(self._leaf_heap, (entry.last_used, entry.key))
-        if len(self._leaf_heap) > 2 * len(self.pages) + 64:
-            # Every re-touch of a leaf leaves a stale entry; without eviction they would
-            # pile up forever. Dropping them is O(heap) once per O(cache) pushes.
-            self._leaf_heap = [item for item in self._leaf_heap if self._current(*item)]
-            heapq.heapify(self._leaf_heap)
+        entry.uses += 1
+        self.policy.touched(entry, self.pages)
 
     def bind(self, pool: BlockManager) -> None:
+        if self.id_keys and pool.page_rows != 1:
+            raise ValueError(f"an id-keyed cache needs one id per page (page_rows 1), got {pool.page_rows}")
         if self.pool is None:
             self.pool, self.page_rows = pool, pool.page_rows
             pool.add_cache(self)
@@ -133,35 +135,31 @@ class PrefixCache:
             raise ValueError("this prefix cache belongs to another KV pool")
 
     # eviction ---------------------------------------------------------
-    def _evictable(self, entry: CachedPage) -> bool:
-        return not entry.children and self.pool.refs[entry.page] == 1
+    def _unheld(self, entry: CachedPage) -> bool:
+        return self.pool.refs[entry.page] == 1  # only the cache's own reference
 
     def evict(self, n: int) -> int:
-        """Give back up to n least-recently-used leaf pages no session holds; return how many."""
-        evicted, held, removed = 0, [], []
-        while evicted < n and self._leaf_heap:
-            stamp, key = heapq.heappop(self._leaf_heap)
-            if not self._current(stamp, key):
-                continue  # stale heap entry
-            entry = self.pages[key]
-            if not self._evictable(entry):
-                held.append((stamp, key))
-                continue
+        """Give back up to n pages no session holds, in the policy's order; return how many."""
+        removed: list[CachedPage] = []
+
+        def remove(entry: CachedPage) -> None:
             self._remove(entry)
             removed.append(entry)
-            evicted += 1
-        for item in held:
-            heapq.heappush(self._leaf_heap, item)
+        self.policy.evict(n, self.pages, self._unheld, remove)
         if removed:
             self._emit("removed", removed)
-        return evicted
+        return len(removed)
 
     def link(self, entry: CachedPage) -> None:
         """Add a new page to the tree: its parent's children (or the roots) and the sibling trie."""
+        entry.born = next(self._births)
         if entry.parent is None:
             self.roots.setdefault(entry.namespace, set()).add(entry.key)
         else:
             self.pages[entry.parent].children.add(entry.key)
+        self.policy.added(entry)
+        if self.id_keys:
+            return  # keyed by a given id: no tokens to index for probes
         node = self.siblings.setdefault((entry.namespace, entry.parent), _Trie())
         node.n += 1
         for t in entry.tokens:
@@ -170,6 +168,8 @@ class PrefixCache:
         node.key = entry.key
 
     def _unindex(self, entry: CachedPage) -> None:
+        if self.id_keys:
+            return
         slot = (entry.namespace, entry.parent)
         node = self.siblings[slot]
         node.n -= 1
@@ -191,10 +191,14 @@ class PrefixCache:
         if entry.parent is None:
             self.roots[entry.namespace].discard(entry.key)
         else:
-            parent = self.pages[entry.parent]
-            parent.children.discard(entry.key)
-            if not parent.children:
-                self._push_leaf(parent)
+            # A policy that evicts inner pages (plain LRU) can leave this page's parent
+            # gone already; its own cached children then stay, stranded, until the
+            # parent's key is inserted again.
+            parent = self.pages.get(entry.parent)
+            if parent is not None:
+                parent.children.discard(entry.key)
+                if not parent.children:
+                    self.policy.became_leaf(parent)
         chain = self.chains[entry.chain_id]
         chain.pages_live -= 1
         if chain.pages_live == 0:
@@ -249,9 +253,11 @@ class PrefixCache:
         return n, self.pages[node.key]
 
 
-def create_prefix_cache(max_pages: int = 0, hash_fn: HashFn | None = None) -> PrefixCache:
-    """A prefix cache with a page budget (0: unbounded); `hash_fn` is injectable for tests."""
-    return PrefixCache(max_pages=max_pages, hash_fn=hash_fn)
+def create_prefix_cache(max_pages: int = 0, hash_fn: HashFn | None = None,
+                        policy: str = DEFAULT_POLICY) -> PrefixCache:
+    """A prefix cache with a page budget (0: unbounded) and an eviction policy (engine.eviction);
+    `hash_fn` is injectable for tests."""
+    return PrefixCache(max_pages=max_pages, hash_fn=hash_fn, policy=policy)
 
 
 def _check_session(pool: BlockManager, s: Session) -> None:
@@ -287,7 +293,7 @@ def prefix_insert(cache: PrefixCache, pool: BlockManager, s: Session, tokens, pr
     path: list[CachedPage] = []
     new: list[CachedPage] = []
     for i in range(covered // rows):
-        toks = tuple(int(t) for t in tokens[i * rows:(i + 1) * rows])
+        toks = tuple(map(int, tokens[i * rows:(i + 1) * rows]))
         key = cache.page_key(parent, toks, namespace)
         entry = cache.pages.get(key)
         if entry is not None:
@@ -305,8 +311,8 @@ def prefix_insert(cache: PrefixCache, pool: BlockManager, s: Session, tokens, pr
                                 first_page_depth=i)
             cache.chains[chain.id] = chain
         pool.retain(page)
-        entry = CachedPage(key=key, page=page, tokens=toks, parent=parent, namespace=namespace,
-                           depth=i, chain_id=chain.id, last_used=0)
+        # Positional: half the cost of keywords, once per new page (a replay makes ~10^5).
+        entry = CachedPage(key, page, () if cache.id_keys else toks, parent, namespace, i, chain.id)
         cache.pages[key] = entry
         cache.by_page[page] = key
         cache.link(entry)
@@ -425,6 +431,6 @@ def prefix_release(cache: PrefixCache, pool: BlockManager) -> int:
     cache.roots.clear()
     cache.siblings.clear()
     cache.chains.clear()
-    cache._leaf_heap.clear()
+    cache.policy.clear()
     cache._emit("cleared")
     return n

@@ -5,18 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedPage:
     """One cached page: its pool page, tokens and place in the tree of prefixes."""
 
     key: int
     page: int
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]     # () for an id-keyed page: it stores no tokens
     parent: int | None
     namespace: str
     depth: int
     chain_id: int
-    last_used: int
+    last_used: int = 0          # recency stamp of its last hit or insert
+    uses: int = 0               # hits + inserts (LFU)
+    born: int = 0               # insertion order (FIFO)
     children: set[int] = field(default_factory=set)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from array import array
 from collections import deque
 
 import numpy as np
@@ -23,15 +24,19 @@ from .admission import can_take, must_wait, plan_prefill
 from .api import create_kv_pool, create_session, eval_batch
 from .chat import Conversation, finish_turn, start_turn, turn_messages
 from .loader import Model
-from .metrics import RequestRecord, Timeline, page_states, timeline_row
+from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
 from .prefix_cache import create_prefix_cache, prefix_attach, prefix_insert
 from .sampler import Sampler, SamplingParams
+from .spec import propose, verify
 from .stream import Batch, FinishEvent, SchedulerSettings, Stream, SubmitRefused, TokenEvent, check_fits
 
 __all__ = ["Batch", "FinishEvent", "Scheduler", "SchedulerSettings", "Stream", "SubmitRefused",
            "TokenEvent"]
 
 POOL_FIELDS = ("page_rows", "pool_pages")  # settings that need a new pool, hence a new Scheduler
+# Decode rows per pass up to which drafts ride almost free: the 64-column-block GEMMs cost,
+# per pass, 0.75-1.0x one row's GEMV for 2-6 rows, 1.1x for 8, 1.3x for 10, 1.9x for 12 (measured).
+SPEC_ROWS = 8
 
 
 class Scheduler:
@@ -50,6 +55,7 @@ class Scheduler:
         self.active: list[Stream] = []
         self.closing: list[Stream] = []       # finished turns whose closing tokens run next step
         self.records: dict[int, RequestRecord] = {}
+        self.tokens: dict[int, RequestTokens] = {}  # ended requests' prompts and donations (traces)
         self.conversations: dict[str, Conversation] = {}
         self._turns_running: set[str] = set()
         self.timeline = Timeline()
@@ -158,7 +164,8 @@ class Scheduler:
         t0 = time.perf_counter()
         batch = self.schedule()
         sessions = batch.sessions()
-        logits = eval_batch(self.model, sessions, batch.tokens()) if sessions else None
+        logits = eval_batch(self.model, sessions, batch.tokens(), n_logits=batch.n_logits()) \
+            if sessions else None
         events = self.postprocess(batch, logits)
         step_s = time.perf_counter() - t0
         if batch.n_prefill:
@@ -179,7 +186,23 @@ class Scheduler:
         leaving = {s.id for s in batch.cancelled}
         batch.decode = [s for s in self.active if s.decoding and s.id not in leaving]
         batch.prefill = plan_prefill(self.active, leaving, self.settings.chunk_tokens)
+        if self.settings.spec_enabled:
+            batch.drafts = self._drafts(batch.decode)
         return batch
+
+    def _drafts(self, decode: list[Stream]) -> list[list[int]]:
+        """Prompt-lookup drafts per decoding stream: within its reserved positions, its token
+        budget and the context, and SPEC_ROWS decode rows in all."""
+        budget = max(0, SPEC_ROWS - len(decode))
+        drafts = []
+        for s in decode:
+            n_past = s.session.n_past
+            room = min(self.settings.spec_k, budget, s.max_new_tokens - s.record.n_gen - 1,
+                       s.positions - n_past - 1, self.model.config.context_length - n_past - 1)
+            d = propose(s.prompt + s.generated, room) if room > 0 else []
+            budget -= len(d)
+            drafts.append(d)
+        return drafts
 
     def _admit(self) -> None:
         self.waiting_for_pages = None
@@ -207,17 +230,22 @@ class Scheduler:
                     s.record.chain_hit = self.cache.pages[deepest].chain_id
                 s.record.n_cached = matched
                 self.prefill_saved += matched
-            self.pool.reserve(s.session, s.positions)  # every page it may fill: forward never allocates
+            # A bounded pool takes every page the request may fill now, so it never runs dry
+            # mid-answer; an unbounded one grows as the answer does (eval_batch allocates).
+            bounded = self.pool.max_pages is not None
+            self.pool.reserve(s.session, s.positions if bounded else len(s.prompt))
             self.active.append(s)
 
     def postprocess(self, batch: Batch, logits: np.ndarray | None) -> list:
         """Sample, publish computed prompt pages, finish streams, release closed turns; events."""
         events: list = []
-        self.decode_tokens += len(batch.decode)
+        self.decode_tokens += len(batch.decode) + sum(map(len, batch.drafts))
         self.prefill_computed += batch.n_prefill
-        for i, s in enumerate(batch.decode):
-            events += self._sample(s, logits[i])
-        base = len(batch.decode)
+        row = 0
+        for s, drafts in zip(batch.decode, batch.draft_lists()):
+            events += self._sample_drafted(s, drafts, logits[row:row + 1 + len(drafts)])
+            row += 1 + len(drafts)
+        base = row
         for j, (s, piece) in enumerate(batch.prefill):
             s.record.n_prefilled += len(piece)
             if self.settings.cache_enabled:
@@ -254,6 +282,26 @@ class Scheduler:
                 return chain if chain != s.record.chain_hit else None
         return None
 
+    def _sample_drafted(self, s: Stream, drafts: list[int], logits: np.ndarray) -> list[TokenEvent]:
+        """Verify a decoding stream's drafts: keep what its sampler agrees with, roll back the rest.
+
+        The pass evaluated the stream's last token and its drafts; the session keeps the last
+        token plus each accepted draft that a kept token follows, and forgets the others.
+        """
+        if not drafts:
+            return self._sample(s, logits[0])
+        kept = verify(s.sampler, s.prompt + s.generated, drafts, logits)
+        s.record.count_drafts(len(drafts), len(kept) - 1)
+        self.pool.rollback(s.session, len(drafts))  # now it holds the last token only
+        events: list[TokenEvent] = []
+        now = time.perf_counter()
+        for i, token in enumerate(kept):
+            events += s.accept(token, now, self.model.config.context_length)
+            if s.finish_reason is not None or i == len(kept) - 1:
+                break
+            self.pool.commit([s.session], [[token]])  # the pass already wrote this draft's K/V
+        return events
+
     def _sample(self, s: Stream, logits: np.ndarray) -> list[TokenEvent]:
         token = s.sampler.sample(logits, s.prompt + s.generated)
         return s.accept(token, time.perf_counter(), self.model.config.context_length)
@@ -275,22 +323,26 @@ class Scheduler:
             self.closing.append(s)
         elif s.session is not None:
             self._donate_and_release(s)
+        else:  # cancelled while queued: it never attached nor donated
+            self.tokens[s.id] = RequestTokens(array("i", s.prompt), None, None, s.record.finished_s)
         return FinishEvent(s.id, s.finish_reason, s.record)
 
     def _closing_tail(self, s: Stream, turn: list[int]) -> list[int]:
-        """The turn's tokens the session has not evaluated, as far as its reserved pages reach."""
+        """The turn's tokens the session has not evaluated, as far as its reserved positions reach."""
         evaluated = self.pool.tokens(s.session)
         n = len(evaluated)
         if turn[:n] != evaluated:
             return []
-        room = min(len(self.pool.table(s.session)) * self.pool.page_rows,
-                   self.model.config.context_length) - n
+        room = min(s.positions, self.model.config.context_length) - n
         return turn[n:n + max(0, room)]
 
     def _donate_and_release(self, s: Stream) -> None:
         """Publish what the session evaluated (a cancelled stream: what ran), then release it."""
+        donated = self.pool.tokens(s.session)
         if self.settings.cache_enabled:
-            self._publish(s, self.pool.tokens(s.session))
+            self._publish(s, donated)
+        self.tokens[s.id] = RequestTokens(array("i", s.prompt), array("i", donated),
+                                          s.admitted_at - self._t0, time.perf_counter() - self._t0)
         s.closing = []
         self.pool.free_session(s.session)
 

@@ -4,6 +4,9 @@ Layout of an image folder: `index.json` (what the arrays are, where they lie,
 and checksums) and `weights.bin` (the arrays back to back, 64-byte aligned).
 An image is used only when the GGUF's size, mtime and header checksum, the
 index's own checksum and the data checksum all agree; anything else rebuilds it.
+The data checksum is computed once: `verified.json` then records weights.bin's
+size, inode, mtime and ctime, and a load whose stat still matches skips the
+half-second re-read (any write to the file moves its ctime, which no user can set back).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import zlib
 
 import numpy as np
 
-IMAGE_VERSION = 5  # 2: index.json checksum; 3: output head [d, vocab]; 5: architectures, one head copy
+IMAGE_VERSION = 6  # 2: index checksum; 3: head [d, vocab]; 5: architectures, one head copy; 6: blocks
 ALIGN = 64
 CRC_BLOCK = 1 << 24
 
@@ -45,9 +48,13 @@ def file_crc(path: str, length: int | None = None) -> int:
 
 
 def image_key(gguf_path: str) -> str:
-    """Folder name of a GGUF's image: size, mtime and a checksum of its first MiB."""
+    """Folder name of a GGUF's image: format version, size, mtime and a checksum of its first MiB.
+
+    The version is in the name so two PrefixLab versions sharing a cache do not rebuild
+    each other's image on every start.
+    """
     st = os.stat(gguf_path)
-    return f"{st.st_size}-{st.st_mtime_ns}-{file_crc(gguf_path, 1 << 20):08x}"
+    return f"v{IMAGE_VERSION}-{st.st_size}-{st.st_mtime_ns}-{file_crc(gguf_path, 1 << 20):08x}"
 
 
 def image_dir(gguf_path: str) -> str:
@@ -99,7 +106,37 @@ def write_image(gguf_path: str, header_bytes: int, arrays, info: dict) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _write_stamp(final, crc)
     return final
+
+
+STAMP = "verified.json"
+
+
+def _file_stamp(path: str, crc: int) -> dict:
+    st = os.stat(path)
+    return {"size": st.st_size, "ino": st.st_ino, "dev": st.st_dev, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns, "data_crc": crc}
+
+
+def _write_stamp(folder: str, crc: int) -> None:
+    """Record that weights.bin, as it is now, has checksum `crc` (best effort)."""
+    try:
+        stamp = _file_stamp(os.path.join(folder, "weights.bin"), crc)
+        with open(os.path.join(folder, STAMP), "w", encoding="utf-8") as fh:
+            json.dump(stamp, fh)
+    except OSError:
+        pass  # without a stamp the next load only re-reads the data once more
+
+
+def _stamp_matches(folder: str, crc: int) -> bool:
+    """True when weights.bin is untouched since its checksum `crc` was last verified."""
+    try:
+        with open(os.path.join(folder, STAMP), encoding="utf-8") as fh:
+            stamp = json.load(fh)
+        return stamp == _file_stamp(os.path.join(folder, "weights.bin"), crc)
+    except (OSError, ValueError):
+        return False
 
 
 def read_image(gguf_path: str) -> tuple[dict[str, np.ndarray], dict] | None:
@@ -115,8 +152,10 @@ def read_image(gguf_path: str) -> tuple[dict[str, np.ndarray], dict] | None:
             return None
         if file_crc(gguf_path, meta["gguf_header_bytes"]) != meta["gguf_header_crc"]:
             return None
-        if file_crc(data_path) != meta["data_crc"]:
-            return None
+        if not _stamp_matches(folder, meta["data_crc"]):
+            if file_crc(data_path) != meta["data_crc"]:
+                return None
+            _write_stamp(folder, meta["data_crc"])
         # A plain ndarray over the map: memmap's Python-level indexing hooks cost ~0.6 ms a token.
         blob = np.asarray(np.memmap(data_path, dtype=np.uint8, mode="r"))
         arrays = {}

@@ -15,7 +15,7 @@ import pytest
 
 from app import bench
 from app.bench.cache import cache_figures
-from app.bench.common import TARGETS, figure, ratio
+from app.bench.common import PEER_TARGETS, TARGETS, figure, ratio
 from app.bench.engine import prefill_flops
 
 ENGINE = ["prefill_tok_s", "prefill_gflop_s", "matmul_ref_gflop_s", "prefill_flops_fraction",
@@ -25,7 +25,8 @@ ENGINE = ["prefill_tok_s", "prefill_gflop_s", "matmul_ref_gflop_s", "prefill_flo
 CACHE = ["attach_us_per_page", "insert_us_per_page", "evict_us_per_page"]
 SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_hit_mean_s",
          "ttft_miss_mean_s", "ttft_hit_miss_ratio", "queue_wait_mean_s", "queue_wait_max_s",
-         "plain_queue_wait_mean_s", "sched_wall_cached8_s", "sched_wall_ratio_streams8"]
+         "plain_queue_wait_mean_s", "sched_wall_nospec_s", "spec_speedup_one_stream"]
+REPLAY = ["replay_one_config_s", "replay_10k_blocks_s", "replay_sweep_wall_s", "replay_sweep_core_share"]
 QUEUE_WAITS = {"queue_wait_mean_s", "queue_wait_max_s", "plain_queue_wait_mean_s"}
 
 
@@ -50,7 +51,8 @@ def quick_run(tmp_path_factory):
 
 # cheap unit tests -----------------------------------------------------------------------------
 def test_parse_only_sections_and_aliases():
-    assert bench.parse_only(None) == list(bench.SECTIONS)
+    assert bench.parse_only(None) == [s for s in bench.SECTIONS if s != "peer"]  # peer: opt-in
+    assert bench.parse_only("peer") == ["peer"]
     assert "blas" not in bench.parse_only(None, quick=True)
     assert bench.parse_only("cache, prefill") == ["prefill", "cache"]
     assert bench.parse_only("engine") == ["prefill", "decode", "batch", "load"]
@@ -94,7 +96,7 @@ def test_quick_bench_has_every_figure_finite_and_positive(quick_run):
     assert quick_run["errors"] == {}
     assert quick_run["quick"] is True
     figs = quick_run["figures"]
-    for name in ENGINE + CACHE + SCHED:
+    for name in ENGINE + CACHE + SCHED + REPLAY:
         assert name in figs, f"missing figure {name}"
         v = figs[name]["value"]
         assert isinstance(v, float) and math.isfinite(v), f"{name} = {v!r}"
@@ -115,7 +117,8 @@ def test_quick_bench_ratios_come_from_the_same_run(quick_run):
     assert d["decode"]["bandwidth_bytes"] >= 512 * 1024 ** 2
     assert close(f["batch_speedup"], f["batch_decode_tok_s"] / f["decode_tok_s"])
     assert close(f["sched_wall_ratio"], f["sched_wall_cached_s"] / f["sched_wall_plain_s"])
-    assert close(f["sched_wall_ratio_streams8"], f["sched_wall_cached8_s"] / f["sched_wall_plain_s"])
+    sd = d["scheduler"]
+    assert close(f["spec_speedup_one_stream"], sd["one_nospec"]["wall_s"] / sd["one"]["wall_s"])
     assert close(f["sched_wall_cached_s"], d["scheduler"]["cached"]["wall_s"])
     assert close(f["ttft_hit_miss_ratio"], f["ttft_hit_mean_s"] / f["ttft_miss_mean_s"])
     assert close(f["peak_rss_gb"], max(f["peak_rss_warm_gb"], f["peak_rss_cold_gb"]))
@@ -124,8 +127,9 @@ def test_quick_bench_ratios_come_from_the_same_run(quick_run):
 @pytest.mark.model
 def test_quick_bench_targets_and_verdicts_agree(quick_run):
     figs = quick_run["figures"]
-    assert set(TARGETS) == {k for k, v in figs.items() if v["target"] is not None}
-    for name, (target, op) in TARGETS.items():
+    measured = set(TARGETS) - set(PEER_TARGETS)  # the peer section runs only with --peer
+    assert measured == {k for k, v in figs.items() if v["target"] is not None}
+    for name, (target, op) in ((k, TARGETS[k]) for k in measured):
         fig = figs[name]
         assert (fig["op"], fig["target"]) == (op, target), name
         expected = fig["value"] <= target if op == "<=" else fig["value"] >= target
@@ -138,12 +142,12 @@ def test_quick_bench_targets_and_verdicts_agree(quick_run):
 @pytest.mark.model
 def test_quick_bench_runs_are_comparable(quick_run):
     sched = quick_run["details"]["scheduler"]
-    for run in ("cached", "plain", "cached8"):
+    for run in ("cached", "plain", "nospec", "one", "one_nospec"):
         assert all(r["n_gen"] == sched["new_tokens"] for r in sched[run]["records"]), run
     assert sched["cached"]["n_hits"] > 0 and sched["cached"]["n_misses"] > 0
     assert sched["plain"]["n_hits"] == 0 and sched["plain"]["settings"]["max_streams"] == 1
-    assert sched["cached"]["settings"]["max_streams"] == 4
-    assert sched["cached8"]["settings"]["max_streams"] == 8
+    assert sched["cached"]["settings"]["max_streams"] == 8 and sched["cached"]["settings"]["spec_enabled"]
+    assert not any(sched[run]["settings"]["spec_enabled"] for run in ("nospec", "one_nospec"))
     load = quick_run["details"]["load"]
     assert load["cold"]["from_image"] is False and load["warm"]["from_image"] is True
 
@@ -182,3 +186,21 @@ def test_quick_bench_table_lists_every_figure(quick_run):
     for name in quick_run["figures"]:
         assert name in table
     assert "targets:" in table
+
+
+@pytest.mark.model
+def test_peer_section_prints_every_ratio_against_llama_cpp(real_model, monkeypatch):
+    from app.bench import peer
+    monkeypatch.setattr(peer, "llama_cpp_version", lambda: None)
+    figures, details = peer.peer_figures(real_model, quick=True)
+    assert figures == {} and "llama_cpp is not importable" in details["reason"]
+    monkeypatch.undo()
+    pytest.importorskip("llama_cpp")
+    figures, details = peer.peer_figures(real_model, quick=True)
+    for name in ("peer_prefill_ratio", "peer_decode_ratio", "peer_batch8_ratio",
+                 "peer_llama_cpp_prefill_tok_s", "peer_llama_cpp_decode_tok_s"):
+        assert figures[name]["value"] > 0 and math.isfinite(figures[name]["value"]), name
+    t = details["seconds"]
+    ours = details["decode_tokens"] / min(t["our_single"])
+    peer_decode = figures["peer_llama_cpp_decode_tok_s"]["value"]
+    assert close(figures["peer_decode_ratio"]["value"], ours / peer_decode)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -26,7 +27,7 @@ def desktop(open_desktop, qtbot, tiny_gguf_path):
     return d
 
 
-def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbot):
+def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbot, tmp_path):
     d, w, c = desktop, desktop.window, desktop.controller
     port = free_port()
     set_settings(d, server_port=port, max_new_tokens=4)
@@ -51,12 +52,45 @@ def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbo
     qtbot.waitUntil(lambda: chains.rowCount() > 0, timeout=10_000)
     assert any(chains.chain_at(i).preview == "Any paint?" for i in range(chains.rowCount()))
     assert w.served_view.item(0, 0).text() == LABEL and w.served_view.item(0, 1).text() == "1"
+    assert w.requests_table.item(0, w.requests_table.columnCount() - 1).text() == LABEL
+    # ... and in the exported report.
+    c.export_report(str(tmp_path / "report.html"), "")
+    qtbot.waitUntil(lambda: bool(c.last_report_paths), timeout=30_000)
+    assert LABEL in (tmp_path / "report.html").read_text("utf-8")
 
     w.act_server.trigger()
     assert not w.act_server.isChecked() and w.server_label.text() == ""
     with pytest.raises(httpx.ConnectError):
         httpx.get(base + "/models", timeout=2)
     assert not d.errors
+
+
+def test_a_served_cards_stop_ends_its_clients_stream_and_a_new_port_restarts(desktop, qtbot):
+    d, w, c = desktop, desktop.window, desktop.controller
+    set_settings(d, server_port=free_port())
+    w.act_server.trigger()
+    body = {"max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}]}
+    lines: list[str] = []
+
+    def client() -> None:
+        with httpx.stream("POST", d.server.base_url + "/chat/completions", json=body, timeout=60) as r:
+            lines.extend(r.iter_lines())
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    qtbot.waitUntil(lambda: any(u.startswith("http-") for u in c.transcripts), timeout=30_000)
+    card = w.streams.card(next(u for u in c.transcripts if u.startswith("http-")))
+    qtbot.waitUntil(lambda: bool(card.answer_text()), timeout=30_000)
+    card.stop_button.click()
+    qtbot.waitUntil(lambda: not thread.is_alive() and not c.running, timeout=30_000)
+    assert card.turns[-1].reason == "cancelled"
+    assert lines[-2:] == ["data: [DONE]", ""] and any('"finish_reason": "stop"' in x for x in lines)
+
+    port = free_port()
+    set_settings(d, server_port=port)  # serving: the new port takes over at once
+    assert w.server_label.text() == f"serving http://127.0.0.1:{port}/v1"
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    w.act_server.trigger()
 
 
 def test_a_port_in_use_is_an_error_and_the_toggle_stays_off(desktop, qtbot):
@@ -69,3 +103,23 @@ def test_a_port_in_use_is_an_error_and_the_toggle_stays_off(desktop, qtbot):
     assert not w.act_server.isChecked() and w.server_label.text() == ""
     assert d.errors and "the port is in use" in d.errors[-1]
     close_boxes(w)
+
+
+def test_quitting_while_serving_ends_open_streams_cleanly(desktop, qtbot):
+    d, w, c = desktop, desktop.window, desktop.controller
+    set_settings(d, server_port=free_port())
+    w.act_server.trigger()
+    body = {"max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}]}
+    lines: list[str] = []
+
+    def client() -> None:
+        with httpx.stream("POST", d.server.base_url + "/chat/completions", json=body, timeout=60) as r:
+            lines.extend(r.iter_lines())
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    qtbot.waitUntil(lambda: any(c.transcripts[u].turns and c.transcripts[u].pieces
+                                for u in c.transcripts if u.startswith("http-")), timeout=30_000)
+    w.close()  # the app quits: the stream ends with its finish chunk, then the connection closes
+    thread.join(30)
+    assert not thread.is_alive() and lines[-2:] == ["data: [DONE]", ""]

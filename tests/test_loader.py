@@ -96,6 +96,26 @@ def test_second_load_comes_from_the_image_with_identical_logits(gguf, cache):
     np.testing.assert_allclose(last_logits(plain), last_logits(first), atol=1e-5, rtol=0)
 
 
+def test_warm_load_does_not_reread_the_weights_but_a_rewrite_is_caught(gguf, cache, monkeypatch):
+    """The data checksum is read once; later loads trust weights.bin only while it is untouched."""
+    good = last_logits(engine.load_model(gguf))
+    data, _ = _image_files(gguf)
+    reads = []
+    real_crc = weight_image.file_crc
+    monkeypatch.setattr(weight_image, "file_crc",
+                        lambda path, length=None: reads.append((path, length)) or real_crc(path, length))
+    m = engine.load_model(gguf)
+    assert m.from_image
+    assert (data, None) not in reads, "a warm load read the whole weights.bin again"
+    blocks = m.weights.column_blocks
+    assert set(blocks) >= {"wqkv", "w_gate_up"}, "the small-batch blocks come from the image"
+    np.testing.assert_array_equal(blocks["wqkv"][0, 1], m.weights.wqkv[0, :, 64:128])
+    _flip_weights(gguf)                                  # rewritten in place, same size
+    again = engine.load_model(gguf)
+    assert not again.from_image and (data, None) in reads
+    np.testing.assert_array_equal(last_logits(again), good)
+
+
 def _image_files(gguf):
     folder = weight_image.image_dir(gguf)
     return os.path.join(folder, "weights.bin"), os.path.join(folder, "index.json")

@@ -428,7 +428,7 @@ def test_leaf_heap_stays_bounded_without_eviction():
     for _ in range(2000):
         s, _ = attached(cache, pool, seq(0, 7))
         s.release()
-    assert len(cache._leaf_heap) <= 2 * len(cache.pages) + 64
+    assert len(cache.policy.heap) <= 2 * len(cache.pages) + 64
     a.release()
     assert cache.evict(3) == 3 and cache.pages == {}
     teardown([], cache, pool)

@@ -1,10 +1,11 @@
 """Random create/eval/insert/attach/release/evict/flush sequences against the prefix cache.
 
 A hypothesis state machine per page size (1, 2, 4), over bounded and growing pools,
-cache budgets and a hash with only three buckets. After every step: the pool's counts
-are exact, every reference is accounted for, shared or cached pages never change, every
-session sees exactly the K/V of the tokens it evaluated or attached, and every cached
-page holds the K/V of its own prefix. Teardown must leave the pool empty.
+cache budgets, the leaves-only eviction policies and a hash with only three buckets.
+After every step: the pool's counts are exact, every reference is accounted for,
+shared or cached pages never change, every session sees exactly the K/V of the tokens
+it evaluated or attached, and every cached page holds the K/V of its own prefix.
+Teardown must leave the pool empty.
 """
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @initialize(pool_pages=st.sampled_from([None, 8, 16, 40]),
                 budget=st.sampled_from([0, 0, 3, 8]),
-                hashed=st.sampled_from(["blake2b", "blake2b", "few_buckets"]))
-    def setup(self, pool_pages, budget, hashed):
+                hashed=st.sampled_from(["blake2b", "blake2b", "few_buckets"]),
+                policy=st.sampled_from(["leaf-lru", "leaf-lru", "lfu", "fifo"]))  # leaves-only policies
+    def setup(self, pool_pages, budget, hashed, policy):
         rows = self.page_rows
         max_pages = None if pool_pages is None else max(4, pool_pages // rows)
         self.pool = make_pool(rows, max_pages)
         self.cache = dl.create_prefix_cache(
-            max_pages=budget, hash_fn=few_buckets if hashed == "few_buckets" else None)
+            max_pages=budget, hash_fn=few_buckets if hashed == "few_buckets" else None, policy=policy)
         self.exact_hash = hashed == "blake2b"
         self.sessions: list[dl.Session] = []
         self.prompt: dict[int, list[int]] = {}

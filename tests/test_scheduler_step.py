@@ -20,9 +20,9 @@ def counting_forward(monkeypatch) -> list[list[int]]:
     passes: list[list[int]] = []
     real = es.eval_batch
 
-    def wrapped(model, sessions, token_lists):
+    def wrapped(model, sessions, token_lists, **kw):
         passes.append([len(t) for t in token_lists])
-        return real(model, sessions, token_lists)
+        return real(model, sessions, token_lists, **kw)
 
     monkeypatch.setattr(es, "eval_batch", wrapped)
     return passes

@@ -186,7 +186,7 @@ def test_an_engine_failure_is_a_500_error_object_and_the_next_request_is_served(
 def test_the_prefixlab_serve_command_serves_until_interrupted():
     port = free_port()
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OPENBLAS_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--max-streams", "2"]
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--max-streams", "1"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

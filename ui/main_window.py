@@ -37,6 +37,7 @@ from .served_view import ServedView
 from .stream_grid import StreamGrid
 from .stream_view import StreamView
 from .theme import apply_theme, current_theme, icon
+from .whatif_panel import WhatIfPanel
 from .window_state import DEFAULT_SIZE, THEME_KEY, restore_window, save_window
 
 DEFAULT_SPLIT = [290, 470, 640]  # the charts need ~600 px
@@ -104,6 +105,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.cache_panel, "Cache")
         self.tabs.addTab(self.requests_table, "Requests")
         self.tabs.addTab(self.served_view, "Served")
+        self.whatif = WhatIfPanel()
+        self.tabs.addTab(self.whatif, "What-if")
         right = QWidget()
         right_lay = QVBoxLayout(right)
         right_lay.setContentsMargins(4, 8, 8, 8)

@@ -7,10 +7,13 @@ ratio divides two numbers of the same run. The table shows each figure with its 
 Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
 cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
 the watcher's block events per second), serve ("OpenAI server": 8 streaming clients against
-`prefixlab serve` and llama-cpp-python's server; not in --quick), blas: a diagnostic of
+`prefixlab serve` and llama-cpp-python's server; not in --quick), replay ("Trace replay": the
+shipped Mooncake trace, one configuration and a sweep across cores), blas: a diagnostic of
 decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick), and
 llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is
 installed (no target; not in --quick).
+--peer llama-cpp adds the peer section ("Performance"): llama-cpp-python on the same GGUF,
+prefill, decode, eight streams and the W8 workload, as ratios with the issue's targets.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import shutil
 import sys
 import time
 
-SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "blas",
-            "llama_cpp")
+SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
+            "blas", "llama_cpp", "peer")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 # left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run)
-QUICK_SKIPS = ("blas", "serve", "llama_cpp")
+QUICK_SKIPS = ("blas", "serve", "llama_cpp", "peer")
+OPT_IN = ("peer",)       # run only when asked for (--peer, or --only naming it)
 
 
 def add_parser(sub) -> None:
@@ -44,12 +48,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for tests); not for targets")
     p.add_argument("--only", metavar="NAME,...",
                    help=f"run only these sections: {', '.join(SECTIONS)} (or engine, all)")
+    p.add_argument("--peer", choices=["llama-cpp"],
+                   help="also run llama-cpp-python on the same model and print every ratio")
 
 
 def parse_only(text: str | None, quick: bool = False) -> list[str]:
     """Section names from --only, in the bench's order; ValueError names an unknown one."""
     if not text:
-        return [s for s in SECTIONS if not (quick and s in QUICK_SKIPS)]
+        return [s for s in SECTIONS if not (quick and s in QUICK_SKIPS) and s not in OPT_IN]
     chosen: set[str] = set()
     for name in (n.strip().lower() for n in text.split(",") if n.strip()):
         if name in ALIASES:
@@ -67,6 +73,8 @@ def parse_only(text: str | None, quick: bool = False) -> list[str]:
 def run(args) -> int:
     try:
         sections = parse_only(args.only, args.quick)
+        if getattr(args, "peer", None) and "peer" not in sections:
+            sections.append("peer")
     except ValueError as e:
         raise SystemExit(f"prefixlab bench: {e}") from None
     results = run_bench(getattr(args, "model", None), quick=args.quick, sections=sections,
@@ -84,6 +92,7 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
 
     from . import cache as bench_cache
     from . import engine as bench_engine
+    from . import peer as bench_peer
     from . import sched as bench_sched
     from . import serve as bench_serve
     from . import ui as bench_ui
@@ -114,7 +123,7 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
         if "load" in sections:
             section("load", lambda: bench_engine.load_figures(path, tmp_cache, quick))
             image_ready = "load" not in result["errors"]
-        needs_model = {"prefill", "decode", "batch", "scheduler", "serve", "blas"} & set(sections)
+        needs_model = {"prefill", "decode", "batch", "scheduler", "serve", "blas", "peer"} & set(sections)
         if needs_model:
             log("bench: loading the model ...")
             if image_ready:  # the load children just wrote a fresh weight image there
@@ -141,6 +150,8 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
                 section("decode", lambda: bench_engine.decode_figures(m, quick, run_batch=batch))
             if "blas" in sections:
                 section("blas", lambda: bench_engine.blas_thread_figures(m, quick))
+            if "peer" in sections:
+                section("peer", lambda: bench_peer.peer_figures(m, quick))
         if "cache" in sections:
             section("cache", lambda: bench_cache.cache_figures(quick))
         if "scheduler" in sections:
@@ -152,6 +163,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("kv_events", lambda: kv_events_figures(quick))
         if "serve" in sections:
             section("serve", lambda: bench_serve.serve_figures(path, quick, m.tokenizer.eos_ids))
+        if "replay" in sections:
+            from . import replay as bench_replay
+            section("replay", lambda: bench_replay.replay_figures(quick))
         if "llama_cpp" in sections:
             from .llama_cpp import llama_cpp_figures
             section("llama_cpp", lambda: llama_cpp_figures(path, quick, result["figures"]))
@@ -204,6 +218,9 @@ def format_table(result: dict) -> str:
         head += f"\nmodel: {result['model'].get('name', '')}: {result['model']['description']}"
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
                                                             if t["missed"] else "")]
+    peer = result["details"].get("peer")
+    if peer is not None and not peer.get("available"):
+        tail.append(f"peer: not measured ({peer.get('reason')})")
     ui = result["details"].get("ui")
     if ui is not None and not ui.get("available"):
         tail.append(f"ui: not measured ({ui.get('reason')})")

@@ -21,7 +21,13 @@ TARGETS: dict[str, tuple[float, str]] = {
     "ttft_hit_miss_ratio": (0.3, "<="), "ui_max_gap_ms": (100.0, "<="),
     "ui_app_headless_ratio": (1.15, "<="), "ui_busy_max_gap_ms": (100.0, "<="),
     "watch_block_events_per_s": (50_000, ">="), "watch_ui_stall_ms": (100, "<="),
+    # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
+    "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),
+    "peer_w8_wall_ratio": (0.8, "<="),
+    "replay_one_config_s": (5.0, "<="), "replay_10k_blocks_s": (5.0, "<="),
+    "replay_sweep_core_share": (0.75, ">="),
 }
+PEER_TARGETS = ("peer_prefill_ratio", "peer_decode_ratio", "peer_batch8_ratio", "peer_w8_wall_ratio")
 
 
 def target(name: str) -> dict:
@@ -117,10 +123,3 @@ def child_env(**extra: str) -> dict:
 def blas_threads() -> int | None:
     """The BLAS's current thread count, or None when threadpoolctl finds no BLAS."""
     return blas_runtime().get("threads")
-
-
-def blas_thread_limit(n: int):
-    """A context manager: the BLAS runs `n` threads inside it, its old count after."""
-    from threadpoolctl import threadpool_limits
-
-    return threadpool_limits(limits=n, user_api="blas")

@@ -21,8 +21,9 @@ import time
 import numpy as np
 
 import engine as dl
+from engine.threads import blas_threads as engine_blas_threads
 
-from .common import blas_thread_limit, blas_threads, child_env, figure, ratio, target
+from .common import child_env, figure, ratio, target
 
 ISSUE = "Engine core"
 BW_BYTES = 512 * 1024 ** 2  # the bandwidth probe reads a float32 array this large
@@ -225,24 +226,26 @@ BLAS1_FIGURES = ("prefill_tok_s", "prefill_flops_fraction", "decode_tok_s", "mem
 
 
 def blas_thread_figures(m, quick: bool) -> tuple[dict, dict]:
-    """The prefill and decode sections again with ONE OpenBLAS thread (the default is restored).
+    """The prefill and decode sections again with ONE BLAS thread (then the engine chooses again).
 
-    Not a target: it shows how much of a miss is BLAS threading. On a busy 2-core machine a
-    second BLAS thread that waits for a core stalls every small GEMM it shares.
+    Not a target: it shows how much of a miss is BLAS threading. The engine itself picks the
+    free cores before each pass (engine.threads); this pins it to 1 for comparison.
     """
-    default = blas_threads()
-    if default is None:
-        return {}, {"available": False, "reason": "threadpoolctl finds no BLAS to limit"}
+    chooser = engine_blas_threads()
+    default = chooser.max_threads
     if default == 1:
-        return {}, {"available": False, "reason": "OpenBLAS already runs one thread: nothing to compare"}
-    with blas_thread_limit(1):
+        return {}, {"available": False, "reason": "BLAS already runs one thread: nothing to compare"}
+    chooser.pinned = 1
+    try:
         pf, pd = prefill_figures(m, quick)
         df, dd = decode_figures(m, quick)
+    finally:
+        chooser.pinned = None
     both = {**pf, **df}
     figures = {}
     for name in BLAS1_FIGURES:
         f = dict(both[name])
-        f["note"] = ("diagnostic, OpenBLAS 1 thread (default " + str(default) + ")"
+        f["note"] = ("diagnostic, BLAS pinned to 1 thread (the engine chooses up to " + str(default) + ")"
                      + (f"; target {f['op']} {f['target']}" if f["target"] is not None else ""))
         f["target"] = f["op"] = f["pass"] = None
         figures[f"{name}_blas1"] = f

@@ -80,16 +80,23 @@ def run_scenario(m, prompts: list[list[int]], previews: list[str], new_tokens: i
 def scheduler_figures(m, quick: bool) -> tuple[dict, dict]:
     prompts, previews, scenario_new = scenario_prompts(m, *((2, 3) if quick else (None, None)))
     new_tokens = 2 if quick else scenario_new
-    configs = {"cached": {},  # Scheduler defaults: max_streams 4, cache on
+    configs = {"cached": {},  # Scheduler defaults: max_streams 8, cache on, speculative decoding on
                "plain": {"max_streams": 1, "cache_enabled": False},
-               "cached8": {"max_streams": 8}}  # the app's default (AppSettings.max_streams)
+               "nospec": {"spec_enabled": False}}
+    # one request alone: where speculative decoding pays (drafts fill an otherwise 1-row pass)
+    alone = {"one": {}, "one_nospec": {"spec_enabled": False}}
     reps = 1 if quick else 2
-    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    runs: dict[str, list[dict]] = {name: [] for name in {**configs, **alone}}
     for _ in range(reps):  # interleaved; each configuration keeps its fastest run
         for name, kw in configs.items():
             runs[name].append(run_scenario(m, prompts, previews, new_tokens, **kw))
+        for name, kw in alone.items():
+            runs[name].append(run_scenario(m, prompts[:1], previews[:1], new_tokens, **kw))
     best = {name: min(rs, key=lambda r: r["wall_s"]) for name, rs in runs.items()}
-    cached, plain, cached8 = best["cached"], best["plain"], best["cached8"]
+    cached, plain, nospec = best["cached"], best["plain"], best["nospec"]
+    one, one_nospec = best["one"], best["one_nospec"]
+    drafted = sum(r["spec_drafted"] for r in one["records"])
+    accepted = sum(r["spec_accepted"] for r in one["records"])
     figures = {
         "sched_wall_cached_s": figure(cached["wall_s"], "s", ISSUE,
                                       note=f"{len(prompts)} requests x {new_tokens} tokens, "
@@ -106,14 +113,16 @@ def scheduler_figures(m, quick: bool) -> tuple[dict, dict]:
         "queue_wait_mean_s": figure(cached["queue_wait_mean_s"], "s", ISSUE, note="cached run"),
         "queue_wait_max_s": figure(cached["queue_wait_max_s"], "s", ISSUE, note="cached run"),
         "plain_queue_wait_mean_s": figure(plain["queue_wait_mean_s"], "s", ISSUE, note="plain run"),
-        "sched_wall_cached8_s": figure(cached8["wall_s"], "s", ISSUE,
-                                       note="max_streams 8 (the app's default), cache on"),
-        "sched_wall_ratio_streams8": figure(
-            ratio(cached8["wall_s"], plain["wall_s"]), "ratio", ISSUE,
-            note="diagnostic: max_streams 8 wall / plain wall (the target is on the Scheduler defaults)"),
+        "sched_wall_nospec_s": figure(nospec["wall_s"], "s", ISSUE,
+                                      note="defaults with speculative decoding off"),
+        "spec_speedup_one_stream": figure(
+            ratio(one_nospec["wall_s"], one["wall_s"]), "x", ISSUE,
+            note=f"one request, {new_tokens} tokens: wall without / with speculative decoding"),
+        "spec_acceptance": figure(ratio(accepted, drafted), "ratio", ISSUE,
+                                  note=f"one request: {accepted} of {drafted} drafted tokens accepted"),
     }
     details = {"scenario": SCENARIO, "new_tokens": new_tokens, "prompt_tokens": [len(p) for p in prompts],
                "submitted_as": "chat-template token prompts, all at once, greedy, stop_ids=[]",
                "reps": reps, "all_wall_s": {name: [r["wall_s"] for r in rs] for name, rs in runs.items()},
-               "cached": cached, "plain": plain, "cached8": cached8}
+               "cached": cached, "plain": plain, "nospec": nospec, "one": one, "one_nospec": one_nospec}
     return figures, details

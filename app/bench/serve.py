@@ -24,6 +24,7 @@ TARGET_VS_LLAMA_CPP = 0.8
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -40,6 +41,7 @@ def _measure(cmd: list[str], base: str, system: str, prompts: list[str], max_new
 
 
 def serve_figures(model_path: str, quick: bool, eos_ids: tuple[int, ...]) -> tuple[dict, dict]:
+    """The section: both servers, one after the other, on the same clients."""
     sc = load_scenario(W8)
     prompts = sc.prompts[:2] if quick else sc.prompts
     max_new = 2 if quick else sc.max_new_tokens

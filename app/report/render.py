@@ -115,6 +115,7 @@ REQUEST_COLUMNS = [
     # field, header, formatter, tooltip
     ("id", "#", fmt_int, "request id"),
     ("preview", "Prompt", None, "the user prompt (first 60 characters)"),
+    ("client", "Client", None, "an HTTP client's address, model and user fields (empty: typed in the app)"),
     ("n_prompt", "Prompt tok", fmt_int, "tokens in the whole prompt, system prompt included"),
     ("n_cached", "Cached", fmt_int, "prompt tokens attached from the cache (not computed)"),
     ("n_prefilled", "Prefilled", fmt_int, "prompt tokens computed by prefill"),

@@ -86,18 +86,20 @@ class RequestBroker:
                 self._cancels.add(ticket)
         self.wake()
 
+    def cancel_request(self, request_id: int) -> None:
+        """Stop a job by the scheduler's request id (any thread)."""
+        job = self._by_request.get(request_id)
+        if job is not None:
+            self.cancel(job.ticket)
+
     def cancel_all(self) -> None:
         """Stop every job at the owner's next drain."""
         with self._lock:
             self._cancels.update(self._by_ticket)
         self.wake()
 
-    def pending(self) -> bool:
-        """True while submissions or cancels wait for the owner."""
-        with self._lock:
-            return bool(self._inbox or self._cancels)
-
     def in_flight(self) -> int:
+        """Jobs submitted and not finished (or refused) yet."""
         with self._lock:
             return len(self._by_ticket)
 
@@ -175,9 +177,6 @@ class RequestBroker:
                 for observe in self.observers:
                     observe(job, ev)
                 job.sink(ev)
-
-    def owns(self, request_id: int) -> bool:
-        return request_id in self._by_request
 
     def fail_all(self, message: str, status: int = 503) -> None:
         """Refuse every job not yet finished (the scheduler went away); owner thread only."""

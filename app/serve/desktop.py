@@ -23,6 +23,7 @@ class DesktopServer:
 
     @property
     def url(self) -> str | None:
+        """The base address while serving, else None."""
         return self.http.url if self.http is not None else None
 
     def start(self, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,

@@ -33,6 +33,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="prefixlab-serve-engine", daemon=True)
 
     def start(self) -> EngineLoop:
+        """Start the thread (it builds the scheduler first)."""
         self._thread.start()
         return self
 

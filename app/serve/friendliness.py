@@ -49,6 +49,7 @@ class ClientStats:
     examples: dict[int, Departure] = field(default_factory=dict)  # position -> latest example
 
     def to_dict(self) -> dict:
+        """The numbers and the most common miss positions, as plain data."""
         total = self.cached_tokens + self.computed_tokens
         top = [{**vars(self.examples[pos]), "count": n} for pos, n in self.misses.most_common(TOP_POSITIONS)]
         return {"requests": self.requests, "hits": self.hits, "prompt_tokens": self.prompt_tokens,

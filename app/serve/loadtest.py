@@ -108,6 +108,7 @@ def start_server(cmd: list[str], base_url: str, env: dict | None = None,
 
 
 def stop_server(proc: subprocess.Popen) -> None:
+    """End a server process (terminate, then kill) and close its log."""
     proc.terminate()
     try:
         proc.wait(15)
@@ -118,4 +119,5 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def python() -> str:
+    """This interpreter, for child servers."""
     return sys.executable

@@ -19,6 +19,7 @@ class TtftHistogram:
         self.finished: dict[str, int] = {}
 
     def observe(self, job, finish) -> None:
+        """Broker observer: one finished request."""
         r = finish.record
         with self._lock:
             self.finished[finish.reason] = self.finished.get(finish.reason, 0) + 1
@@ -27,6 +28,7 @@ class TtftHistogram:
                 self.total += r.ttft_s
 
     def lines(self) -> list[str]:
+        """The histogram and the finish counts as Prometheus lines."""
         name = f"{PREFIX}_time_to_first_token_seconds"
         with self._lock:
             counts, total, finished = list(self.counts), self.total, dict(self.finished)

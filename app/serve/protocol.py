@@ -28,6 +28,7 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
+        """The OpenAI error object."""
         return error_body(self.status, self.message, self.param, self.code)
 
 
@@ -206,6 +207,7 @@ def parse_completion(body) -> ParsedRequest:
 
 # responses ------------------------------------------------------------------
 def new_id(chat: bool) -> str:
+    """A fresh completion id, `chatcmpl-…` or `cmpl-…`."""
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import socket
 import threading
+import time
 
 import uvicorn
 
@@ -52,24 +53,27 @@ class HttpThread:
 
     @property
     def url(self) -> str:
+        """The base address, e.g. http://127.0.0.1:8000."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
     def start(self) -> HttpThread:
+        """Serve on the thread; return once uvicorn accepts connections."""
         self._thread.start()
-        ready = threading.Event()
         while not self.server.started and self._thread.is_alive():
-            ready.wait(0.02)
+            time.sleep(0.02)
         if not self.server.started:
             raise ServeError(f"the HTTP server on {self.url} did not start")
         return self
 
     def stop(self) -> None:
+        """Close the connections (open ones get a grace period) and join the thread."""
         self.server.should_exit = True
         self._thread.join(10)
         self.sock.close()
 
     def is_alive(self) -> bool:
+        """True while uvicorn serves."""
         return self._thread.is_alive()
 
 
@@ -83,7 +87,7 @@ class Server:
     """`prefixlab serve` as an object: an EngineLoop over `factory()` behind the HTTP app."""
 
     def __init__(self, factory, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
-                 cors: bool = False, default_max_tokens: int = DEFAULT_MAX_TOKENS):
+                 cors: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
         self.engine = EngineLoop(factory, RequestBroker())
         self.backend = Backend(self.engine.broker, model=self._model, stats=self._stats,
                                load_error=lambda: self.engine.load_error,
@@ -99,6 +103,7 @@ class Server:
 
     @property
     def url(self) -> str:
+        """The base address, e.g. http://127.0.0.1:8000."""
         return self.http.url
 
     def start(self) -> Server:

@@ -40,11 +40,10 @@ from .protocol import (
 )
 
 DISCONNECT_POLL_S = 0.5
-# The answer limit of a request that sets none. OpenAI's is the context, but the scheduler
-# reserves every page a request may fill when it admits it (8192 positions of SmolLM2 are
-# ~450 MB of K/V per request), so the server caps it as llama.cpp's slots do; a request's own
-# max_tokens is honoured up to the context.
-DEFAULT_MAX_TOKENS = 1024
+# The answer limit of a request that sets none: None is OpenAI's (the context). The default
+# unbounded pool grows page by page as an answer does; a bounded pool reserves every page a
+# request may fill at admission, so a server on one may want a smaller default.
+DEFAULT_MAX_TOKENS: int | None = None
 
 
 @dataclass
@@ -55,7 +54,7 @@ class Backend:
     model: Callable[[], object | None]
     stats: Callable[[], dict]
     load_error: Callable[[], str | None] = lambda: None
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
     friendliness: Friendliness = field(init=False)
     ttft: metrics.TtftHistogram = field(default_factory=metrics.TtftHistogram)
 
@@ -75,10 +74,12 @@ def namespace_of(tenant: str, salt: str) -> str:
 
 
 def sse(obj) -> str:
+    """One Server-Sent Events message."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def model_id(model) -> str:
+    """The id clients see: the GGUF file name."""
     return os.path.basename(model.path)
 
 
@@ -187,9 +188,10 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
     return app
 
 
-def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens: int) -> dict:
+def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens: int | None) -> dict:
     """`Scheduler.submit` arguments (the context stops an answer before any max_tokens does)."""
-    max_new = min(req.max_tokens or default_max_tokens, model.config.context_length)
+    max_new = min(req.max_tokens or default_max_tokens or model.config.context_length,
+                  model.config.context_length)
     common = {"sampling": req.sampling, "max_new_tokens": max_new, "namespace": namespace}
     if req.ignore_eos:
         common["stop_ids"] = []  # exactly max_tokens tokens (benchmarks)

@@ -1,0 +1,149 @@
+"""`prefixlab replay TRACE`: what would this workload hit at other page sizes, budgets, policies?"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+from engine.eviction import POLICIES
+
+from ..common_args import add_model_arg
+from .results import DEFAULT_POLICY, ReplayResult, parse_budget
+from .trace import FORMATS, TraceError, open_trace
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("replay", help="replay a trace through the prefix cache at other settings",
+                       description=__doc__)
+    p.add_argument("trace", help="a trace: prefixlab JSONL, Mooncake hash-id JSONL, or OpenAI chat bodies")
+    p.add_argument("--format", choices=FORMATS, help="the trace's format (default: from its first line)")
+    p.add_argument("--block-size", type=int, metavar="N",
+                   help="tokens per hash id of a hash-id trace (Mooncake: 512)")
+    p.add_argument("--page-rows", type=_int_list, default=[None], metavar="P,...",
+                   help="page sizes to try (token traces; default: the trace's own)")
+    p.add_argument("--budget", type=_budget_list, default=[None], metavar="B,...",
+                   help="cache capacities in pages: integers or 'inf' (default: inf)")
+    p.add_argument("--policy", type=_policy_list, default=[DEFAULT_POLICY], metavar="NAME,...",
+                   help=f"eviction policies: {', '.join(POLICIES)} (default: {DEFAULT_POLICY})")
+    p.add_argument("--json", metavar="OUT.json", help="write one row per configuration here")
+    p.add_argument("--plot", metavar="OUT.png", help="write hit ratio vs capacity per policy as a PNG here")
+    p.add_argument("--workers", type=_positive, metavar="N",
+                   help="parallel processes (default: one per core)")
+    p.add_argument("--dask-scheduler", metavar="ADDRESS",
+                   help="run the configurations on this Dask cluster (pip install 'prefixlab[dask]')")
+    p.add_argument("--redact", metavar="OUT",
+                   help="write the trace's Mooncake form (block hashes, no tokens) to OUT and stop")
+    add_model_arg(p)  # an OpenAI log is tokenized with this model's chat template
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise _bad(f"expected integers separated by commas, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise _bad(f"page sizes must be >= 1, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise _bad(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _budget_list(text: str) -> list[int | None]:
+    try:
+        return [parse_budget(v) for v in text.split(",")]
+    except ValueError as e:
+        raise _bad(str(e)) from None
+
+
+def _policy_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",")]
+    bad = [n for n in names if n not in POLICIES]
+    if bad:
+        raise _bad(f"unknown policy {bad[0]!r}; one of {', '.join(POLICIES)}")
+    return names
+
+
+def _bad(msg: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(msg)
+
+
+def run(args) -> int:
+    from .record import convert_to_prefixlab, redact_trace
+    from .sweep import configurations, run_sweep
+    try:
+        source = open_trace(args.trace, args.format, args.block_size, _tokenizer(args))
+        with tempfile.TemporaryDirectory(prefix="prefixlab-replay-") as tmp:
+            if source.tokenize is not None:  # tokenize once here; the workers read the result
+                source = convert_to_prefixlab(source, os.path.join(tmp, "trace.jsonl"))
+            if args.redact:
+                n = redact_trace(source, args.redact, args.block_size)
+                print(f"wrote {args.redact}: {n} requests, block hashes of "
+                      f"{args.block_size or source.header.page_rows} tokens, no token ids")
+                return 0
+            if source.hashed and args.page_rows != [None]:
+                raise TraceError("--page-rows applies to token traces; a hash-id trace replays at "
+                                 "its --block-size")
+            configs = configurations(args.page_rows, args.budget, args.policy)
+            results = run_sweep(source, configs, workers=args.workers, dask_scheduler=args.dask_scheduler,
+                                progress=not args.quiet and len(configs) > 1)
+    except (TraceError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"prefixlab replay: {e}") from None
+    print(table(results))
+    rows = [r.to_json() for r in results]
+    try:
+        if args.json:
+            _write_json(args.json, {"trace": os.path.abspath(args.trace), "format": source.format,
+                                    "rows": rows})
+            print(f"wrote {args.json}")
+        if args.plot:
+            from .plot import write_plot
+            write_plot(args.plot, rows)
+            print(f"wrote {args.plot}")
+    except TraceError as e:
+        raise SystemExit(f"prefixlab replay: {e}") from None
+    return 0
+
+
+def _tokenizer(args):
+    """For OpenAI logs only: the model's chat template and tokenizer, prompt = template + encode."""
+    fmt = args.format
+    if fmt is None:
+        from .trace import detect_format
+        try:
+            fmt = detect_format(args.trace)[0]
+        except TraceError as e:
+            raise SystemExit(f"prefixlab replay: {e}") from None
+    if fmt != "openai":
+        return None
+    from ..common_args import load_model_or_exit
+    tok = load_model_or_exit(getattr(args, "model", None)).tokenizer
+    return lambda messages: tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+
+
+def _write_json(path: str, obj: dict) -> None:
+    from ..report.files import ReportWriteError, write_bytes
+    try:
+        write_bytes(path, json.dumps(obj, indent=1).encode())
+    except ReportWriteError as e:
+        raise TraceError(f"cannot write {path}: {e.reason}") from None
+
+
+def table(results: list[ReplayResult]) -> str:
+    """The per-configuration table the CLI prints."""
+    head = ("page size", "budget", "policy", "hit ratio", "tokens saved", "blocks hit", "hits", "requests",
+            "evicted", "s")
+    body = [(str(r.page_rows), "inf" if r.budget is None else f"{r.budget:,}", r.policy,
+             f"{r.token_hit_ratio:.4f}", f"{r.tokens_saved:,}", f"{r.blocks_hit:,}", f"{r.hits:,}",
+             f"{r.requests:,}", f"{r.evicted:,}", f"{r.seconds:.2f}") for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+    def line(cells) -> str:  # names left, numbers right
+        return "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join(line(cells) for cells in [head, *body])

@@ -1,0 +1,306 @@
+"""Traces: requests as JSONL, read one line at a time (schema in docs/trace-schema.md).
+
+Three line formats. `prefixlab`: a header line, then one request per line with
+its prompt as token ids (or block hash ids). `mooncake`: the Mooncake/Bailian
+hash-id form (`timestamp` ms, `input_length`, `output_length`, `hash_ids`).
+`openai`: one chat request body per line, tokenized with a model's template.
+Files are never loaded whole: a `TraceSource` re-opens and streams its file on
+every iteration, so a 2 GB trace costs one line of memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+from ..report.files import ReportWriteError, atomic_write
+
+FORMATS = ("mooncake", "openai", "prefixlab")
+PREFIXLAB_TAG = "prefixlab.trace/1"
+MOONCAKE_BLOCK = 512
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message names the file and line."""
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One request of a trace: its prompt (token ids or block hash ids) and what it did."""
+
+    arrival_s: float
+    input_length: int
+    output_length: int = 0
+    namespace: str = ""
+    client: str = ""
+    prompt: list[int] | None = None      # token ids (token traces)
+    donated: list[int] | None = None     # tokens its session handed the cache at its end
+    hash_ids: list[int] | None = None    # one id per block, the last maybe partial (hash-id traces)
+    admitted_s: float | None = None      # when it attached its cached prefix (None: never ran)
+    finish_s: float | None = None
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class TraceHeader:
+    """The first line of a prefixlab trace: how to read the requests below it."""
+
+    page_rows: int | None = None    # the recording session's page size (token traces)
+    block_size: int | None = None   # block of `hash_ids` (hash-id traces)
+    model: str = ""
+    source: str = ""
+    settings: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"format": PREFIXLAB_TAG, **asdict(self)}
+
+
+@dataclass
+class TraceSource:
+    """A trace file and how to read it; iterate it (again and again) for its requests."""
+
+    path: str
+    format: str
+    header: TraceHeader
+    tokenize: Callable[[list[dict]], list[int]] | None = None  # openai: messages -> prompt tokens
+
+    @property
+    def hashed(self) -> bool:
+        """True for hash-id traces (pages keyed by block id, no tokens)."""
+        return self.format == "mooncake" or self.header.block_size is not None
+
+    @property
+    def block_size(self) -> int | None:
+        return self.header.block_size
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        parse = {"mooncake": self._mooncake, "openai": self._openai,
+                 "prefixlab": self._prefixlab}[self.format]
+        seen = 0
+        for lineno, obj in _objects(self.path, skip_header=self.format == "prefixlab"):
+            seen += 1
+            yield parse(obj, _Where(self.path, lineno))
+        if not seen:
+            raise TraceError(f"{self.path}: the trace has no requests")
+
+    def _mooncake(self, obj: dict, at: _Where) -> TraceRequest:
+        n = at.int_field(obj, "input_length", 1)
+        return TraceRequest(arrival_s=at.number(obj, "timestamp") / 1000.0, input_length=n,
+                            output_length=at.int_field(obj, "output_length", 0),
+                            hash_ids=at.hash_ids(obj, n, self.header.block_size))
+
+    def _prefixlab(self, obj: dict, at: _Where) -> TraceRequest:
+        kw = {"arrival_s": at.number(obj, "arrival_s"),
+              "output_length": at.int_field(obj, "output_length", 0, default=0),
+              "namespace": at.string(obj, "namespace"), "client": at.string(obj, "client")}
+        for name in ("admitted_s", "finish_s"):
+            if obj.get(name) is not None:
+                kw[name] = at.number(obj, name)
+        if self.hashed:
+            n = at.int_field(obj, "input_length", 1)
+            return TraceRequest(input_length=n, hash_ids=at.hash_ids(obj, n, self.header.block_size), **kw)
+        prompt = at.tokens(obj, "prompt")
+        donated = at.tokens(obj, "donated") if obj.get("donated") is not None else None
+        return TraceRequest(input_length=len(prompt), prompt=prompt, donated=donated, **kw)
+
+    def _openai(self, obj: dict, at: _Where) -> TraceRequest:
+        messages = obj.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise at.error("'messages' must be a non-empty list of {role, content} objects")
+        try:
+            prompt = self.tokenize([{"role": m["role"], "content": _text(m.get("content"))}
+                                    for m in messages])
+        except Exception as e:  # a template error names the message; say which line it came from
+            raise at.error(f"cannot render the chat messages: {e}") from None
+        out = obj.get("max_completion_tokens", obj.get("max_tokens")) or 0
+        arrival = at.number(obj, "timestamp") / 1000.0 if "timestamp" in obj else float(at.line - 1)
+        client = " ".join(f"{k}={obj[k]}" for k in ("model", "user") if isinstance(obj.get(k), str))
+        return TraceRequest(arrival_s=arrival, input_length=len(prompt), output_length=int(out),
+                            client=client, prompt=prompt)
+
+
+def _text(content) -> str:
+    """An OpenAI message's content as text (a string, or a list of text parts)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    raise TypeError(f"message content must be a string or a list of parts, got {type(content).__name__}")
+
+
+@dataclass
+class _Where:
+    """A line of a trace file: field readers that fail with an error naming it."""
+
+    path: str
+    line: int
+
+    def error(self, what: str) -> TraceError:
+        return TraceError(f"{self.path}, line {self.line}: {what}")
+
+    def _get(self, obj: dict, name: str):
+        if name not in obj:
+            raise self.error(f"missing field '{name}'")
+        return obj[name]
+
+    def number(self, obj: dict, name: str) -> float:
+        v = self._get(obj, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+            raise self.error(f"'{name}' must be a number >= 0, got {v!r}")
+        return float(v)
+
+    def int_field(self, obj: dict, name: str, low: int, default: int | None = None) -> int:
+        v = obj.get(name, default) if default is not None else self._get(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.error(f"'{name}' must be an integer, got {v!r}")
+        if v < low:
+            what = "negative" if v < 0 else "too small"
+            raise self.error(f"'{name}' is {what}: {v} (it must be >= {low})")
+        return v
+
+    def string(self, obj: dict, name: str) -> str:
+        v = obj.get(name, "")
+        if not isinstance(v, str):
+            raise self.error(f"'{name}' must be a string, got {v!r}")
+        return v
+
+    def tokens(self, obj: dict, name: str) -> list[int]:
+        v = self._get(obj, name)
+        if not isinstance(v, list) or not v or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+            raise self.error(f"'{name}' must be a non-empty list of token ids (integers >= 0)")
+        return v
+
+    def hash_ids(self, obj: dict, input_length: int, block: int) -> list[int]:
+        v = self._get(obj, "hash_ids")
+        if not isinstance(v, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in v):
+            raise self.error("'hash_ids' must be a list of integers")
+        need = -(-input_length // block)
+        if len(v) != need:
+            raise self.error(f"{len(v)} hash_ids do not fit input_length {input_length}: "
+                             f"{need} blocks of {block} tokens expected")
+        return v
+
+
+def _objects(path: str, skip_header: bool) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line, read one line at a time."""
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as e:
+        raise TraceError(f"cannot open trace {path}: {e.strerror}") from None
+    with fh:
+        first, lineno = True, 0
+        lines = iter(fh)
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                return
+            except UnicodeDecodeError:  # decoded a block at a time: the bad line is here or later
+                where = f", after line {lineno}" if lineno else ""
+                raise TraceError(f"{path}{where}: not UTF-8 text (a compressed or binary file? "
+                                 f"traces are JSONL)") from None
+            lineno += 1
+            if not line.strip():
+                continue
+            obj = _parse(line, _Where(path, lineno))
+            if first and skip_header:
+                first = False
+                continue
+            first = False
+            yield lineno, obj
+
+
+def _parse(line: str, at: _Where) -> dict:
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise at.error(f"not valid JSON ({e.args[0].split(':')[0]})") from None
+    if not isinstance(obj, dict):
+        raise at.error(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def detect_format(path: str) -> tuple[str, dict]:
+    """The format of a trace from its first non-blank line, and that line's object."""
+    for lineno, obj in _objects(path, skip_header=False):
+        if obj.get("format") == PREFIXLAB_TAG:
+            return "prefixlab", obj
+        if "hash_ids" in obj and "timestamp" in obj:
+            return "mooncake", obj
+        if "messages" in obj:
+            return "openai", obj
+        raise TraceError(f"{path}, line {lineno}: not a trace line PrefixLab knows (expected a "
+                         f"prefixlab header, a Mooncake request with 'hash_ids', or an OpenAI "
+                         f"chat body with 'messages'); pass --format")
+    raise TraceError(f"{path}: the trace is empty")
+
+
+def open_trace(path: str, fmt: str | None = None, block_size: int | None = None,
+               tokenize: Callable[[list[dict]], list[int]] | None = None) -> TraceSource:
+    """A streamed trace: `fmt` None detects it; `block_size` for hash-id traces (Mooncake: 512)."""
+    if fmt is not None and fmt not in FORMATS:
+        raise TraceError(f"unknown trace format {fmt!r}; one of {', '.join(FORMATS)}")
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise TraceError(f"block size must be a positive integer, got {block_size!r}")
+    detected, first = detect_format(path)
+    fmt = fmt or detected
+    header = TraceHeader()
+    if fmt == "prefixlab":
+        if detected != "prefixlab":
+            raise TraceError(f"{path}, line 1: a prefixlab trace starts with a header line "
+                             f'{{"format": "{PREFIXLAB_TAG}", ...}}')
+        header = _header(first, _Where(path, 1))
+        if block_size is not None and block_size != header.block_size:
+            raise TraceError(f"{path}: its header says block_size {header.block_size}, not {block_size}")
+    elif fmt == "mooncake":
+        header = TraceHeader(block_size=block_size or MOONCAKE_BLOCK, source="mooncake")
+    elif tokenize is None:
+        raise TraceError(f"{path}: an OpenAI request log needs a model to tokenize it (--model)")
+    else:
+        header = TraceHeader(source="openai")
+    return TraceSource(path=path, format=fmt, header=header, tokenize=tokenize)
+
+
+def _header(obj: dict, at: _Where) -> TraceHeader:
+    kw = {}
+    for name in ("page_rows", "block_size"):
+        if obj.get(name) is not None:
+            kw[name] = at.int_field(obj, name, 1)
+    if "page_rows" not in kw and "block_size" not in kw:
+        raise at.error("the header needs 'page_rows' (token traces) or 'block_size' (hash-id traces)")
+    settings = obj.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise at.error("'settings' must be an object")
+    return TraceHeader(model=at.string(obj, "model"), source=at.string(obj, "source"),
+                       settings=settings, **kw)
+
+
+def write_trace(path: str, header: TraceHeader, requests) -> int:
+    """Write a prefixlab trace atomically (a temporary file, then a rename); return the request count."""
+    return _write_lines(path, [header.to_json()], (r.to_json() for r in requests))
+
+
+def write_mooncake(path: str, rows) -> int:
+    """Write Mooncake-form rows (dicts) atomically; return how many."""
+    return _write_lines(path, [], rows)
+
+
+def _write_lines(path: str, head: list[dict], rows) -> int:
+    count = [0]
+
+    def write(fh) -> None:
+        for obj in head:
+            fh.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+        for obj in rows:
+            fh.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+            count[0] += 1
+    try:
+        atomic_write(path, write)  # a bad source line or a full disk leaves the old file as it was
+    except ReportWriteError as e:
+        raise TraceError(f"cannot write trace {path}: {e.reason}") from None
+    return count[0]

@@ -1,0 +1,130 @@
+"""The What-if tab's controller: a trace in, a sweep off the UI thread, rows to the panel.
+
+It owns no widget: it connects a `ui.whatif_panel.WhatIfPanel`'s signals to the
+Qt-free data layer (`app.replay.whatif`) and runs each plan or sweep on a
+background thread (the sweep itself fans out to processes), handing results back
+through queued signals. The window gives it two callables: one that asks the user
+for a trace file, and one that asks the worker to save the running session's
+trace (the worker's answer goes to `on_session_trace`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, Signal
+
+from .replay import whatif
+from .replay.trace import TraceError, open_trace
+
+
+class WhatIfController(QObject):
+    """Trace -> plan -> knobs on the panel; Run -> sweep -> rows on the panel."""
+
+    _planned = Signal(object, str)        # Plan, description
+    _swept = Signal(list)
+    _progress = Signal(int, int)
+    _failed = Signal(str)
+
+    def __init__(self, panel, ask_trace_path: Callable[[], str],
+                 request_session_trace: Callable[[str], None] | None = None,
+                 workers: int | None = None, parent: QObject | None = None):
+        super().__init__(parent)
+        self.panel = panel
+        self.ask_trace_path = ask_trace_path
+        self.request_session_trace = request_session_trace
+        self.workers = workers
+        self.plan: whatif.Plan | None = None
+        self.busy = False
+        self._tmp = tempfile.TemporaryDirectory(prefix="prefixlab-whatif-")
+        panel.load_requested.connect(self.load_trace)
+        panel.session_requested.connect(self.take_session)
+        panel.run_requested.connect(self.run)
+        panel.session_button.setEnabled(request_session_trace is not None)
+        self._planned.connect(self._on_planned)
+        self._swept.connect(self._on_swept)
+        self._progress.connect(panel.set_progress)
+        self._failed.connect(self._on_failed)
+
+    # asks -------------------------------------------------------------------------------
+    def load_trace(self, path: str | None = None) -> None:
+        """Open a trace file (asking for one when no path is given) and plan it."""
+        path = path or self.ask_trace_path()
+        if path:
+            self._start(self._plan_job, path, os.path.basename(path))
+
+    def take_session(self) -> None:
+        """Ask the worker for the running session's trace; `session_trace_saved` plans it."""
+        if self.request_session_trace is not None and not self.busy:
+            self._set_busy(True)
+            self.request_session_trace(os.path.join(self._tmp.name, "session.jsonl"))
+
+    def on_session_trace(self, path: str, error: str) -> None:
+        """The worker's answer to `request_session_trace`: plan the trace, or show why not."""
+        if error:
+            self._on_failed(error)
+            return
+        self._set_busy(False)
+        self._start(self._plan_job, path, "this session")
+
+    def run(self, page_rows: str, budgets: str, policies: list) -> None:
+        """Sweep the loaded trace at the knobs the panel shows."""
+        if self.plan is None or self.busy:
+            return
+        try:
+            knobs = whatif.knobs_from_text(page_rows, budgets, list(policies))
+        except ValueError as e:
+            self.panel.show_error(str(e))
+            return
+        self._start(self._sweep_job, self.plan.source, knobs)
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+    # jobs (background threads) ---------------------------------------------------------
+    def _start(self, job, *args) -> None:
+        self._set_busy(True)
+        self.panel.show_error(None)
+        threading.Thread(target=self._guard, args=(job, *args), daemon=True, name="whatif").start()
+
+    def _guard(self, job, *args) -> None:
+        try:
+            job(*args)
+        except (TraceError, ValueError, RuntimeError, OSError) as e:
+            self._failed.emit(str(e))
+
+    def _plan_job(self, path: str, name: str) -> None:
+        plan = whatif.plan(open_trace(path))
+        kind = (f"hash-id trace, {plan.page_rows}-token blocks" if plan.source.hashed
+                else f"token trace, {plan.page_rows}-token pages")
+        self._planned.emit(plan, f"{name}: {plan.requests:,} requests ({kind}); {plan.cached_pages:,} pages "
+                                 f"cached at infinite capacity, hit ratio {plan.bound:.1%}")
+
+    def _sweep_job(self, source, knobs) -> None:
+        self._swept.emit(whatif.run(source, knobs, workers=self.workers,
+                                    progress=lambda done, total: self._progress.emit(done, total)))
+
+    # results (UI thread) ---------------------------------------------------------------
+    def _on_planned(self, plan, description: str) -> None:
+        self.plan = plan
+        self._set_busy(False)
+        self.panel.set_trace(description, page_size_applies=not plan.source.hashed)
+        k = plan.knobs
+        self.panel.set_knobs(k.page_rows, k.budgets, k.policies)
+
+    def _on_swept(self, rows: list) -> None:
+        self._set_busy(False)
+        self.panel.set_rows(rows)
+
+    def _on_failed(self, message: str) -> None:
+        self._set_busy(False)
+        self.panel.show_error(message)
+
+    def _set_busy(self, busy: bool) -> None:
+        self.busy = busy
+        self.panel.set_busy(busy)
+        if not busy:
+            self.panel.session_button.setEnabled(self.request_session_trace is not None)

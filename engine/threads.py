@@ -1,0 +1,118 @@
+"""BLAS threads that fit the machine: never more than the cores other processes leave free.
+
+OpenBLAS starts one thread per core and its threads spin while they wait. When another
+process keeps a core busy, a two-thread GEMM waits for the slower thread on every call:
+measured here, a decode step went from 70 ms (1 thread) to 900 ms (2 threads) with two
+busy processes on the 2-core machine. So before each forward pass the engine asks how
+many cores the rest of the machine leaves free (from /proc/stat, minus this process's own
+CPU time) and sets the BLAS thread count to that, at least 1.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+SAMPLE_S = 0.5        # re-read the machine's load at most this often
+SMALL_ROWS = 16       # up to this many rows a step is GEMV-like: memory-bound
+_PROC_STAT = "/proc/stat"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _env_threads() -> int | None:
+    """A thread count the user set for OpenBLAS (it caps ours), or None."""
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def _busy_seconds() -> float | None:
+    """Seconds of CPU time every core of the machine has spent busy since boot (Linux)."""
+    try:
+        with open(_PROC_STAT, encoding="ascii") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]     # user nice system idle iowait irq softirq steal
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _load_average() -> float:
+    """Runnable processes averaged over the last minute (0 where the OS does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class BlasThreads:
+    """Chooses and sets the BLAS thread count for each forward pass."""
+
+    def __init__(self, max_threads: int | None = None):
+        from threadpoolctl import ThreadpoolController
+        self.cores = usable_cores()
+        self._controller = ThreadpoolController().select(user_api="blas")
+        self.max_threads = max(1, min(max_threads or self.cores, self.cores, _env_threads() or self.cores))
+        self.pinned: int | None = None  # a fixed count (the bench's 1-thread diagnostic)
+        self._current: int | None = None
+        self._sample = (time.monotonic(), _busy_seconds(), _own_seconds())
+        # cores the other processes left free in the last window; before the first window
+        # the load average says (it does not count this process, which has only just started)
+        self.free = max(0.0, float(self.cores) - _load_average())
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        t0, busy0, own0 = self._sample
+        if now - t0 < SAMPLE_S:
+            return
+        busy, own = _busy_seconds(), _own_seconds()
+        self._sample = (now, busy, own)
+        if busy is None or busy0 is None:
+            return
+        others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
+        total = os.cpu_count() or self.cores
+        self.free = max(0.0, min(float(self.cores), total - others))
+
+    def choose(self, rows: int) -> int:
+        """Threads for a forward pass of `rows` new tokens: the free cores, at least 1."""
+        if self.pinned is not None:
+            return self.pinned
+        self._refresh()
+        del rows  # every size gets the free cores; kept so a per-size rule has one place to live
+        return max(1, min(self.max_threads, int(self.free + 0.35)))
+
+    def fit(self, rows: int) -> int:
+        """Set the BLAS thread count for a pass of `rows` tokens (only when it changes)."""
+        n = self.choose(rows)
+        if n != self._current:
+            self._controller.limit(limits=n)
+            self._current = n
+        return n
+
+
+_default: BlasThreads | None = None
+
+
+def blas_threads() -> BlasThreads:
+    """The process-wide chooser (BLAS thread counts are global to the process)."""
+    global _default
+    if _default is None:
+        _default = BlasThreads()
+    return _default

@@ -1,0 +1,67 @@
+"""BLAS threads fit the machine: never more than the cores other processes leave free."""
+
+from __future__ import annotations
+
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from engine import threads
+
+
+def blas_count() -> int:
+    return max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A clock and CPU counters the test moves: `busy` is every core's busy time, `own` ours."""
+    state = {"now": 100.0, "busy": 1000.0, "own": 10.0, "load": 0.0}
+    monkeypatch.setattr(threads.time, "monotonic", lambda: state["now"])
+    monkeypatch.setattr(threads, "_busy_seconds", lambda: state["busy"])
+    monkeypatch.setattr(threads, "_own_seconds", lambda: state["own"])
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads, "_load_average", lambda: state["load"])
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):  # conftest caps the suite at 1
+        monkeypatch.delenv(name, raising=False)
+    yield state
+
+
+def advance(state, seconds: float, others_busy_cores: float, own_cores: float) -> None:
+    state["now"] += seconds
+    state["own"] += own_cores * seconds
+    state["busy"] += (others_busy_cores + own_cores) * seconds
+
+
+def test_threads_follow_the_free_cores(machine):
+    before = blas_count()
+    try:
+        chooser = threads.BlasThreads(max_threads=2)
+        advance(machine, 1.0, others_busy_cores=0.0, own_cores=2.0)   # idle machine, we use both
+        assert chooser.fit(1) == 2 and blas_count() == 2
+        advance(machine, 1.0, others_busy_cores=1.0, own_cores=1.0)   # a compiler on one core
+        assert chooser.fit(1) == 1 and blas_count() == 1
+        advance(machine, 1.0, others_busy_cores=2.0, own_cores=0.5)   # both cores busy elsewhere
+        assert chooser.fit(64) == 1 and blas_count() == 1
+        advance(machine, 0.1, others_busy_cores=0.0, own_cores=2.0)   # too soon to re-read
+        assert chooser.fit(1) == 1
+        advance(machine, 1.0, others_busy_cores=0.0, own_cores=1.0)   # the others stopped
+        assert chooser.fit(1) == 2 and blas_count() == 2
+        chooser.pinned = 1                                           # the bench's diagnostic
+        assert chooser.fit(256) == 1 and blas_count() == 1
+    finally:
+        threadpool_limits(before, user_api="blas")
+
+
+def test_a_loaded_machine_gets_one_thread_from_the_first_pass(machine):
+    machine["load"] = 5.0                                            # others keep both cores busy
+    assert threads.BlasThreads().choose(128) == 1                    # before any /proc/stat window
+    machine["load"] = 0.2
+    assert threads.BlasThreads().choose(128) == 2
+
+
+def test_the_users_thread_setting_is_a_cap(machine, monkeypatch):
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    chooser = threads.BlasThreads()
+    advance(machine, 1.0, others_busy_cores=0.0, own_cores=0.0)   # idle: still 1, as the user asked
+    assert chooser.choose(256) == 1
