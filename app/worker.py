@@ -4,7 +4,7 @@
 and the Scheduler; nothing else touches them. The UI feeds it by queued
 signals (through `EngineClient`, which lives in the UI thread) and gets plain
 data back by signals: token pieces batched per step, finished records, and a
-Snapshot copy at most ~20 times a second. Cancellation is a flag the worker
+Snapshot copy at most ~10 times a second. Cancellation is a flag the worker
 checks between steps, so a stop lands within one step even while the event
 queue is busy.
 """
@@ -22,13 +22,14 @@ import engine
 from engine.scheduler import POOL_FIELDS, Scheduler, SubmitRefused
 from engine.snapshot import SnapshotMaker
 
+from .blas_share import leave_core_for_ui
 from .driver import EngineDriver, finished_records, token_pieces
 from .model_info import model_info
 from .probe import probe_prompt
 from .report import build_report
 from .settings import AppSettings
 
-STATS_INTERVAL_S = 0.05       # stats_updated at most ~20 Hz
+STATS_INTERVAL_S = 0.1        # stats_updated at most ~10 Hz: each costs both threads time
 LOAD_POLL_S = 0.05            # a load in progress looks this often whether the app quits
 
 
@@ -199,6 +200,7 @@ class EngineWorker(QObject):
             accepted.append((tag, rid, s.records[rid].n_prompt))
         if accepted:
             self.requests_submitted.emit(accepted)
+            leave_core_for_ui()
             self.busy = True
             if not self._timer.isActive():
                 self._timer.start()
@@ -276,6 +278,7 @@ class EngineWorker(QObject):
     def _wake_for_served(self) -> None:
         if self.broker is not None and self.scheduler is not None and not self._quitting \
                 and not self._timer.isActive():
+            leave_core_for_ui()
             self.busy = True
             self._timer.start()
 

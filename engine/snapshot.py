@@ -50,10 +50,11 @@ def _read_by(cfg, in_window: bool) -> str:
 
 
 class SnapshotMaker:
-    """Builds snapshots; remembers page texts so each cached page is decoded once."""
+    """Builds snapshots; remembers page texts so each page's tokens are decoded once."""
 
     def __init__(self):
         self._text_by_key: dict[int, str] = {}
+        self._text_by_tokens: dict[tuple[int, ...], str] = {}  # private pages, while they live
 
     def take(self, scheduler, since_row: int = 0) -> Snapshot:
         cache, pool, tok = scheduler.cache, scheduler.pool, scheduler.model.tokenizer
@@ -70,6 +71,7 @@ class SnapshotMaker:
             pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]), entry.chain_id,
                                    first_position=entry.depth * rows, text=text)
         cfg = scheduler.model.config
+        private_texts: dict[tuple[int, ...], str] = {}
         for stream in scheduler.streams():
             s = stream.session
             if s is None:
@@ -78,14 +80,16 @@ class SnapshotMaker:
             for i, page in enumerate(s.page_table):
                 info = pages.get(page)
                 if info is None:
-                    toks = s.tokens[i * rows:(i + 1) * rows]
+                    toks = tuple(s.tokens[i * rows:(i + 1) * rows])
+                    text = private_texts[toks] = self._text_by_tokens.get(toks) or tok.decode(list(toks))
                     info = pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]),
-                                                  first_position=i * rows, text=tok.decode(toks))
+                                                  first_position=i * rows, text=text)
                 info.owners.append(stream.id)
                 if cfg.sliding_window and not info.read_by:
                     info.read_by = _read_by(cfg, i >= first)
         for key in [k for k in self._text_by_key if k not in live_keys]:
             del self._text_by_key[key]
+        self._text_by_tokens = private_texts
         return Snapshot(
             timeline=list(scheduler.timeline.rows[since_row:]),
             page_states=states.copy(),

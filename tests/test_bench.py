@@ -164,15 +164,22 @@ def test_quick_bench_records_the_machine(quick_run):
 
 
 @pytest.mark.model
-def test_quick_bench_ui_figure_when_the_worker_exists(quick_run):
+def test_quick_bench_ui_figures_when_the_worker_exists(quick_run):
     ui = quick_run["details"]["ui"]
     if importlib.util.find_spec("app.worker") is None:
         assert ui["available"] is False and "worker" in ui["reason"]
         return
     assert ui["available"], ui.get("reason")
-    gap = quick_run["figures"]["ui_max_gap_ms"]
-    assert gap["value"] > 0 and math.isfinite(gap["value"]) and gap["target"] == TARGETS["ui_max_gap_ms"][0]
-    assert ui["finished"] == ui["streams"]
+    f = {k: v["value"] for k, v in quick_run["figures"].items()}
+    for name in ("ui_max_gap_ms", "ui_busy_max_gap_ms", "ui_app_headless_ratio", "ui_app_s", "ui_headless_s"):
+        assert f[name] > 0 and math.isfinite(f[name]), name
+    assert quick_run["figures"]["ui_max_gap_ms"]["target"] == TARGETS["ui_max_gap_ms"][0]
+    for load in ("idle", "busy"):  # the window and headless produced the same tokens, in the same rounds
+        rounds = ui[load]
+        assert [a["tokens"] for a in rounds["app"]] == [h["tokens"] for h in rounds["headless"]]
+        assert rounds["app"][0]["tokens"] == ui["prompts"] * ui["new_tokens"]
+        assert close(rounds["ratios"][0], rounds["app"][0]["wall_s"] / rounds["headless"][0]["wall_s"])
+    assert close(f["ui_app_headless_ratio"], ui["idle"]["ratio"])
 
 
 @pytest.mark.model

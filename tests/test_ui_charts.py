@@ -186,3 +186,25 @@ def test_many_redraws_keep_the_interpreter_alive(run, panel, qtbot):
         panel.refresh()
         panel.repaint()
     assert sys.getrefcount(None) >= before - 500
+
+
+def test_a_panel_on_a_hidden_tab_draws_only_once_shown(run, qtbot):
+    from PySide6.QtWidgets import QLabel, QTabWidget
+
+    from ui.charts import ChartsPanel
+    tabs = QTabWidget()
+    qtbot.addWidget(tabs)
+    panel = ChartsPanel()
+    tabs.addTab(QLabel("another tab"), "Other")
+    tabs.addTab(panel, "Charts")
+    tabs.resize(900, 600)
+    tabs.show()
+    qtbot.waitExposed(tabs)
+    qtbot.waitUntil(lambda: not panel.refresh_pending or panel.frames > 0, timeout=2000)
+    start = panel.frames
+    panel.append(run.rows, run.records)
+    qtbot.wait(700)  # several refresh intervals: a user cannot see these charts, so none is drawn
+    assert panel.frames == start and panel.refresh_pending
+    tabs.setCurrentWidget(panel)
+    qtbot.waitUntil(lambda: panel.frames == start + 1, timeout=2000)
+    assert last_x(panel.curves["hits"]) == run.rows[-1].wall_s

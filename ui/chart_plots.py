@@ -57,14 +57,20 @@ class _Swatch(pg.ItemSample):
 
 
 class _PlotWidget(pg.PlotWidget):
-    """A PlotWidget that remembers how long its last paint took (the refresh timer backs off)."""
+    """A PlotWidget that adds up how long it paints (the refresh timer backs off by it).
 
-    paint_s = 0.0
+    One data refresh costs several paints (the data, then the axes and ranges that follow
+    it), so the timer needs the sum since its last look, not the last paint alone.
+    """
+
+    paint_s = 0.0         # the last paint
+    painted_s = 0.0       # every paint since the charts panel last took the sum
 
     def paintEvent(self, ev) -> None:  # noqa: N802 - Qt's name
         t0 = time.perf_counter()
         super().paintEvent(ev)
         self.paint_s = time.perf_counter() - t0
+        self.painted_s += self.paint_s
 
 
 class _IntAxis(pg.AxisItem):
