@@ -14,7 +14,6 @@ import os
 import time
 
 SAMPLE_S = 0.5        # re-read the machine's load at most this often
-SMALL_ROWS = 16       # up to this many rows a step is GEMV-like: memory-bound
 _PROC_STAT = "/proc/stat"
 
 
@@ -90,17 +89,16 @@ class BlasThreads:
         total = os.cpu_count() or self.cores
         self.free = max(0.0, min(float(self.cores), total - others))
 
-    def choose(self, rows: int) -> int:
-        """Threads for a forward pass of `rows` new tokens: the free cores, at least 1."""
+    def choose(self) -> int:
+        """Threads for the next forward pass: the free cores, at least 1 (every size alike)."""
         if self.pinned is not None:
             return self.pinned
         self._refresh()
-        del rows  # every size gets the free cores; kept so a per-size rule has one place to live
         return max(1, min(self.max_threads, int(self.free + 0.35)))
 
-    def fit(self, rows: int) -> int:
-        """Set the BLAS thread count for a pass of `rows` tokens (only when it changes)."""
-        n = self.choose(rows)
+    def fit(self) -> int:
+        """Set the BLAS thread count for the next forward pass (only when it changes)."""
+        n = self.choose()
         if n != self._current:
             self._controller.limit(limits=n)
             self._current = n

@@ -38,30 +38,30 @@ def test_threads_follow_the_free_cores(machine):
     try:
         chooser = threads.BlasThreads(max_threads=2)
         advance(machine, 1.0, others_busy_cores=0.0, own_cores=2.0)   # idle machine, we use both
-        assert chooser.fit(1) == 2 and blas_count() == 2
+        assert chooser.fit() == 2 and blas_count() == 2
         advance(machine, 1.0, others_busy_cores=1.0, own_cores=1.0)   # a compiler on one core
-        assert chooser.fit(1) == 1 and blas_count() == 1
+        assert chooser.fit() == 1 and blas_count() == 1
         advance(machine, 1.0, others_busy_cores=2.0, own_cores=0.5)   # both cores busy elsewhere
-        assert chooser.fit(64) == 1 and blas_count() == 1
+        assert chooser.fit() == 1 and blas_count() == 1
         advance(machine, 0.1, others_busy_cores=0.0, own_cores=2.0)   # too soon to re-read
-        assert chooser.fit(1) == 1
+        assert chooser.fit() == 1
         advance(machine, 1.0, others_busy_cores=0.0, own_cores=1.0)   # the others stopped
-        assert chooser.fit(1) == 2 and blas_count() == 2
+        assert chooser.fit() == 2 and blas_count() == 2
         chooser.pinned = 1                                           # the bench's diagnostic
-        assert chooser.fit(256) == 1 and blas_count() == 1
+        assert chooser.fit() == 1 and blas_count() == 1
     finally:
         threadpool_limits(before, user_api="blas")
 
 
 def test_a_loaded_machine_gets_one_thread_from_the_first_pass(machine):
     machine["load"] = 5.0                                            # others keep both cores busy
-    assert threads.BlasThreads().choose(128) == 1                    # before any /proc/stat window
+    assert threads.BlasThreads().choose() == 1                    # before any /proc/stat window
     machine["load"] = 0.2
-    assert threads.BlasThreads().choose(128) == 2
+    assert threads.BlasThreads().choose() == 2
 
 
 def test_the_users_thread_setting_is_a_cap(machine, monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     chooser = threads.BlasThreads()
     advance(machine, 1.0, others_busy_cores=0.0, own_cores=0.0)   # idle: still 1, as the user asked
-    assert chooser.choose(256) == 1
+    assert chooser.choose() == 1
