@@ -14,6 +14,7 @@ from .chat import checked_template
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .registry import resolve_model
+from .threads import blas_threads
 from .tokenizer import TextTokenizer, build_tokenizer
 from .weight_image import read_image, write_image
 
@@ -263,6 +264,7 @@ def _image_arrays(gf: GGUFFile, info: dict) -> dict[str, np.ndarray] | None:
 def load_model(path: str | os.PathLike | None = None, use_image: bool = True) -> Model:
     """Load a GGUF: a file, a built-in model's name ("gemma3-270m"), or the bundled SmolLM2 when None."""
     t0 = time.perf_counter()
+    blas_threads()  # its first look at the machine's free cores spans the load
     path = resolve_model(path)
     if use_image and os.path.isfile(path):
         cached = read_image(path)

@@ -96,23 +96,23 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarr
     return (probs @ v.transpose(0, 2, 1, 3)).reshape(B, H * hd)                   # [B, H*hd]
 
 
-SMALL_BATCH = range(1, 17)  # rows for which the column-block layout beats a plain GEMM (or GEMV)
+SMALL_BATCH = range(2, 17)  # rows for which the column-block layout beats a plain GEMM
 
 
 def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np.ndarray:
-    """x @ W (one layer's when `layer` is given); small batches go through the column-block copy."""
+    """x @ W (one layer's when `layer` is given); 2-16 rows go through the column-block copy."""
     weight = getattr(w, name)
-    blocks = w.blocked(name) if len(x) in SMALL_BATCH else None
     if layer is not None:
         weight = weight[layer]
-        blocks = blocks[layer] if blocks is not None else None
+    if len(x) == 1:
+        # A GEMV reads the plain layout at full bandwidth (measured: decode 1.1-1.2x the
+        # 2-row GEMM over the blocks), and one stream then never maps the blocks at all.
+        return (x[0] @ weight)[None]                                         # [1, out]
+    blocks = w.blocked(name) if len(x) in SMALL_BATCH else None
     if blocks is None:
         return x @ weight                                                    # [N, out]
-    if len(x) == 1:
-        # One row runs as two: OpenBLAS's 2-row GEMM kernel over the blocks reads the weights
-        # faster than its GEMV does (measured: 0.8x in a GEMM micro-bench, 0.93x per decode
-        # step), and row 0 is the same math.
-        return (np.concatenate([x, x]) @ blocks)[:, :1].reshape(1, -1)      # [1, out]
+    if layer is not None:
+        blocks = blocks[layer]
     return (x @ blocks).transpose(1, 0, 2).reshape(len(x), -1)              # [N, out]
 
 

@@ -14,6 +14,7 @@ import os
 import time
 
 SAMPLE_S = 0.5        # re-read the machine's load at most this often
+FIRST_SAMPLE_S = 0.1  # the first window may be shorter: it replaces the load average's guess
 _PROC_STAT = "/proc/stat"
 
 
@@ -72,19 +73,22 @@ class BlasThreads:
         self.pinned: int | None = None  # a fixed count (the bench's 1-thread diagnostic)
         self._current: int | None = None
         self._sample = (time.monotonic(), _busy_seconds(), _own_seconds())
-        # cores the other processes left free in the last window; before the first window
-        # the load average says (it does not count this process, which has only just started)
+        self._measured = False
+        # cores the other processes left free in the last window. Before the first window the
+        # load average guesses; it lags a minute, so the runs just before this one (a script
+        # calling `prefixlab run` in a loop) would cost the first steps half their threads.
         self.free = max(0.0, float(self.cores) - _load_average())
 
     def _refresh(self) -> None:
         now = time.monotonic()
         t0, busy0, own0 = self._sample
-        if now - t0 < SAMPLE_S:
+        if now - t0 < (SAMPLE_S if self._measured else FIRST_SAMPLE_S):
             return
         busy, own = _busy_seconds(), _own_seconds()
         self._sample = (now, busy, own)
         if busy is None or busy0 is None:
             return
+        self._measured = True
         others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
         total = os.cpu_count() or self.cores
         self.free = max(0.0, min(float(self.cores), total - others))

@@ -65,3 +65,13 @@ def test_the_users_thread_setting_is_a_cap(machine, monkeypatch):
     chooser = threads.BlasThreads()
     advance(machine, 1.0, others_busy_cores=0.0, own_cores=0.0)   # idle: still 1, as the user asked
     assert chooser.choose() == 1
+
+
+def test_the_first_short_window_replaces_the_load_averages_guess(machine):
+    machine["load"] = 1.5                    # the minute's average still counts our last run
+    chooser = threads.BlasThreads()
+    assert chooser.choose() == 1             # nothing measured yet: the guess
+    advance(machine, threads.FIRST_SAMPLE_S + 0.01, others_busy_cores=0.0, own_cores=1.0)  # loading
+    assert chooser.choose() == 2             # the machine is idle now: both cores
+    advance(machine, threads.FIRST_SAMPLE_S + 0.01, others_busy_cores=2.0, own_cores=0.0)
+    assert chooser.choose() == 2             # later windows are the usual SAMPLE_S long

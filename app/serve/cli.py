@@ -8,7 +8,7 @@ import threading
 
 from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
 from .kv_events_publisher import add_kv_events_args, publisher_from_args
-from .server import DEFAULT_MAX_TOKENS
+from .protocol import DEFAULT_MAX_TOKENS
 
 SERVE_MAX_STREAMS = 8  # HTTP traffic comes in bursts of many clients: batch them
 # A burst's prompts are prefilled in fewer, larger steps (W8, 8 clients: wall 9.6 -> 7.8 s

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from engine import SamplingParams
 
 MAX_STOPS = 4
+# The answer limit of a request that sets none: None is OpenAI's (the context). The default
+# unbounded pool grows page by page as an answer does; a bounded pool reserves every page a
+# request may fill at admission, so a server on one may want a smaller default.
+DEFAULT_MAX_TOKENS: int | None = None
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 

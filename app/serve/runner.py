@@ -11,7 +11,8 @@ import uvicorn
 
 from .broker import RequestBroker
 from .engine_loop import EngineLoop
-from .server import DEFAULT_MAX_TOKENS, Backend, create_app
+from .protocol import DEFAULT_MAX_TOKENS
+from .server import Backend, create_app
 
 START_TIMEOUT_S = 30.0
 

@@ -27,6 +27,7 @@ from . import metrics
 from .broker import Job, Refused, RequestBroker
 from .friendliness import Friendliness
 from .protocol import (
+    DEFAULT_MAX_TOKENS,
     ApiError,
     ParsedRequest,
     StopFilter,
@@ -40,10 +41,6 @@ from .protocol import (
 )
 
 DISCONNECT_POLL_S = 0.5
-# The answer limit of a request that sets none: None is OpenAI's (the context). The default
-# unbounded pool grows page by page as an answer does; a bounded pool reserves every page a
-# request may fill at admission, so a server on one may want a smaller default.
-DEFAULT_MAX_TOKENS: int | None = None
 
 
 @dataclass
