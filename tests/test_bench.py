@@ -206,3 +206,19 @@ def test_peer_section_prints_every_ratio_against_llama_cpp(real_model, monkeypat
     ours = details["decode_tokens"] / min(t["our_single"])
     peer_decode = figures["llama_cpp_decode_tok_s"]["value"]
     assert close(figures["peer_decode_ratio"]["value"], ours / peer_decode)
+
+
+@pytest.mark.model
+def test_w8_section_times_whole_runs_idle_and_beside_busy_processes(real_model):
+    from app.bench import w8
+    with w8.busy_processes(2) as procs:
+        assert all(p.poll() is None for p in procs)                # both spinning
+    assert all(p.poll() is not None for p in procs)                # and gone afterwards
+    figures, details = w8.w8_figures(real_model.path, quick=True)
+    walls = details["walls"]
+    assert len(walls["idle"]) == len(walls["first_token"]) == 1 and walls["busy1"] and walls["busy2"]
+    assert close(figures["w8_wall_s"]["value"], min(walls["idle"]))
+    for n, name in ((1, "w8_one_busy_ratio"), (2, "w8_two_busy_ratio")):
+        assert close(figures[name]["value"], min(walls[f"busy{n}"]) / min(walls["idle"]))
+        assert figures[name]["target"] == TARGETS[name][0] and figures[name]["pass"] is not None
+    assert figures["w8_first_token_s"]["value"] > 0 and figures["w8_first_token_s"]["pass"] is not None

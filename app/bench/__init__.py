@@ -11,7 +11,9 @@ the watcher's block events per second), serve ("OpenAI server": 8 streaming clie
 shipped Mooncake trace, one configuration and a sweep across cores), blas: a diagnostic of
 decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick), and
 llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is
-installed (no target; not in --quick).
+installed (no target; not in --quick), and w8 ("Performance": whole `prefixlab run` processes
+of the W8 workload: the first token, then the wall time idle and with one and two busy
+processes; not in --quick).
 --peer llama-cpp adds the peer section ("Performance"): llama-cpp-python on the same GGUF,
 prefill, decode, eight streams and the W8 workload, as ratios with the issue's targets
 (its llama.cpp tok/s are the llama_cpp_* figures, which the llama_cpp section then reuses).
@@ -28,10 +30,11 @@ import sys
 import time
 
 SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
-            "blas", "llama_cpp", "peer")
+            "blas", "llama_cpp", "w8", "peer")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
-# left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run)
-QUICK_SKIPS = ("blas", "serve", "llama_cpp", "peer")
+# left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run;
+# w8: a minute of whole processes, with busy ones)
+QUICK_SKIPS = ("blas", "serve", "llama_cpp", "w8", "peer")
 OPT_IN = ("peer",)       # run only when asked for (--peer, or --only naming it)
 
 
@@ -167,6 +170,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
         if "replay" in sections:
             from . import replay as bench_replay
             section("replay", lambda: bench_replay.replay_figures(quick))
+        if "w8" in sections:
+            from .w8 import w8_figures
+            section("w8", lambda: w8_figures(path, quick))
         if "llama_cpp" in sections:
             from .llama_cpp import llama_cpp_figures
             section("llama_cpp", lambda: llama_cpp_figures(path, quick, result["figures"]))

@@ -28,6 +28,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
     "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),
     "peer_w8_wall_ratio": (0.8, "<="),
+    # bench section "w8" (issue "Performance"): whole `prefixlab run` processes
+    "w8_first_token_s": (1.0, "<="), "w8_one_busy_ratio": (1.6, "<="), "w8_two_busy_ratio": (4.0, "<="),
     "replay_one_config_s": (5.0, "<="), "replay_10k_blocks_s": (5.0, "<="),
     "replay_sweep_core_share": (0.75, ">="),
 }

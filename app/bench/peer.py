@@ -12,8 +12,6 @@ so load from other processes hits both alike. llama.cpp runs 2 threads (n_thread
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 
@@ -24,17 +22,10 @@ import engine as dl
 from . import llama_cpp
 from .common import child_env, figure, ratio, target
 from .engine import bench_prompt
+from .w8 import W8_FILE, load_w8, ours_cmd, timed_child
 
 ISSUE = "Performance"
 PEER_THREADS = 2
-W8_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w8.json")
-
-
-def load_w8() -> dict:
-    with open(W8_FILE, encoding="utf-8") as fh:
-        return json.load(fh)
-
-
 # PrefixLab in this process ---------------------------------------------------------------
 def _our_prefill(m, prompt: list[int]) -> float:
     pool = dl.create_kv_pool(m)
@@ -85,23 +76,6 @@ class _OurDecode:
 
 
 # W8 as whole processes -------------------------------------------------------------------
-def _ours_w8_cmd(path: str, w8: dict) -> list[str]:
-    cmd = [sys.executable, "-m", "app.cli", "run", "--model", path, "--system", w8["system"],
-           "--max-new", str(w8["max_new"]), "--quiet"]
-    for q in w8["prompts"]:
-        cmd += ["--prompt", q]
-    return cmd
-
-
-def _timed_child(cmd: list[str], env: dict) -> tuple[float, str]:
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    wall = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"{cmd[2]} child failed ({out.returncode}): {out.stderr.strip()[-1500:]}")
-    return wall, out.stdout
-
-
 def peer_w8_child(path: str) -> dict:
     """The llama.cpp side of W8 (run in a child): load, answer the questions one by one."""
     w8 = load_w8()
@@ -144,16 +118,16 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
     w8 = load_w8()
     env = child_env()
     peer_cmd = [sys.executable, "-m", "app.bench.peer", "--w8-child", m.path]
-    ours_cmd = _ours_w8_cmd(m.path, w8)
+    ours_w8 = ours_cmd(m.path, w8)
     walls: dict[str, list[float]] = {"ours": [], "peer": []}
     peer_gen = None
     if not quick:
-        _timed_child(ours_cmd, env)                           # a warm weight image and page cache
+        timed_child(ours_w8, env)                           # a warm weight image and page cache
         for _ in range(2):
-            wall, stdout = _timed_child(peer_cmd, env)
+            wall, stdout = timed_child(peer_cmd, env)
             walls["peer"].append(wall)
             peer_gen = json.loads(stdout.strip().splitlines()[-1])["n_gen"]
-            walls["ours"].append(_timed_child(ours_cmd, env)[0])
+            walls["ours"].append(timed_child(ours_w8, env)[0])
     figures = {
         "peer_prefill_ratio": figure(
             ratio(our_pf, peer_pf), "x", ISSUE, **target("peer_prefill_ratio"),
@@ -171,13 +145,12 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
     }
     if walls["ours"]:
         ours_w, peer_w = min(walls["ours"]), min(walls["peer"])
-        figures["w8_wall_s"] = figure(ours_w, "s", ISSUE,
-                                      note="`prefixlab run` W8, default settings, whole process")
         figures["peer_llama_cpp_w8_wall_s"] = figure(peer_w, "s", ISSUE,
                                                 note="llama.cpp process, questions in turn")
         figures["peer_w8_wall_ratio"] = figure(ratio(ours_w, peer_w), "x", ISSUE,
                                                **target("peer_w8_wall_ratio"),
-                                               note="PrefixLab wall / llama.cpp wall")
+                                               note=f"PrefixLab W8 {ours_w:.2f} s (interleaved with "
+                                                    "llama.cpp's) / llama.cpp's")
     details = {"available": True, "llama_cpp": version, "threads": PEER_THREADS, "reps": reps,
                "prefill_tokens": n_prefill, "context": ctx, "decode_tokens": n_dec, "streams": streams,
                "batch_steps": n_batch_steps, "seconds": t, "w8_walls": walls, "w8_peer_n_gen": peer_gen,

@@ -15,19 +15,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 TICK_MS = 10
-BUSY_LOOP = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
-
-
-def _spawn_busy(seconds: float) -> subprocess.Popen:
-    """One process that keeps a core busy for at most `seconds` (stopped earlier by the caller)."""
-    return subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(s=float(seconds))])
-
 
 class _AppRunner:
     """The real Desktop, offscreen, with a tick timer on the UI thread."""
@@ -158,12 +150,9 @@ def child(model_path: str, quick: bool, rounds: int, busy: bool) -> dict:
             out = {"prompts": len(sc.prompts), "new_tokens": sc.max_new_tokens, "rounds": rounds,
                    "idle": _rounds(app, headless, rounds)}
             if busy:
-                proc = _spawn_busy(600)
-                try:
+                from app.bench.w8 import busy_processes
+                with busy_processes(1):
                     out["busy"] = _rounds(app, headless, rounds)
-                finally:
-                    proc.kill()
-                    proc.wait()
         finally:
             app.close()
     return out
