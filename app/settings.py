@@ -17,6 +17,7 @@ from .serve.kv_events import normalize_endpoint
 ORGANIZATION = "PrefixLab"
 APPLICATION = "PrefixLab"
 MAX_RECENT_MODELS = 8
+MAX_SPEC_K = 16      # the Settings dialog's bound on drafted tokens per stream and step
 
 
 
@@ -35,6 +36,8 @@ class AppSettings:
     max_streams: int = 8
     chunk_tokens: int = 128      # the scheduler's default (engine/stream.py says why)
     cache_enabled: bool = True
+    spec_enabled: bool = SchedulerSettings.spec_enabled  # speculative decoding (the scheduler's default)
+    spec_k: int = SchedulerSettings.spec_k               # tokens drafted per stream and step
     namespace: str = ""
     temperature: float = 0.0
     top_k: int = 40
@@ -64,6 +67,7 @@ class AppSettings:
         need_int("cache_pages", 0, 1_000_000)
         need_int("max_streams", 1, 64)
         need_int("chunk_tokens", 1, 65_536)
+        need_int("spec_k", 1, MAX_SPEC_K)
         need_int("top_k", 0, 1_000_000)
         need_int("seed", -1, 2**31 - 1)
         need_int("max_new_tokens", 1, 65_536)
@@ -111,7 +115,8 @@ class AppSettings:
         """The engine scheduler's settings these preferences choose (0 pool pages: a growing pool)."""
         return SchedulerSettings(max_streams=self.max_streams, chunk_tokens=self.chunk_tokens,
                                  page_rows=self.page_rows, pool_pages=self.pool_pages or None,
-                                 cache_pages=self.cache_pages, cache_enabled=self.cache_enabled)
+                                 cache_pages=self.cache_pages, cache_enabled=self.cache_enabled,
+                                 spec_enabled=self.spec_enabled, spec_k=self.spec_k)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -153,6 +158,7 @@ class AppSettings:
 LABELS = {
     "page_rows": "Page rows", "pool_pages": "Pool pages", "cache_pages": "Cache budget",
     "max_streams": "Max streams", "chunk_tokens": "Chunk tokens", "cache_enabled": "Prefix cache",
+    "spec_enabled": "Speculative decoding", "spec_k": "Draft tokens (k)",
     "namespace": "Namespace", "temperature": "Temperature", "top_k": "Top-k", "top_p": "Top-p",
     "min_p": "Min-p", "repeat_penalty": "Repetition penalty", "seed": "Seed",
     "max_new_tokens": "Max new tokens", "server_host": "Server host", "server_port": "Server port",

@@ -15,6 +15,7 @@ from app.settings import AppSettings, add_recent_model, qsettings, recent_models
 from app.system_info import about_versions  # noqa: E402
 from engine.metrics import RequestRecord  # noqa: E402
 from ui.about import AboutDialog  # noqa: E402
+from ui.settings_dialog import SettingsDialog  # noqa: E402
 from ui.theme import current_theme  # noqa: E402
 
 OLD_SETTINGS = os.path.join(os.path.dirname(__file__), "data", "qsettings-0.1.ini")  # written by 0.1's window
@@ -29,6 +30,8 @@ OLD_SETTINGS = os.path.join(os.path.dirname(__file__), "data", "qsettings-0.1.in
     ({"pool_pages": 2, "max_new_tokens": 64}, "cannot hold even one request"),
     ({"pool_pages": 40, "cache_pages": 50}, "larger than the pool"),
     ({"namespace": "a\nb"}, "Namespace"),
+    ({"spec_k": 0}, "Draft tokens (k)"),
+    ({"spec_k": 17}, "Draft tokens (k)"),
 ])
 def test_settings_validation_names_the_problem(changes, words):
     s = AppSettings.from_dict({**AppSettings().to_dict(), **changes})
@@ -60,12 +63,35 @@ def test_settings_dialog_rejects_bad_values_with_a_message(open_desktop, qtbot):
     assert chosen.seed == 7 and chosen.sampling().seed == 7 and chosen.top_p == 0.9
 
 
+def test_settings_dialog_speculative_decoding_round_trip(open_desktop, qtbot):
+    dlg = open_desktop().settings_dialog()
+    dlg.show()
+    assert not dlg.spec_enabled.isChecked() and not dlg.spec_k.isEnabled()   # off by default: k greyed
+    assert "n-grams of the prompt" in dlg.spec_enabled.toolTip()
+    dlg.spec_enabled.setChecked(True)
+    assert dlg.spec_k.isEnabled()
+    dlg.spec_k.setValue(7)
+    dlg.accept()
+    chosen = AppSettings.from_dict(dlg.result_values)
+    assert (chosen.spec_enabled, chosen.spec_k) == (True, 7)
+    sched = chosen.scheduler_settings()
+    assert (sched.spec_enabled, sched.spec_k) == (True, 7)
+    # Reopened on those values: the box is ticked and k is editable; unticking greys k again.
+    again = SettingsDialog(chosen.to_dict(), AppSettings().to_dict(), lambda v: [])
+    qtbot.addWidget(again)
+    assert again.spec_enabled.isChecked() and again.spec_k.isEnabled() and again.spec_k.value() == 7
+    again.spec_enabled.setChecked(False)
+    assert not again.spec_k.isEnabled() and again.values()["spec_enabled"] is False
+    assert again.spec_k.minimum() == 1 and again.spec_k.maximum() == 16
+
+
 def test_settings_theme_geometry_and_transcripts_survive_a_restart(open_desktop, qtbot):
     d1 = open_desktop()
     w1, c1 = d1.window, d1.controller
     custom = AppSettings(page_rows=8, pool_pages=200, cache_pages=100, max_streams=3, chunk_tokens=32,
                          cache_enabled=False, namespace="team-a", temperature=0.7, top_k=20, top_p=0.8,
-                         min_p=0.1, repeat_penalty=1.2, seed=42, max_new_tokens=33)
+                         min_p=0.1, repeat_penalty=1.2, seed=42, max_new_tokens=33, spec_enabled=True,
+                         spec_k=6)
     c1.apply_settings(custom)
     w1.set_theme("dark")
     assert current_theme() == "dark"
@@ -120,6 +146,9 @@ def test_settings_and_transcripts_saved_by_version_0_1_load(open_desktop, gui_se
                                      chunk_tokens=32, cache_enabled=False, namespace="team-a",
                                      temperature=0.7, top_k=20, top_p=0.8, min_p=0.1, repeat_penalty=1.2,
                                      seed=42, max_new_tokens=33)
+    # 0.1 had no speculative decoding: the file has no such keys and the defaults (off) apply.
+    assert not c.settings.spec_enabled and c.settings.spec_k == 4
+    assert not c.settings.scheduler_settings().spec_enabled
     assert current_theme() == "dark" and recent_models(d.store) == ["/models/a.gguf"]
     assert w.prompt_pane.system_prompt() == "A shared system prompt."
     assert w.prompt_list.prompts() == [("p1", "First question?"), ("p2", "Second question?")]
