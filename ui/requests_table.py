@@ -6,7 +6,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem
 
 COLUMNS = ["Req", "Prompt", "Prompt tok", "Cached", "Prefilled", "Generated", "Queue", "TTFT", "tok/s",
-           "Finish", "Client"]
+           "Drafts acc.", "Finish", "Client"]
 
 
 def _ms(seconds: float | None) -> str:
@@ -29,8 +29,9 @@ class RequestsTable(QTableWidget):
         row = self.rowCount()
         self.insertRow(row)
         tps = f"{r.decode_tps:.1f}" if r.decode_tps else "—"
+        drafts = f"{r.spec_acceptance * 100:.1f} %" if r.spec_acceptance is not None else "—"
         values = [r.id, r.preview, r.n_prompt, r.n_cached, r.n_prefilled, r.n_gen, _ms(r.queue_wait_s),
-                  _ms(r.ttft_s), tps, r.finish_reason, r.client]
+                  _ms(r.ttft_s), tps, drafts, r.finish_reason, r.client]
         for col, v in enumerate(values):
             item = QTableWidgetItem(str(v))
             if isinstance(v, (int, float)):

@@ -69,6 +69,9 @@ class ReportSettings(msgspec.Struct, kw_only=True):
     chunk_tokens: int
     namespace: str
     sampling: SamplingParams
+    # Speculative decoding; None: a report written before these were recorded.
+    spec_enabled: bool | None = None
+    spec_k: int | None = None   # tokens drafted per stream and step, at most
 
 
 class Totals(msgspec.Struct, kw_only=True):
@@ -92,6 +95,8 @@ class Totals(msgspec.Struct, kw_only=True):
     mean_request_decode_tok_s: float
     peak_pages_in_use: int      # max over steps of pages with a reference (sessions or cache)
     peak_pages_sessions: int    # max over steps of pages a session holds
+    spec_drafted: int = 0       # speculative draft tokens verified (sum over requests; 0 in older reports)
+    spec_accepted: int = 0      # of those, the ones the sampler agreed with
 
 
 class PageMapState(msgspec.Struct, kw_only=True):
@@ -198,7 +203,9 @@ def _totals(scheduler, records: list[RequestRecord], rows: list[TimelineRow]) ->
         decode_tokens=int(scheduler.decode_tokens), generated_tokens=sum(r.n_gen for r in records),
         decode_tok_s=scheduler.decode_tokens / decode_seconds if decode_seconds > 0 else 0.0,
         mean_request_decode_tok_s=sum(rates) / len(rates) if rates else 0.0,
-        peak_pages_in_use=int(peak_used), peak_pages_sessions=int(peak_sessions))
+        peak_pages_in_use=int(peak_used), peak_pages_sessions=int(peak_sessions),
+        spec_drafted=sum(r.spec_drafted for r in records),
+        spec_accepted=sum(r.spec_accepted for r in records))
 
 
 def _page_map(scheduler) -> PageMapState:
@@ -226,7 +233,8 @@ def build_report(scheduler, model: Model, system_prompt: str, sampling: Sampling
         page_rows=s.page_rows, pool_pages=s.pool_pages, pool_capacity=int(scheduler.pool.capacity),
         cache_pages=s.cache_pages, cache_enabled=s.cache_enabled, max_streams=s.max_streams,
         max_queue=s.max_queue, chunk_tokens=s.chunk_tokens, namespace=namespace,
-        sampling=dataclasses.replace(sampling) if sampling is not None else SamplingParams())
+        sampling=dataclasses.replace(sampling) if sampling is not None else SamplingParams(),
+        spec_enabled=s.spec_enabled, spec_k=s.spec_k)
     return Report(
         title=title or f"PrefixLab session report: {model.name}",
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -89,6 +89,11 @@ def fmt_int(x: int | None) -> str:
     return "–" if x is None else f"{x:,}"
 
 
+def fmt_drafts(accepted: int, drafted: int) -> str:
+    """Speculative decoding's acceptance, e.g. "12 of 40 (30.0 %)"; "none drafted" without drafts."""
+    return f"{accepted:,} of {drafted:,} ({fmt_pct(accepted / drafted)})" if drafted else "none drafted"
+
+
 def fmt_any(x) -> str:
     if x is None:
         return "–"
@@ -123,6 +128,8 @@ REQUEST_COLUMNS = [
     ("queue_wait_s", "Queue wait", fmt_s, "time from submit to admission"),
     ("ttft_s", "TTFT", fmt_s, "time from arrival (submit) to the first token, queue wait included"),
     ("decode_tps", "Tok/s", fmt_rate, "decode tokens per second of this request"),
+    ("spec_acceptance", "Drafts acc.", fmt_pct,
+     "speculative decoding: drafted tokens the model agreed with (–: none drafted)"),
     ("finish_reason", "Finish", None, "stop, length or cancelled"),
     ("chain_hit", "Hit chain", fmt_int, "the cached chain this prompt's prefix came from"),
     ("chain_donated", "Donated", fmt_int, "the chain this request's own pages went into"),
@@ -182,7 +189,9 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         ("decode_tok_s", "decode tok/s (all streams)", fmt_rate),
         ("mean_request_decode_tok_s", "decode tok/s per stream (mean)", fmt_rate),
         ("peak_pages_in_use", "peak pages in use", fmt_int),
-        ("peak_pages_sessions", "peak pages held by streams", fmt_int))]
+        ("peak_pages_sessions", "peak pages held by streams", fmt_int),
+        ("spec_drafted", "draft tokens verified (speculative decoding)", fmt_int),
+        ("spec_accepted", "drafts accepted", lambda n: fmt_drafts(n, t.spec_drafted)))]
     sp = s.sampling
     sampling = "greedy" if sp.temperature <= 0 else (
         f"temperature {sp.temperature:g}, top-k {sp.top_k}, top-p {sp.top_p:g}, min-p {sp.min_p:g}")
@@ -201,6 +210,8 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         ("cache budget (pages)", s.cache_pages if s.cache_pages else "unbounded"),
         ("prefix cache", "on" if s.cache_enabled else "off"), ("max streams", s.max_streams),
         ("max queue", s.max_queue), ("chunk tokens", s.chunk_tokens),
+        ("speculative decoding", "not recorded" if s.spec_enabled is None else
+         f"on, k = {s.spec_k}" if s.spec_enabled else "off"),
         ("namespace", s.namespace or "(none)"), ("sampling", sampling)])
     machine = report.machine
     machine_rows = _kv([("platform", machine.platform), ("CPUs", machine.cpu_count),
