@@ -26,7 +26,7 @@ CACHE = ["attach_us_per_page", "insert_us_per_page", "evict_us_per_page"]
 SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_alone_hit_s",
          "ttft_alone_miss_s", "ttft_hit_miss_ratio", "burst_ttft_hit_mean_s", "burst_ttft_miss_mean_s",
          "queue_wait_mean_s", "queue_wait_max_s",
-         "plain_queue_wait_mean_s", "sched_wall_nospec_s", "spec_speedup_one_stream"]
+         "plain_queue_wait_mean_s", "sched_wall_spec_s", "spec_speedup_one_stream"]
 REPLAY = ["replay_one_config_s", "replay_10k_blocks_s", "replay_sweep_wall_s", "replay_sweep_core_share"]
 QUEUE_WAITS = {"queue_wait_mean_s", "queue_wait_max_s", "plain_queue_wait_mean_s"}
 
@@ -119,7 +119,12 @@ def test_quick_bench_ratios_come_from_the_same_run(quick_run):
     assert close(f["batch_speedup"], f["batch_decode_tok_s"] / f["decode_tok_s"])
     assert close(f["sched_wall_ratio"], f["sched_wall_cached_s"] / f["sched_wall_plain_s"])
     sd = d["scheduler"]
-    assert close(f["spec_speedup_one_stream"], sd["one_nospec"]["wall_s"] / sd["one"]["wall_s"])
+    assert close(f["spec_speedup_one_stream"], sd["one"]["wall_s"] / sd["one_spec"]["wall_s"])
+    assert sum(r["spec_drafted"] for r in sd["one"]["records"]) == 0   # the default drafts nothing
+    drafted = sum(r["spec_drafted"] for r in sd["one_spec"]["records"])
+    if drafted:
+        accepted = sum(r["spec_accepted"] for r in sd["one_spec"]["records"])
+        assert close(f["spec_acceptance"], accepted / drafted)
     assert close(f["sched_wall_cached_s"], d["scheduler"]["cached"]["wall_s"])
     assert close(f["ttft_hit_miss_ratio"], f["ttft_alone_hit_s"] / f["ttft_alone_miss_s"])
     assert sd["ttft_alone"]["hit_cached_tokens"] > 0  # the hit really reused the system prompt
@@ -144,12 +149,15 @@ def test_quick_bench_targets_and_verdicts_agree(quick_run):
 @pytest.mark.model
 def test_quick_bench_runs_are_comparable(quick_run):
     sched = quick_run["details"]["scheduler"]
-    for run in ("cached", "plain", "nospec", "one", "one_nospec"):
+    for run in ("cached", "plain", "spec", "one", "one_spec"):
         assert all(r["n_gen"] == sched["new_tokens"] for r in sched[run]["records"]), run
     assert sched["cached"]["n_hits"] > 0 and sched["cached"]["n_misses"] > 0
     assert sched["plain"]["n_hits"] == 0 and sched["plain"]["settings"]["max_streams"] == 1
-    assert sched["cached"]["settings"]["max_streams"] == 8 and sched["cached"]["settings"]["spec_enabled"]
-    assert not any(sched[run]["settings"]["spec_enabled"] for run in ("nospec", "one_nospec"))
+    # the defaults (speculative decoding off) against the same with it on
+    assert sched["cached"]["settings"]["max_streams"] == 8 and not sched["cached"]["settings"]["spec_enabled"]
+    assert not sched["one"]["settings"]["spec_enabled"]
+    assert all(sched[run]["settings"]["spec_enabled"] for run in ("spec", "one_spec"))
+    assert {**sched["spec"]["settings"], "spec_enabled": False} == sched["cached"]["settings"]
     load = quick_run["details"]["load"]
     assert load["cold"]["from_image"] is False and load["warm"]["from_image"] is True
 
