@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 import engine as dl
+from app.cli import main
 from engine.sampler import Sampler, SamplingParams
 from engine.spec import propose, verify
 
@@ -106,3 +109,21 @@ def test_rollback_forgets_rejected_tokens_and_never_touches_a_shared_page(tiny_m
     dl.release_kv_pages(s)
     dl.prefix_release(cache, pool)
     pool.check()
+
+
+@pytest.mark.parametrize("flags, on, k", [([], False, 4), (["--spec", "--spec-k", "3"], True, 3),
+                                          (["--spec", "--no-spec"], False, 4)])
+def test_run_spec_options_reach_the_scheduler_and_the_report(tiny_gguf_path, tmp_path, flags, on, k):
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", tiny_gguf_path, "--system", "the wind the wind the wind the wind",
+                 "--prompt", "the wind the wind the wind", "--max-new", "16", "--temp", "0", "--quiet",
+                 "--json", str(out), *flags]) == 0
+    rep = json.loads(out.read_text("utf-8"))
+    assert (rep["settings"]["spec_enabled"], rep["settings"]["spec_k"]) == (on, k)
+    drafted = sum(r["spec_drafted"] for r in rep["requests"])
+    assert rep["totals"]["spec_drafted"] == drafted and (drafted > 0) == on
+
+
+def test_run_refuses_a_bad_spec_k(tiny_gguf_path):
+    with pytest.raises(SystemExit, match="spec_k"):
+        main(["run", "--model", tiny_gguf_path, "--prompt", "hi", "--spec", "--spec-k", "0"])
