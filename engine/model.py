@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
+from .attention import AttentionPlan, attention_plan, paged_attention
 from .block_manager import SeqSlots
 from .config import ModelConfig
 from .kv_pool import KVPool
@@ -38,62 +37,6 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = Fal
     lo[...] = a * c - b * s
     hi[...] = a * s + b * c
     return out
-
-
-def softmax(x: np.ndarray) -> np.ndarray:
-    # in place over the last axis: x [..., S] is a fresh scores array nobody else holds
-    x -= x.max(axis=-1, keepdims=True)
-    np.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
-    return x
-
-
-def causal_bias(T: int, S: int, n_past: int, key_start: int = 0, window: int = 0) -> np.ndarray:
-    # [T, S]: 0 where query t (at position n_past + t) may see key s (at key_start + s), else -inf:
-    # not after it, and with a window, fewer than `window` positions before it (llama.cpp's SWA)
-    gap = (n_past + np.arange(T))[:, None] - (key_start + np.arange(S))[None, :]  # [T, S]
-    hidden = (gap < 0) | (gap >= window) if window else gap < 0
-    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
-              key_start: int = 0, window: int = 0) -> np.ndarray:
-    """Causal grouped-query attention of T new queries over S keys at positions key_start.. n_past + T - 1."""
-    T, H, hd = q.shape          # q [T, H, hd]
-    S, KV, _ = k.shape          # k, v [S, KV, hd]
-    R = H // KV
-    qg = q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3).reshape(KV, R * T, hd)  # [KV, R*T, hd]
-    # Strided views stay on BLAS (each matrix has a unit stride): no copy of K/V here.
-    scores = qg @ k.transpose(1, 2, 0)                                            # [KV, R*T, S]
-    scores *= np.float32(1.0 / np.sqrt(hd))
-    if T > 1 or key_start + window <= n_past:
-        scores.reshape(KV, R, T, S)[...] += causal_bias(T, S, n_past, key_start, window)  # [KV, R, T, S]
-    probs = softmax(scores)                                                       # [KV, R*T, S]
-    out = probs @ v.transpose(1, 0, 2)                                            # [KV, R*T, hd]
-    return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
-
-
-def padding_bias(lengths: np.ndarray, S: int, window: int = 0) -> np.ndarray:
-    # [B, S]: 0 on the keys session b's query (key index lengths[b] - 1) sees, -inf on the
-    # padding after them and, with a window, on keys `window` or more positions before it
-    s = np.arange(S)[None, :]                                                     # [1, S]
-    hidden = s >= lengths[:, None]                                                # [B, S]
-    if window:
-        hidden |= s < lengths[:, None] - window
-    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
-
-
-def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """One new query per session over its own keys, sessions padded to one length S."""
-    B, H, hd = q.shape          # q [B, H, hd]
-    _, S, KV, _ = k.shape       # k, v [B, S, KV, hd]; bias [B, S] hides each session's padding
-    R = H // KV
-    qg = q.reshape(B, KV, R, hd)                                                  # [B, KV, R, hd]
-    scores = qg @ k.transpose(0, 2, 3, 1)                                         # [B, KV, R, S]
-    scores *= np.float32(1.0 / np.sqrt(hd))
-    scores += bias[:, None, None, :]                                              # [B, KV, R, S]
-    probs = softmax(scores)                                                       # [B, KV, R, S]
-    return (probs @ v.transpose(0, 2, 1, 3)).reshape(B, H * hd)                   # [B, H*hd]
 
 
 SMALL_BATCH = range(2, 17)  # rows for which the column-block layout beats a plain GEMM
@@ -152,78 +95,6 @@ def page_slots(rows: int, sessions: list[SeqSlots], counts: list[int]) -> tuple[
         pages.append(np.asarray(s.page_table, dtype=np.int64)[pos // rows])
         offsets.append(pos % rows)
     return np.concatenate(pages), np.concatenate(offsets)
-
-
-@dataclass
-class AttentionPlan:
-    """Which rows attend how: single-token sessions together (padded), the others one by one."""
-
-    decode_rows: np.ndarray     # [B] rows of x holding one session's only new token
-    decode_tables: list         # [B] each such session's page table
-    decode_lengths: np.ndarray  # [B] positions each such session holds after this pass
-    spans: list                 # (first row, rows, page table, n_past) of every multi-token session
-    page_rows: int
-    keys: dict = field(default_factory=dict)  # window -> (pages [B, P], bias [B, P*rows]), made once
-
-    def decode_keys(self, window: int) -> tuple[np.ndarray, np.ndarray]:
-        """The pages every single-token session reads at a layer with this window (padded with its
-        last one) and the bias that hides padding and keys outside the window."""
-        if window not in self.keys:
-            rows, lengths = self.page_rows, self.decode_lengths
-            firsts = np.array([window_first_page(n - 1, window, rows) for n in lengths], dtype=np.int64)
-            tables = [t[f:-(-n // rows)] for t, f, n in zip(self.decode_tables, firsts, lengths)]
-            pages = np.empty((len(tables), max(map(len, tables))), dtype=np.int64)   # [B, P]
-            for j, t in enumerate(tables):
-                pages[j, :len(t)] = t
-                pages[j, len(t):] = t[-1]   # padding reads a real page; the bias hides it
-            bias = padding_bias(lengths - firsts * rows, pages.shape[1] * rows, window)  # [B, P*rows]
-            self.keys[window] = (pages, bias)
-        return self.keys[window]
-
-
-def attention_plan(rows: int, sessions: list[SeqSlots], counts: list[int]) -> AttentionPlan:
-    """Group the batch once per forward, so every layer reuses the same index arrays."""
-    starts = np.cumsum([0] + counts[:-1])
-    single = [i for i, n in enumerate(counts) if n == 1]
-    lengths = np.array([sessions[i].n_past + 1 for i in single], dtype=np.int64)  # [B]
-    spans = [(int(starts[i]), n, sessions[i].page_table, sessions[i].n_past)
-             for i, n in enumerate(counts) if n != 1]
-    return AttentionPlan(starts[single].astype(np.int64), [sessions[i].page_table for i in single],
-                         lengths, spans, rows)
-
-
-def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int,
-              first_page: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """K and V of positions first_page * page_rows .. n - 1 of one session at one layer."""
-    c = pool.cfg
-    pages = page_table[first_page:]
-    m = n - first_page * pool.page_rows
-    k = pool.k[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
-    v = pool.v[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
-    return k, v
-
-
-def window_first_page(n_past: int, window: int, page_rows: int) -> int:
-    """The first page a sliding layer reads: the one holding the oldest key the first new query sees."""
-    return max(0, n_past - window + 1) // page_rows if window else 0
-
-
-def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan, window: int) -> np.ndarray:
-    """Attention of every new row over its own session's pages (the last `window` keys when set)."""
-    N, H, hd = q.shape                                                   # q [N, H, hd]
-    KV, rows = pool.cfg.n_kv_heads, pool.page_rows
-    out = np.empty((N, H * hd), dtype=np.float32)                        # [N, H*hd]
-    if len(plan.decode_rows):
-        B = len(plan.decode_rows)
-        pages, bias = plan.decode_keys(window)                           # [B, P], [B, P*rows]
-        k = pool.k[layer][pages].reshape(B, -1, KV, hd)                  # [B, P*rows, KV, hd]
-        v = pool.v[layer][pages].reshape(B, -1, KV, hd)                  # [B, P*rows, KV, hd]
-        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], k, v, bias)
-    for start, n, table, n_past in plan.spans:
-        first = window_first_page(n_past, window, rows)
-        ks, vs = gather_kv(pool, layer, table, n_past + n, first)       # [m, KV, hd] each
-        out[start:start + n] = attention(q[start:start + n], ks, vs, n_past, first * rows, window)
-    return out
 
 
 def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,

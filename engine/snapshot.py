@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .attention import window_first_page
 from .metrics import RequestRecord, TimelineRow
-from .model import window_first_page
 from .prefix_cache import ChainRecord, prefix_chain_list
 
 

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import engine as dl
+from engine import attention as ea
 from engine import model as em
 from tests.prefix_helpers import teardown
 from tests.tiny_arch import ARCHS, KEPT_POSITIONS, REFERENCE_FILE, llama_cpp_outputs, write_arch_gguf
@@ -126,7 +127,7 @@ def test_sliding_layers_read_only_the_pages_in_their_window(arch_models):
     s = dl.create_session(m, pool)
     dl.eval(m, s, ids)
     # the next query sits at position 25 and sees 18..25: pages 0-3 (positions 0-15) are outside
-    assert em.window_first_page(25, 8, 4) == 4
+    assert ea.window_first_page(25, 8, 4) == 4
     clean = dl.eval(m, s, [200])
     dl.release_kv_pages(s)
     s = dl.create_session(m, pool)

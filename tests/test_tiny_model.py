@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import engine as dl
+from engine import attention as ea
 from engine import model as em
 from tests.tiny_gguf import read_weights, reference_logits
 
@@ -34,7 +35,7 @@ def contiguous_logits(m, tokens, chunks=None) -> list[np.ndarray]:
             q = em.apply_rope(qkv[:, :d].reshape(T, H, hd), cos, sin)
             K[layer, pos] = em.apply_rope(qkv[:, d:d + kv].reshape(T, KV, hd), cos, sin)
             V[layer, pos] = qkv[:, d + kv:].reshape(T, KV, hd)
-            att = em.attention(q, K[layer, :n_past + T], V[layer, :n_past + T], n_past)
+            att = ea.attention(q, K[layer, :n_past + T], V[layer, :n_past + T], n_past)
             x = x + em.linear(att.astype(np.float32), w, "wo", layer)  # the engine keeps float32
             h = em.rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)
             x = x + em.gated_ffn(h, w, layer)
@@ -136,6 +137,39 @@ def test_eval_batch_ragged_equals_separate_evals(tiny_model, prompt_ids):
         dl.release_kv_pages(s)
     pool.check()
     assert pool.num_used_pages == 0
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_decode_over_shared_cached_pages_equals_separate_evals(tiny_model, prompt_ids, side_by_side):
+    # Sessions that attached the same cached pages decode together; the pages they all hold
+    # are read once for all of them (a view when side by side in the pool, else a copy).
+    m, ids = tiny_model, prompt_ids
+    pool = dl.create_kv_pool(m, page_rows=8)
+    cache = dl.create_prefix_cache()
+    if not side_by_side:  # a page in between pushes the prefix's pages apart
+        gap = dl.create_session(m, pool)
+        dl.eval(m, gap, ids[:8])
+    owner = dl.create_session(m, pool)
+    for i in range(0, 32, 8):          # page by page, each sandwiched between gap pages
+        dl.eval(m, owner, ids[i:i + 8])
+        if not side_by_side:
+            dl.eval(m, gap, ids[:8])
+    dl.prefix_insert(cache, pool, owner, ids[:32])
+    tails = [ids[32:35], ids[40:41], ids[50:55]]
+    batch = []
+    for t in tails:
+        s = dl.create_session(m, pool)
+        assert dl.prefix_attach(cache, pool, s, ids[:32] + t) == 32
+        dl.eval(m, s, t)
+        batch.append(s)
+    shared = batch[0].page_table[:4]
+    assert (shared == list(range(shared[0], shared[0] + 4))) == side_by_side
+    nxt = [[int(t) % 100 + 1] for t in range(3)]
+    got = dl.eval_batch(m, batch, nxt)
+    for i, t in enumerate(tails):
+        alone = dl.create_session(m, dl.create_kv_pool(m, page_rows=16))
+        want = dl.eval(m, alone, ids[:32] + t + nxt[i])
+        np.testing.assert_allclose(got[i], want, atol=1e-4, rtol=0)
 
 
 def test_chunked_prefill_equals_one_shot(tiny_model, prompt_ids):

@@ -1,0 +1,179 @@
+"""Attention over the paged KV pool: causal prefill spans, and batched decode that reads the
+pages the decoding sessions share (a cached system prompt) once for all of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .block_manager import SeqSlots
+from .kv_pool import KVPool
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    # in place over the last axis: x [..., S] is a fresh scores array nobody else holds
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
+
+
+def causal_bias(T: int, S: int, n_past: int, key_start: int = 0, window: int = 0) -> np.ndarray:
+    # [T, S]: 0 where query t (at position n_past + t) may see key s (at key_start + s), else -inf:
+    # not after it, and with a window, fewer than `window` positions before it (llama.cpp's SWA)
+    gap = (n_past + np.arange(T))[:, None] - (key_start + np.arange(S))[None, :]  # [T, S]
+    hidden = (gap < 0) | (gap >= window) if window else gap < 0
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
+              key_start: int = 0, window: int = 0) -> np.ndarray:
+    """Causal grouped-query attention of T new queries over S keys at positions key_start.. n_past + T - 1."""
+    T, H, hd = q.shape          # q [T, H, hd]
+    S, KV, _ = k.shape          # k, v [S, KV, hd]
+    R = H // KV
+    qg = q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3).reshape(KV, R * T, hd)  # [KV, R*T, hd]
+    # Strided views stay on BLAS (each matrix has a unit stride): no copy of K/V here.
+    scores = qg @ k.transpose(1, 2, 0)                                            # [KV, R*T, S]
+    scores *= np.float32(1.0 / np.sqrt(hd))
+    if T > 1 or key_start + window <= n_past:
+        scores.reshape(KV, R, T, S)[...] += causal_bias(T, S, n_past, key_start, window)  # [KV, R, T, S]
+    probs = softmax(scores)                                                       # [KV, R*T, S]
+    out = probs @ v.transpose(1, 0, 2)                                            # [KV, R*T, hd]
+    return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
+
+
+def padding_bias(lengths: np.ndarray, S: int, window: int = 0) -> np.ndarray:
+    # [B, S]: 0 on the keys session b's query (key index lengths[b] - 1) sees, -inf on the
+    # padding after them and, with a window, on keys `window` or more positions before it
+    s = np.arange(S)[None, :]                                                     # [1, S]
+    hidden = s >= lengths[:, None]                                                # [B, S]
+    if window:
+        hidden |= s < lengths[:, None] - window
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
+
+
+def decode_attention(q: np.ndarray, shared: tuple[np.ndarray, np.ndarray],
+                     own: tuple[np.ndarray, np.ndarray], bias: np.ndarray) -> np.ndarray:
+    """One new query per session over the keys all sessions share, then each one's own keys
+    (sessions padded to one length; `bias` hides the padding). One softmax spans both."""
+    B, H, hd = q.shape          # q [B, H, hd]
+    ks, vs = shared             # [Ss, KV, hd] each: every session sees all of them
+    ko, vo = own                # [B, So, KV, hd] each; bias [B, So]
+    Ss, (_, So, KV, _) = len(ks), ko.shape
+    R = H // KV
+    qg = q.reshape(B, KV, R, hd)                                                  # [B, KV, R, hd]
+    scores = np.empty((B, KV, R, Ss + So), dtype=np.float32)                      # [B, KV, R, S]
+    # the shared keys as one GEMM per KV head over every session's queries, not B copies
+    qs = qg.transpose(1, 0, 2, 3).reshape(KV, B * R, hd)                          # [KV, B*R, hd]
+    scores[..., :Ss] = (qs @ ks.transpose(1, 2, 0)).reshape(KV, B, R, Ss).transpose(1, 0, 2, 3)
+    scores[..., Ss:] = qg @ ko.transpose(0, 2, 3, 1)                              # [B, KV, R, So]
+    scores *= np.float32(1.0 / np.sqrt(hd))
+    scores[..., Ss:] += bias[:, None, None, :]
+    probs = softmax(scores)                                                       # [B, KV, R, S]
+    ps = probs[..., :Ss].transpose(1, 0, 2, 3).reshape(KV, B * R, Ss)             # [KV, B*R, Ss]
+    out = (ps @ vs.transpose(1, 0, 2)).reshape(KV, B, R, hd).transpose(1, 0, 2, 3)  # [B, KV, R, hd]
+    out += probs[..., Ss:] @ vo.transpose(0, 2, 1, 3)                             # [B, KV, R, hd]
+    return out.reshape(B, H * hd)                                                 # [B, H*hd]
+
+
+@dataclass
+class AttentionPlan:
+    """Which rows attend how: single-token sessions together (padded), the others one by one."""
+
+    decode_rows: np.ndarray     # [B] rows of x holding one session's only new token
+    decode_tables: list         # [B] each such session's page table
+    decode_lengths: np.ndarray  # [B] positions each such session holds after this pass
+    spans: list                 # (first row, rows, page table, n_past) of every multi-token session
+    page_rows: int
+    keys: dict = field(default_factory=dict)  # window -> DecodeKeys, made once per forward
+
+    def decode_keys(self, window: int) -> DecodeKeys:
+        """The pages every single-token session reads at a layer with this window: the leading
+        pages all of them share (full, so every query sees all their keys; none on sliding
+        layers, whose windows start apart), then each one's own (padded with its last one)
+        with the bias that hides padding and keys outside the window."""
+        if window not in self.keys:
+            rows, lengths = self.page_rows, self.decode_lengths
+            firsts = np.array([window_first_page(n - 1, window, rows) for n in lengths], dtype=np.int64)
+            tables = [t[f:-(-n // rows)] for t, f, n in zip(self.decode_tables, firsts, lengths)]
+            c = 0 if window or len(tables) < 2 else shared_prefix(tables, int(lengths.min() - 1) // rows)
+            tails = [t[c:] for t in tables]
+            pages = np.empty((len(tails), max(map(len, tails))), dtype=np.int64)     # [B, P]
+            for j, t in enumerate(tails):
+                pages[j, :len(t)] = t
+                pages[j, len(t):] = t[-1]   # padding reads a real page; the bias hides it
+            bias = padding_bias(lengths - (firsts + c) * rows, pages.shape[1] * rows, window)  # [B, P*rows]
+            self.keys[window] = DecodeKeys(tables[0][:c], pages, bias)
+        return self.keys[window]
+
+
+@dataclass
+class DecodeKeys:
+    shared: list                # pages every decoding session reads whole
+    own: np.ndarray             # [B, P] each session's other pages, padded
+    bias: np.ndarray            # [B, P*rows] hides the padding and keys outside a window
+
+
+def shared_prefix(tables: list, limit: int) -> int:
+    """How many leading pages every table has in common, at most `limit`."""
+    c = 0
+    while c < limit and all(t[c] == tables[0][c] for t in tables):
+        c += 1
+    return c
+
+
+def take_pages(arr: np.ndarray, pages) -> np.ndarray:
+    """arr[pages]: a view when the pages lie side by side in the pool, else a copy."""
+    if len(pages) and list(pages) == list(range(pages[0], pages[0] + len(pages))):
+        return arr[pages[0]:pages[0] + len(pages)]
+    return arr[pages]
+
+
+def attention_plan(rows: int, sessions: list[SeqSlots], counts: list[int]) -> AttentionPlan:
+    """Group the batch once per forward, so every layer reuses the same index arrays."""
+    starts = np.cumsum([0] + counts[:-1])
+    single = [i for i, n in enumerate(counts) if n == 1]
+    lengths = np.array([sessions[i].n_past + 1 for i in single], dtype=np.int64)  # [B]
+    spans = [(int(starts[i]), n, sessions[i].page_table, sessions[i].n_past)
+             for i, n in enumerate(counts) if n != 1]
+    return AttentionPlan(starts[single].astype(np.int64), [sessions[i].page_table for i in single],
+                         lengths, spans, rows)
+
+
+def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int,
+              first_page: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of positions first_page * page_rows .. n - 1 of one session at one layer."""
+    c = pool.cfg
+    pages = page_table[first_page:]
+    m = n - first_page * pool.page_rows
+    k = pool.k[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
+    v = pool.v[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
+    return k, v
+
+
+def window_first_page(n_past: int, window: int, page_rows: int) -> int:
+    """The first page a sliding layer reads: the one holding the oldest key the first new query sees."""
+    return max(0, n_past - window + 1) // page_rows if window else 0
+
+
+def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan, window: int) -> np.ndarray:
+    """Attention of every new row over its own session's pages (the last `window` keys when set)."""
+    N, H, hd = q.shape                                                   # q [N, H, hd]
+    KV, rows = pool.cfg.n_kv_heads, pool.page_rows
+    out = np.empty((N, H * hd), dtype=np.float32)                        # [N, H*hd]
+    if len(plan.decode_rows):
+        B, keys = len(plan.decode_rows), plan.decode_keys(window)
+        shared = (take_pages(pool.k[layer], keys.shared).reshape(-1, KV, hd),   # [Ss, KV, hd]
+                  take_pages(pool.v[layer], keys.shared).reshape(-1, KV, hd))
+        own = (pool.k[layer][keys.own].reshape(B, -1, KV, hd),                 # [B, So, KV, hd]
+               pool.v[layer][keys.own].reshape(B, -1, KV, hd))
+        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], shared, own, keys.bias)
+    for start, n, table, n_past in plan.spans:
+        first = window_first_page(n_past, window, rows)
+        ks, vs = gather_kv(pool, layer, table, n_past + n, first)       # [m, KV, hd] each
+        out[start:start + n] = attention(q[start:start + n], ks, vs, n_past, first * rows, window)
+    return out
+
+
