@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 import engine as dl
 from engine import attention as ea
-from engine import model as em
 from tests.prefix_helpers import teardown
 from tests.tiny_arch import ARCHS, KEPT_POSITIONS, REFERENCE_FILE, llama_cpp_outputs, write_arch_gguf
 

@@ -34,6 +34,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "replay_sweep_core_share": (0.75, ">="),
 }
 PEER_TARGETS = ("peer_prefill_ratio", "peer_decode_ratio", "peer_batch8_ratio", "peer_w8_wall_ratio")
+W8_TARGETS = ("w8_first_token_s", "w8_one_busy_ratio", "w8_two_busy_ratio")
 
 
 def target(name: str) -> dict:
