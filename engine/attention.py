@@ -54,27 +54,29 @@ def padding_bias(lengths: np.ndarray, S: int, window: int = 0) -> np.ndarray:
     return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
 
 
-def decode_attention(q: np.ndarray, shared: tuple[np.ndarray, np.ndarray],
-                     own: tuple[np.ndarray, np.ndarray], bias: np.ndarray) -> np.ndarray:
-    """One new query per session over the keys all sessions share, then each one's own keys
-    (sessions padded to one length; `bias` hides the padding). One softmax spans both."""
+def decode_attention(q: np.ndarray, own: tuple[np.ndarray, np.ndarray], bias: np.ndarray,
+                     shared: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """One new query per session over its own keys (sessions padded to one length; `bias` hides
+    the padding) and, when given, the keys every session shares. One softmax spans both."""
     B, H, hd = q.shape          # q [B, H, hd]
-    ks, vs = shared             # [Ss, KV, hd] each: every session sees all of them
     ko, vo = own                # [B, So, KV, hd] each; bias [B, So]
-    Ss, (_, So, KV, _) = len(ks), ko.shape
+    _, So, KV, _ = ko.shape
     R = H // KV
     qg = q.reshape(B, KV, R, hd)                                                  # [B, KV, R, hd]
-    scores = np.empty((B, KV, R, Ss + So), dtype=np.float32)                      # [B, KV, R, S]
-    # the shared keys as one GEMM per KV head over every session's queries, not B copies
-    qs = qg.transpose(1, 0, 2, 3).reshape(KV, B * R, hd)                          # [KV, B*R, hd]
-    scores[..., :Ss] = (qs @ ks.transpose(1, 2, 0)).reshape(KV, B, R, Ss).transpose(1, 0, 2, 3)
-    scores[..., Ss:] = qg @ ko.transpose(0, 2, 3, 1)                              # [B, KV, R, So]
+    scores = qg @ ko.transpose(0, 2, 3, 1)                                        # [B, KV, R, So]
+    scores += bias[:, None, None, :]
+    if shared is not None:
+        ks, vs = shared         # [Ss, KV, hd] each: every session sees all of them
+        # the shared keys as one GEMM per KV head over every session's queries, not B copies
+        qs = qg.transpose(1, 0, 2, 3).reshape(KV, B * R, hd)                      # [KV, B*R, hd]
+        s_shared = (qs @ ks.transpose(1, 2, 0)).reshape(KV, B, R, -1).transpose(1, 0, 2, 3)
+        scores = np.concatenate([s_shared, scores], axis=-1)                      # [B, KV, R, Ss+So]
     scores *= np.float32(1.0 / np.sqrt(hd))
-    scores[..., Ss:] += bias[:, None, None, :]
     probs = softmax(scores)                                                       # [B, KV, R, S]
-    ps = probs[..., :Ss].transpose(1, 0, 2, 3).reshape(KV, B * R, Ss)             # [KV, B*R, Ss]
-    out = (ps @ vs.transpose(1, 0, 2)).reshape(KV, B, R, hd).transpose(1, 0, 2, 3)  # [B, KV, R, hd]
-    out += probs[..., Ss:] @ vo.transpose(0, 2, 1, 3)                             # [B, KV, R, hd]
+    out = probs[..., -So:] @ vo.transpose(0, 2, 1, 3)                             # [B, KV, R, hd]
+    if shared is not None:
+        ps = probs[..., :-So].transpose(1, 0, 2, 3).reshape(KV, B * R, -1)        # [KV, B*R, Ss]
+        out += (ps @ vs.transpose(1, 0, 2)).reshape(KV, B, R, hd).transpose(1, 0, 2, 3)
     return out.reshape(B, H * hd)                                                 # [B, H*hd]
 
 
@@ -105,15 +107,16 @@ class AttentionPlan:
                 pages[j, :len(t)] = t
                 pages[j, len(t):] = t[-1]   # padding reads a real page; the bias hides it
             bias = padding_bias(lengths - (firsts + c) * rows, pages.shape[1] * rows, window)  # [B, P*rows]
-            self.keys[window] = DecodeKeys(tables[0][:c], pages, bias)
+            shared = page_index(tables[0][:c]) if c else None
+            self.keys[window] = DecodeKeys(shared, page_index(pages[0]) if len(tails) == 1 else pages, bias)
         return self.keys[window]
 
 
 @dataclass
 class DecodeKeys:
-    shared: list                # pages every decoding session reads whole
-    own: np.ndarray             # [B, P] each session's other pages, padded
-    bias: np.ndarray            # [B, P*rows] hides the padding and keys outside a window
+    shared: slice | list | None    # pages every decoding session reads whole
+    own: slice | list | np.ndarray  # [B, P] each session's other pages, padded (one session: a list)
+    bias: np.ndarray                # [B, P*rows] hides the padding and keys outside a window
 
 
 def shared_prefix(tables: list, limit: int) -> int:
@@ -124,11 +127,11 @@ def shared_prefix(tables: list, limit: int) -> int:
     return c
 
 
-def take_pages(arr: np.ndarray, pages) -> np.ndarray:
-    """arr[pages]: a view when the pages lie side by side in the pool, else a copy."""
-    if len(pages) and list(pages) == list(range(pages[0], pages[0] + len(pages))):
-        return arr[pages[0]:pages[0] + len(pages)]
-    return arr[pages]
+def page_index(pages) -> slice | list:
+    """An index of the pool's page axis: a slice (a view, no copy) when the pages lie side by
+    side, as one stream's and a cached prefix's usually do, else the list of ids (a copy)."""
+    ids = [int(p) for p in pages]
+    return slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[0] + len(ids))) else ids
 
 
 def attention_plan(rows: int, sessions: list[SeqSlots], counts: list[int]) -> AttentionPlan:
@@ -165,11 +168,11 @@ def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan
     out = np.empty((N, H * hd), dtype=np.float32)                        # [N, H*hd]
     if len(plan.decode_rows):
         B, keys = len(plan.decode_rows), plan.decode_keys(window)
-        shared = (take_pages(pool.k[layer], keys.shared).reshape(-1, KV, hd),   # [Ss, KV, hd]
-                  take_pages(pool.v[layer], keys.shared).reshape(-1, KV, hd))
-        own = (pool.k[layer][keys.own].reshape(B, -1, KV, hd),                 # [B, So, KV, hd]
-               pool.v[layer][keys.own].reshape(B, -1, KV, hd))
-        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], shared, own, keys.bias)
+        k, v = pool.k[layer], pool.v[layer]                                 # [pages, rows, KV, hd]
+        own = (k[keys.own].reshape(B, -1, KV, hd), v[keys.own].reshape(B, -1, KV, hd))  # [B, So, KV, hd]
+        shared = None if keys.shared is None else (                         # [Ss, KV, hd] each
+            k[keys.shared].reshape(-1, KV, hd), v[keys.shared].reshape(-1, KV, hd))
+        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], own, keys.bias, shared)
     for start, n, table, n_past in plan.spans:
         first = window_first_page(n_past, window, rows)
         ks, vs = gather_kv(pool, layer, table, n_past + n, first)       # [m, KV, hd] each
