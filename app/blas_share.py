@@ -2,21 +2,21 @@
 
 OpenBLAS threads spin while they wait for each other, so a GEMM split over every core
 stalls whenever the UI thread (charts, cards, page map) takes one of them, and the UI
-stalls behind the spinning threads in turn. Measured by the bench's "desktop app"
-section on the 2-core machine: the window ran the eight-question scenario in ~1.9x its
-headless time with 2 BLAS threads. So the app's worker uses at most (usable cores - 1)
-BLAS threads, at least 1. Where the engine has a process-wide thread chooser
-(`engine.threads.blas_threads()`, which re-sets the count before each forward pass from
-the machine's load), the cap goes into the chooser's `max_threads`; otherwise it is set
-once with threadpoolctl.
+stalls behind the spinning threads in turn. Where a second thread buys nothing, on decode
+passes of 2-63 rows that only wait for memory, the worker leaves that core to the UI
+(the engine chooser's `batch_cap`); one row's GEMV and a prefill's GEMMs still use every
+free core, since they run 1.3-1.6x faster on two (measured by the bench's "desktop app"
+section: the eight-question scenario in the window 1.17-1.2x its headless time with one
+thread on every pass, against 1.17x for headless itself pinned to one thread).
 """
 
 from __future__ import annotations
 
 import os
 
+from engine.threads import blas_threads
+
 UI_RESERVED_CORES = 1
-_before: int | None = None  # the count (or the chooser's max_threads) before the first cap
 
 
 def usable_cores() -> int:
@@ -32,44 +32,13 @@ def worker_blas_cap(cores: int | None = None) -> int:
     return max(1, (cores or usable_cores()) - UI_RESERVED_CORES)
 
 
-def _chooser():
-    try:
-        from engine.threads import blas_threads  # the engine's chooser, where it exists
-    except ImportError:
-        return None
-    return blas_threads()
-
-
-def _blas():
-    from threadpoolctl import ThreadpoolController
-
-    return ThreadpoolController().select(user_api="blas")
-
-
-def _set(n: int | None) -> None:
-    """Cap BLAS threads at n (None: back to the count before the first cap)."""
-    global _before
-    chooser = _chooser()
-    if chooser is not None:
-        old = chooser.max_threads
-        chooser.max_threads = n if n is not None else (_before or old)
-    else:
-        blas = _blas()
-        old = max((lib.num_threads for lib in blas.lib_controllers), default=None)
-        target = n if n is not None else _before
-        if target is not None and old is not None and old != target:
-            blas.limit(limits=target)
-    if n is not None and _before is None:
-        _before = old
-
-
 def leave_core_for_ui() -> int:
-    """Cap the process's BLAS threads at `worker_blas_cap()`; return the cap."""
+    """Cap the worker's bandwidth-bound passes at `worker_blas_cap()` threads; return the cap."""
     cap = worker_blas_cap()
-    _set(cap)
+    blas_threads().batch_cap = cap
     return cap
 
 
 def release_core() -> None:
     """Undo `leave_core_for_ui` (the bench's headless rounds share the app's process)."""
-    _set(None)
+    blas_threads().batch_cap = None
