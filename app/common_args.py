@@ -51,10 +51,10 @@ def load_model_or_exit(path: str | None):
         raise SystemExit(f"prefixlab: cannot load model: {e}") from None
 
 
-def add_scheduler_args(p: argparse.ArgumentParser, **defaults):
-    """The scheduler's settings as options (`defaults` overrides SchedulerSettings' own)."""
+def add_scheduler_args(p: argparse.ArgumentParser):
+    """The scheduler's settings as options, with SchedulerSettings' defaults."""
     g = p.add_argument_group("scheduler")
-    d = SchedulerSettings(**defaults)
+    d = SchedulerSettings()
     for flag, name, text in (("--max-streams", "max_streams", "requests decoded together"),
                              ("--max-queue", "max_queue", "requests that may wait"),
                              ("--chunk-tokens", "chunk_tokens", "prompt tokens per prefill chunk"),

@@ -33,8 +33,8 @@ class AppSettings:
     page_rows: int = 16
     pool_pages: int = 0          # 0: the pool grows
     cache_pages: int = 0         # cache budget in pages; 0: unbounded
-    max_streams: int = 8
-    chunk_tokens: int = 128      # the scheduler's default (engine/stream.py says why)
+    max_streams: int = SchedulerSettings.max_streams
+    chunk_tokens: int = SchedulerSettings.chunk_tokens   # engine/stream.py says why
     cache_enabled: bool = True
     spec_enabled: bool = SchedulerSettings.spec_enabled  # speculative decoding (the scheduler's default)
     spec_k: int = SchedulerSettings.spec_k               # tokens drafted per stream and step

@@ -123,7 +123,7 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
     peer_gen = None
     if not quick:
         timed_child(ours_w8, env)                           # a warm weight image and page cache
-        for _ in range(2):
+        for _ in range(3):
             wall, stdout = timed_child(peer_cmd, env)
             walls["peer"].append(wall)
             peer_gen = json.loads(stdout.strip().splitlines()[-1])["n_gen"]

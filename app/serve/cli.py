@@ -10,11 +10,6 @@ from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_
 from .kv_events_publisher import add_kv_events_args, publisher_from_args
 from .protocol import DEFAULT_MAX_TOKENS
 
-SERVE_MAX_STREAMS = 8  # HTTP traffic comes in bursts of many clients: batch them
-# A burst's prompts are prefilled in fewer, larger steps (W8, 8 clients: wall 9.6 -> 7.8 s
-# on 2 busy cores); each step then stalls decoding streams a little longer.
-SERVE_CHUNK_TOKENS = 256
-
 
 def add_parser(sub) -> None:
     """The `serve` subcommand and its options."""
@@ -29,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help="answer limit of a request that sets no max_tokens (default: the context, "
                         "as OpenAI's; a bounded --pool-pages reserves every page of it at admission)")
-    add_scheduler_args(p, max_streams=SERVE_MAX_STREAMS, chunk_tokens=SERVE_CHUNK_TOKENS)
+    add_scheduler_args(p)
     add_kv_events_args(p)
     p.set_defaults(func=run)
 
