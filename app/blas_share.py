@@ -12,19 +12,9 @@ thread on every pass, against 1.17x for headless itself pinned to one thread).
 
 from __future__ import annotations
 
-import os
-
-from engine.threads import blas_threads
+from engine.threads import blas_threads, usable_cores
 
 UI_RESERVED_CORES = 1
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def worker_blas_cap(cores: int | None = None) -> int:
