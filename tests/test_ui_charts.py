@@ -208,3 +208,37 @@ def test_a_panel_on_a_hidden_tab_draws_only_once_shown(run, qtbot):
     tabs.setCurrentWidget(panel)
     qtbot.waitUntil(lambda: panel.frames == start + 1, timeout=2000)
     assert last_x(panel.curves["hits"]) == run.rows[-1].wall_s
+
+
+def test_axes_repaint_from_a_cache_until_they_change(run, qtbot, monkeypatch):
+    """Text is most of a chart's paint: a repaint that changes no range must not redraw the
+    axes, and a range that grows must (the new tick labels reach the screen)."""
+    import pyqtgraph as pg
+
+    from ui.charts import ChartsPanel
+    painted = []
+    real = pg.AxisItem.paint
+    # patched before any axis exists: Qt's virtual call then finds the patched method
+    monkeypatch.setattr(pg.AxisItem, "paint", lambda self, *a: (painted.append(self), real(self, *a))[1])
+    panel = ChartsPanel()
+    qtbot.addWidget(panel)
+    panel.resize(1100, 760)
+    panel.show()
+    qtbot.waitExposed(panel)
+    pw = panel.plot_widgets()["pool"]
+
+    def settle():  # pyqtgraph fits ranges lazily, at paint time: give it a few paints
+        for _ in range(3):
+            pw.viewport().repaint()
+            qtbot.wait(10)
+
+    panel.set_data(run.rows[:len(run.rows) // 2], run.records)
+    settle()
+    before = pw.grab().toImage()
+    painted.clear()
+    pw.viewport().repaint()  # nothing changed: the cached pixmaps are drawn
+    assert painted == []
+    panel.set_data(run.rows, run.records)  # the time axis grows
+    settle()
+    assert pw.getPlotItem().getAxis("bottom") in painted
+    assert pw.grab().toImage() != before

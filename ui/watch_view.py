@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .chart_plots import cache_static_items
 from .colors import series_color, theme_for
 from .page_map import MARGIN, fit_grid, grid_image
 
@@ -102,6 +103,7 @@ class EnginePane(QWidget):
         self.curves = {name: self.plot.plot([], [], name=label,
                                             pen=pg.mkPen(series_color(CURVE_COLORS[name], theme), width=2))
                        for name, label in CURVES}
+        cache_static_items(self.plot)
         self.block_map = BlockMap()
         self.chains = QTableWidget(0, len(CHAIN_COLUMNS))
         self.chains.setHorizontalHeaderLabels(CHAIN_COLUMNS)
