@@ -256,7 +256,9 @@ class ChartSet:
                 axis = item.getAxis(side)
                 axis.setPen(pg.mkPen(theme.grid))
                 axis.setTextPen(pg.mkPen(theme.muted))
-                axis.setStyle(tickFont=tick_font, tickTextOffset=4)
+                # Two tick levels, not three: the finest grid lines are barely visible and
+                # were 2/3 of an axis' paint (2.5 -> 0.8 ms a redraw).
+                axis.setStyle(tickFont=tick_font, tickTextOffset=4, maxTickLevel=1)
                 axis.enableAutoSIPrefix(False)
                 axis.setZValue(-1000)  # grid lines under the data, not across bars
                 if axis.labelText:
