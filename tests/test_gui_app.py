@@ -68,6 +68,7 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
         np.testing.assert_allclose(y, [getattr(r, name) for r in rows])
     states = sched.page_states()
     expected = {PAGE_STATE_NAMES[s]: int(n) for s, n in enumerate(np.bincount(states, minlength=4))}
+    w.tabs.setCurrentWidget(w.cache_panel)  # a hidden tab draws only once shown
     qtbot.waitUntil(lambda: w.cache_panel.page_map.counts_by_state() == expected, timeout=10_000)
     assert len(c.snapshot.page_states) == sched.pool.capacity
 
@@ -103,6 +104,7 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
 
     # Flush cache gives back every cached page (no stream holds one now).
     c.flush_cache()
+    w.tabs.setCurrentWidget(w.cache_panel)
     qtbot.waitUntil(lambda: w.cache_panel.page_map.counts_by_state()["cached"] == 0, timeout=30_000)
     assert c.client.worker.scheduler is sched and not sched.cache.pages
     assert c.last_error is None

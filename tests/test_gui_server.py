@@ -48,6 +48,7 @@ def test_an_http_request_appears_as_a_card_and_in_the_chains_table(desktop, qtbo
     assert card.answer_text() == answer and card.turns[-1].reason == "length"
     assert c.finished_records[0].client == LABEL
     # The request donated its prompt's pages: its chain is in the cache panel.
+    w.tabs.setCurrentWidget(w.cache_panel)  # a hidden tab draws only once shown
     chains = w.cache_panel.chains_table.chains_model
     qtbot.waitUntil(lambda: chains.rowCount() > 0, timeout=10_000)
     assert any(chains.chain_at(i).preview == "Any paint?" for i in range(chains.rowCount()))

@@ -291,3 +291,24 @@ def test_screenshot(busy, panel, qtbot):
     panel.show()
     qtbot.waitExposed(panel)
     assert panel.grab().save("/tmp/prefixlab_cache_panel.png")
+
+
+def test_a_panel_on_a_hidden_tab_updates_once_shown(run, busy, qtbot):
+    """Snapshots arriving while another tab is shown wait; showing the tab draws the latest."""
+    from PySide6.QtWidgets import QLabel, QTabWidget
+    tabs = QTabWidget()
+    qtbot.addWidget(tabs)
+    panel = CachePanel()
+    tabs.addTab(QLabel("charts"), "Charts")
+    tabs.addTab(panel, "Cache")
+    tabs.resize(900, 700)
+    tabs.show()
+    qtbot.waitExposed(tabs)
+    panel.update_snapshot(run.snapshots[0])
+    panel.update_snapshot(busy)
+    assert panel.page_map.page_count == 0  # nothing drawn: the user cannot see this tab
+    tabs.setCurrentWidget(panel)
+    qtbot.waitUntil(lambda: panel.page_map.page_count == len(busy.page_states), timeout=2000)
+    bins = np.bincount(busy.page_states, minlength=4)
+    assert panel.page_map.counts_by_state() == {NAMES[s]: int(bins[s]) for s in NAMES}
+    assert panel.chains_table.model().rowCount() == len(busy.chains)

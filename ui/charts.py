@@ -21,6 +21,7 @@ from .chart_data import SERIES, TIMELINE_SERIES, TITLES, TimelineBuffer
 from .chart_plots import ChartSet
 from .colors import Theme, theme_for
 from .page_map import png_bytes
+from .visibility import hidden_in_window
 
 REFRESH_HZ = 5           # measured (bench "desktop app"): 15 Hz cost the worker ~1.9x its headless time
 MAX_REFRESH_MS = 1000    # the slowest the charts back off to
@@ -181,13 +182,8 @@ class ChartsPanel(QWidget):
         if not self._timer.isActive():
             self._timer.start()
 
-    def _hidden_in_window(self) -> bool:
-        """The window is on screen but this panel is not (another tab): drawing it is wasted."""
-        win = self.window()
-        return win is not self and win.isVisible() and (not self.isVisible() or win.isMinimized())
-
     def _on_tick(self) -> None:
-        if self._dirty and self._hidden_in_window():
+        if self._dirty and hidden_in_window(self):
             self._timer.stop()  # showEvent draws what came in meanwhile
         elif self._dirty:
             painted = 0.0
