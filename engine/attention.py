@@ -37,7 +37,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
     # Strided views stay on BLAS (each matrix has a unit stride): no copy of K/V here.
     scores = qg @ k.transpose(1, 2, 0)                                            # [KV, R*T, S]
     scores *= np.float32(1.0 / np.sqrt(hd))
-    if T > 1 or key_start + window <= n_past:
+    if T > 1 or (window and key_start + window <= n_past):  # else every key is visible
         scores.reshape(KV, R, T, S)[...] += causal_bias(T, S, n_past, key_start, window)  # [KV, R, T, S]
     probs = softmax(scores)                                                       # [KV, R*T, S]
     out = probs @ v.transpose(1, 0, 2)                                            # [KV, R*T, hd]
@@ -82,7 +82,7 @@ def decode_attention(q: np.ndarray, own: tuple[np.ndarray, np.ndarray], bias: np
 
 @dataclass
 class AttentionPlan:
-    """Which rows attend how: single-token sessions together (padded), the others one by one."""
+    """Which rows attend how: two or more single-token sessions together (padded), the others one by one."""
 
     decode_rows: np.ndarray     # [B] rows of x holding one session's only new token
     decode_tables: list         # [B] each such session's page table
@@ -135,12 +135,16 @@ def page_index(pages) -> slice | list:
 
 
 def attention_plan(rows: int, sessions: list[SeqSlots], counts: list[int]) -> AttentionPlan:
-    """Group the batch once per forward, so every layer reuses the same index arrays."""
+    """Group the batch once per forward, so every layer reuses the same index arrays. A lone
+    single-token session is a span: its keys are then a view of its pages, with no padding."""
     starts = np.cumsum([0] + counts[:-1])
     single = [i for i, n in enumerate(counts) if n == 1]
+    if len(single) == 1:
+        single = []
+    batched = set(single)
     lengths = np.array([sessions[i].n_past + 1 for i in single], dtype=np.int64)  # [B]
     spans = [(int(starts[i]), n, sessions[i].page_table, sessions[i].n_past)
-             for i, n in enumerate(counts) if n != 1]
+             for i, n in enumerate(counts) if i not in batched]
     return AttentionPlan(starts[single].astype(np.int64), [sessions[i].page_table for i in single],
                          lengths, spans, rows)
 
@@ -149,7 +153,7 @@ def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int,
               first_page: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """K and V of positions first_page * page_rows .. n - 1 of one session at one layer."""
     c = pool.cfg
-    pages = page_table[first_page:]
+    pages = page_index(page_table[first_page:])  # side by side: a view, no copy
     m = n - first_page * pool.page_rows
     k = pool.k[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
     v = pool.v[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
