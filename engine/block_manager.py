@@ -272,7 +272,9 @@ class BlockManager:
         seq = s._seq
         if seq.released:
             raise ValueError(f"session {s.id} was already released")
-        for page in seq.pages:
+        # last page first: the next session then pops them in ascending order, side by side,
+        # and attention reads side-by-side pages as a view instead of copying them per layer
+        for page in reversed(seq.pages):
             self.release(page)
         seq.pages.clear()
         seq.released = True

@@ -618,3 +618,18 @@ def test_costs_are_per_page_of_the_prompt_not_per_cached_page():
         evicted, c = cost(lambda k=k: cache.evict(k))
         assert evicted == k and c <= 8 * k + 16
     teardown([s, t], cache, pool)
+
+
+def test_a_new_session_gets_a_released_sessions_pages_side_by_side():
+    """Pages come back in ascending order, so a page table stays one run of ids (attention
+    then reads the session's keys as a view of the pool, not a copy per layer)."""
+    from engine.attention import page_index
+    pool = make_pool(page_rows=4)
+    first = dl.Session(pool=pool)
+    fake_eval(first, seq(0, 12))
+    table = list(first.page_table)
+    first.release()
+    second = dl.Session(pool=pool)
+    fake_eval(second, seq(50, 12))
+    assert list(second.page_table) == table == list(range(table[0], table[0] + 3))
+    assert isinstance(page_index(second.page_table), slice)
