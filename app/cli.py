@@ -3,30 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
+# command -> the module whose add_parser(sub) registers it. Only the command being run is
+# imported: the others' parsers pull in the trace readers, the report and ZeroMQ (~40 ms
+# of every `prefixlab run` start).
+COMMANDS = {"generate": "generate", "run": "run_headless", "bench": "bench", "models": "builtin_models",
+            "replay": "replay.cli", "watch": "watch.cli", "serve": "serve.cli"}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every command, or with only `command` when it is one of them."""
     parser = argparse.ArgumentParser(prog="prefixlab", description=__doc__)
     parser.add_argument("--model", help="GGUF model file or built-in name (smollm2-135m, gemma3-270m; "
                                         "default: the bundled SmolLM2-135M-Instruct)")
     sub = parser.add_subparsers(dest="command")
-    from . import bench, builtin_models, generate, run_headless
-    from .replay import cli as replay_cli
-    generate.add_parser(sub)
-    run_headless.add_parser(sub)
-    bench.add_parser(sub)
-    builtin_models.add_parser(sub)
-    replay_cli.add_parser(sub)
-    from .watch import cli as watch_cli
-    watch_cli.add_parser(sub)
-    from .serve import cli as serve_cli
-    serve_cli.add_parser(sub)
+    for name, module in COMMANDS.items():
+        if command not in COMMANDS or command == name:
+            importlib.import_module(f".{module}", __package__).add_parser(sub)
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    """The command word of argv (skipping the top-level --model and its value)."""
+    rest = iter(argv)
+    for word in rest:
+        if word == "--model":
+            next(rest, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command(argv)).parse_args(argv)
     if args.command is None:
         from .gui import run_app
         return run_app(model_path=args.model)

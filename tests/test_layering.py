@@ -45,6 +45,19 @@ def test_the_command_line_loads_no_server_or_gui_stack_until_asked():
     assert not loaded & {"fastapi", "starlette", "uvicorn", "pydantic", "PySide6", "pyqtgraph"}
 
 
+def test_prefixlab_run_imports_only_its_own_command():
+    # every other command's parser pulls in its own stack (trace readers, the report, ZeroMQ)
+    code = ("import json, sys; from app.cli import main; import app.run_headless as r; "
+            "r.run = lambda args: 0; main(['--model', 'x', 'run', '--prompt', 'hi']); "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert "app.run_headless" in loaded
+    assert not loaded & {"app.replay.trace", "app.report", "app.serve.cli", "app.watch.cli", "app.bench", "zmq"}
+
+
 def _imports(path: str) -> list[tuple[int, str]]:
     with open(path, encoding="utf-8") as fh:
         tree = ast.parse(fh.read(), filename=path)
