@@ -55,7 +55,8 @@ def test_prefixlab_run_imports_only_its_own_command():
     assert out.returncode == 0, out.stderr
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert "app.run_headless" in loaded
-    assert not loaded & {"app.replay.trace", "app.report", "app.serve.cli", "app.watch.cli", "app.bench", "zmq"}
+    others = {"app.replay.trace", "app.report", "app.serve.cli", "app.watch.cli", "app.bench", "zmq"}
+    assert not loaded & others
 
 
 def _imports(path: str) -> list[tuple[int, str]]:
