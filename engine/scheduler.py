@@ -132,17 +132,18 @@ class Scheduler:
         return rid
 
     # control ----------------------------------------------------------
-    def cancel(self, request_id: int) -> bool:
-        """Ask a queued or running request to stop; it finishes as cancelled at the next step."""
+    def cancel(self, request_id: int, reason: str = "cancelled") -> bool:
+        """Ask a queued or running request to stop; it finishes at the next step with `reason`
+        ("stop" when the server found a stop string; the first reason asked for stays)."""
         for s in itertools.chain(self.queue, self.active):
             if s.id == request_id and s.finish_reason is None:
-                s.cancel_requested = True
+                s.cancel_requested = s.cancel_requested or reason
                 return True
         return False
 
     def cancel_all(self) -> None:
         for s in itertools.chain(self.queue, self.active):
-            s.cancel_requested = True
+            s.cancel_requested = s.cancel_requested or "cancelled"
 
     def has_work(self) -> bool:
         return bool(self.queue or self.active or self.closing)
@@ -256,7 +257,7 @@ class Scheduler:
             self.closing.remove(s)
             self._donate_and_release(s)
         for s in batch.cancelled:
-            s.finish_reason = "cancelled"
+            s.finish_reason = s.cancel_requested
             if s in self.active:
                 self.active.remove(s)
             events.append(self._finish(s))
@@ -314,7 +315,7 @@ class Scheduler:
         if s.turn is not None:
             conv_id = s.turn.conversation.id
             self._turns_running.discard(conv_id)
-            if s.finish_reason != "cancelled":
+            if s.cancel_requested is None:  # a stopped request keeps no turn
                 answer = s.generated[:-1] if s.finish_reason == "stop" else s.generated
                 conv = self.conversations[conv_id] = finish_turn(self.model.tokenizer, s.turn, answer)
                 if s.session is not None and self.settings.cache_enabled:

@@ -114,7 +114,8 @@ class Stream:
     pieces: list[str] = field(default_factory=list)
     admitted_at: float = 0.0
     first_token_at: float | None = None
-    cancel_requested: bool = False
+    cancel_requested: str | None = None  # the finish reason a requester asked for: "cancelled", or
+                                         # "stop" (the server cut the answer at a stop string)
     finish_reason: str | None = None
     closing: list[int] = field(default_factory=list)  # the finished turn's unevaluated tail
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -113,17 +114,31 @@ def test_completions_endpoint_streams_and_answers_whole(client):
     assert whole.usage.completion_tokens == 5 and whole.choices[0].finish_reason == "length"
 
 
-def test_stop_string_cuts_the_answer_and_never_leaks_while_streaming(client):
+def test_stop_string_cuts_the_answer_and_never_leaks_while_streaming(server, client):
     messages = chat("You are terse.", "What is the capital of France?")
     full = client.chat.completions.create(model="x", messages=messages, max_tokens=10, temperature=0)
     text = full.choices[0].message.content
     assert "Paris" in text, text
     stop = " Paris" if " Paris" in text else "Paris"
+    wait_idle(server)
+    stops_before = finished_count(server, "stop")
     cut = client.chat.completions.create(model="x", messages=messages, max_tokens=10, temperature=0,
                                          stop=[stop])
     streamed, _, finish = stream_one(client, messages, max_tokens=10, stop=stop)
     assert cut.choices[0].message.content == streamed == text[:text.index(stop)]
     assert cut.choices[0].finish_reason == finish == "stop"
+    # the engine's records (the report, /metrics, the Served view) say "stop" too, not "cancelled"
+    wait_idle(server)
+    last_two = sorted(server.engine.scheduler.records.values(), key=lambda rec: rec.id)[-2:]
+    assert [r.finish_reason for r in last_two] == ["stop", "stop"]
+    assert finished_count(server, "stop") == stops_before + 2
+
+
+def finished_count(server, reason: str) -> int:
+    """Served requests /metrics counts as finished with `reason`."""
+    found = re.search(rf'requests_finished_total{{finish_reason="{reason}"}} (\d+)',
+                      httpx.get(server.url + "/metrics").text)
+    return int(found.group(1)) if found else 0
 
 
 BAD = [

@@ -62,7 +62,7 @@ class RequestBroker:
     def __init__(self, wake: Callable[[], None] | None = None):
         self._lock = threading.Lock()
         self._inbox: list[Job] = []
-        self._cancels: set[int] = set()
+        self._cancels: dict[int, str] = {}  # ticket -> the finish reason asked for
         self._tickets = itertools.count(1)
         self._by_ticket: dict[int, Job] = {}
         self._by_request: dict[int, Job] = {}
@@ -79,11 +79,12 @@ class RequestBroker:
         self.wake()
         return job.ticket
 
-    def cancel(self, ticket: int) -> None:
-        """Stop a job (queued here or running) at the owner's next drain."""
+    def cancel(self, ticket: int, reason: str = "cancelled") -> None:
+        """Stop a job (queued here or running) at the owner's next drain; it finishes with
+        `reason` ("stop" for a stop string), the first one asked for."""
         with self._lock:
             if ticket in self._by_ticket:
-                self._cancels.add(ticket)
+                self._cancels.setdefault(ticket, reason)
         self.wake()
 
     def cancel_request(self, request_id: int) -> None:
@@ -95,7 +96,8 @@ class RequestBroker:
     def cancel_all(self) -> None:
         """Stop every job at the owner's next drain."""
         with self._lock:
-            self._cancels.update(self._by_ticket)
+            for ticket in self._by_ticket:
+                self._cancels.setdefault(ticket, "cancelled")
         self.wake()
 
     def in_flight(self) -> int:
@@ -108,19 +110,19 @@ class RequestBroker:
         """Submit queued jobs and apply cancels; return the jobs the scheduler accepted."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, set()
+            cancels, self._cancels = self._cancels, {}
         accepted = []
         for job in inbox:
             if job.ticket in cancels:  # gone before it reached the scheduler
-                cancels.discard(job.ticket)
+                del cancels[job.ticket]
                 self._forget(job)
                 continue
             if self._submit_one(scheduler, job):
                 accepted.append(job)
-        for ticket in cancels:
+        for ticket, reason in cancels.items():
             job = self._by_ticket.get(ticket)
             if job is not None and job.request_id is not None:
-                scheduler.cancel(job.request_id)
+                scheduler.cancel(job.request_id, reason)
         self._probe_queued(scheduler)
         return accepted
 

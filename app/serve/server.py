@@ -222,9 +222,9 @@ class _Call:
             self.done = True
         return event
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled") -> None:
         if not self.done:
-            self.broker.cancel(self.ticket)
+            self.broker.cancel(self.ticket, reason)
 
 
 class _Answer:
@@ -238,7 +238,7 @@ class _Answer:
     def piece(self, call: _Call, event: TokenEvent) -> str:
         text = self.stops.feed(event.text)
         if self.stops.stopped:
-            call.cancel()  # a stop string: the rest of the answer is not wanted
+            call.cancel("stop")  # a stop string: the rest of the answer is not wanted
         self.parts.append(text)
         return text
 
