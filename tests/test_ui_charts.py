@@ -242,3 +242,18 @@ def test_axes_repaint_from_a_cache_until_they_change(run, qtbot, monkeypatch):
     settle()
     assert pw.getPlotItem().getAxis("bottom") in painted
     assert pw.grab().toImage() != before
+
+
+def test_refresh_draws_every_chart_even_mid_way_through_a_staggered_one(run, panel, qtbot):
+    """The timer's refresh paints one chart at a time (the others wait with updates off);
+    refresh() must leave none of them waiting, so a grab right after shows every chart."""
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.append(run.rows, run.records)
+    panel._on_tick()  # the timer's staggered refresh: some charts wait their turn
+    waiting = [name for name, pw in panel.plot_widgets().items() if not pw.updatesEnabled()]
+    assert waiting
+    panel.refresh()
+    assert all(pw.updatesEnabled() for pw in panel.plot_widgets().values())
+    img = panel.plot_widgets()[waiting[-1]].grab().toImage()
+    assert img.pixelColor(img.width() // 2, 4).lightness() > 200  # the light background, not black

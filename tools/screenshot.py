@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     window.tabs.setCurrentIndex(0)
     settle(app)
     light = os.path.join(args.out, "screenshot-light.png")
+    window.charts.refresh()  # every chart drawn, not mid-way through a staggered refresh
     window.grab().save(light)
     window.set_theme("dark")
     window.tabs.setCurrentIndex(1)

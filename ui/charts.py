@@ -135,10 +135,13 @@ class ChartsPanel(QWidget):
             charts.close()
 
     def refresh(self) -> None:
-        """Push the buffered data to the curves now (the timer does this on its own)."""
+        """Push the buffered data to every chart now (the timer does this on its own, a chart
+        at a time): a grab right after shows all of them."""
+        self._unveil_all()
+        self._draw()
+
+    def _draw(self) -> None:
         self._dirty = False
-        if not self._unveil_timer.isActive():
-            self._unveil_all()
         self._charts.refresh(self._buf, self._ttft)
         self.frames += 1
         self._update_summary()
@@ -201,7 +204,7 @@ class ChartsPanel(QWidget):
         for pw in self._unveil:
             pw.setUpdatesEnabled(False)
         self._unveil_timer.start()
-        self.refresh()
+        self._draw()
 
     def _unveil_next(self) -> None:
         if self._unveil:
