@@ -183,11 +183,18 @@ def test_an_engine_failure_is_a_500_error_object_and_the_next_request_is_served(
     assert ok.usage.completion_tokens == 2
 
 
-def test_the_prefixlab_serve_command_serves_until_interrupted():
+@pytest.mark.parametrize("sig, background",
+                         [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["ctrl-c", "sigterm", "background-job"])
+def test_the_prefixlab_serve_command_serves_until_interrupted(sig, background):
+    """Ctrl+C and SIGTERM (docker stop, systemd) both stop it cleanly, also when it was started as
+    a script's background job, which inherits SIGINT ignored."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OPENBLAS_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--max-streams", "1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=ignore)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -203,7 +210,13 @@ def test_the_prefixlab_serve_command_serves_until_interrupted():
             model="gpt-4o", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert r.usage.completion_tokens == 2
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        proc.send_signal(sig)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+            pytest.fail(f"prefixlab serve did not stop on {signal.Signals(sig).name}: {out[-2000:]}")
     assert proc.returncode == 0, out
     assert f"ready; point clients at OPENAI_BASE_URL=http://127.0.0.1:{port}/v1" in out
+    assert "prefixlab serve: stopping" in out

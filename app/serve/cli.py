@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
+from ..stop_signals import StopOnSignals
 from .kv_events_publisher import add_kv_events_args, publisher_from_args
 from .protocol import DEFAULT_MAX_TOKENS
 
@@ -67,20 +67,21 @@ def run(args) -> int:
         replay = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
         print(f"prefixlab serve: KV events on {publisher.endpoint}{replay} (vLLM's format; ZeroMQ has "
               "no authentication)", flush=True)
-    server.engine.ready.wait()
-    if server.engine.load_error:
-        server.stop()
-        _close(publisher)
-        raise SystemExit(f"prefixlab serve: cannot load model: {server.engine.load_error}")
-    print(f"prefixlab serve: ready; point clients at OPENAI_BASE_URL={server.url}/v1", flush=True)
-    try:
-        while server.http.is_alive():
-            threading.Event().wait(0.5)
-    except KeyboardInterrupt:
-        print("prefixlab serve: stopping", file=sys.stderr)
-    finally:
-        server.stop()
-        _close(publisher)
+    with StopOnSignals() as stop:  # Ctrl+C or SIGTERM (docker stop, systemd): a clean stop
+        try:
+            while not server.engine.ready.wait(0.2):
+                if stop.is_set():
+                    return 0
+            if server.engine.load_error:
+                raise SystemExit(f"prefixlab serve: cannot load model: {server.engine.load_error}")
+            print(f"prefixlab serve: ready; point clients at OPENAI_BASE_URL={server.url}/v1", flush=True)
+            while server.http.is_alive() and not stop.wait(0.5):
+                pass
+            if stop.is_set():
+                print("prefixlab serve: stopping", file=sys.stderr)
+        finally:
+            server.stop()
+            _close(publisher)
     return 0
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import threading
 import time
 
+from ..stop_signals import StopOnSignals
 from .state import DEFAULT_MAX_BLOCKS
 
 
@@ -70,24 +69,6 @@ def _write_json(path: str | None, data: dict) -> None:
     print(f"wrote {path}", flush=True)
 
 
-class _StopOnSignals:
-    """SIGTERM and Ctrl+C set `stop` (so the JSON still gets written); the old handlers come back after."""
-
-    def __init__(self):
-        self.stop = threading.Event()
-        self.old: dict = {}
-
-    def __enter__(self) -> threading.Event:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.old[sig] = signal.signal(sig, lambda signum, frame: self.stop.set())
-        return self.stop
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.old.items():
-            signal.signal(sig, handler)
-
-
 def _previews(model_path, snapshot: dict) -> None:
     from app.common_args import load_model_or_exit
     from engine import decode
@@ -131,7 +112,7 @@ def run(args) -> int:
         print(f"engine {r.engine} seq {r.seq}: {', '.join(what)}; live {r.live}{tag}", flush=True)
 
     try:
-        with _StopOnSignals() as stop:
+        with StopOnSignals() as stop:
             watcher.run(args.duration, line, stop)
     finally:
         snap = watcher.snapshot(with_blocks=True)
@@ -154,7 +135,7 @@ def _run_llama(args) -> int:
     except ValueError as e:
         raise SystemExit(f"prefixlab watch: {e}") from None
     end = None if args.duration is None else time.monotonic() + args.duration
-    with _StopOnSignals() as stop:
+    with StopOnSignals() as stop:
         while True:  # at least one poll, even with --duration 0
             sample = poller.poll()
             if not args.quiet:
