@@ -18,7 +18,7 @@ from ui.transcript import Transcript
 from .report import load_report, snapshot_from_report
 from .settings import AppSettings, add_recent_model
 from .turns import TurnBook
-from .worker import EngineClient
+from .engine_client import EngineClient
 
 FLUSH_INTERVAL_MS = 40  # answer text reaches the cards at most 25 times a second
 

@@ -32,7 +32,7 @@ from .loader import Model
 from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
 from .prefix_cache import create_prefix_cache, prefix_attach, prefix_insert
 from .sampler import Sampler, SamplingParams
-from .spec import propose, verify
+from .spec import plan_drafts, verify
 from .stream import (
     DEFAULT_MAX_NEW_TOKENS,
     Batch,
@@ -50,9 +50,6 @@ __all__ = ["DEFAULT_MAX_NEW_TOKENS", "Batch", "FinishEvent", "QueueFull", "Reque
            "SchedulerSettings", "Stream", "SubmitRefused", "TokenEvent"]
 
 POOL_FIELDS = ("page_rows", "pool_pages")  # settings that need a new pool, hence a new Scheduler
-# Decode rows per pass up to which drafts ride almost free: the 64-column-block GEMMs cost,
-# per pass, 0.75-1.0x one row's GEMV for 2-6 rows, 1.1x for 8, 1.3x for 10, 1.9x for 12 (measured).
-SPEC_ROWS = 8
 # Ended requests whose records (and prompt tokens, for traces) are kept; older ones go, their
 # numbers stay in the running totals. A long-running server must not grow without end.
 MAX_ENDED_RECORDS = 10_000
@@ -221,22 +218,8 @@ class Scheduler:
         batch.decode = [s for s in self._active if s.decoding and s.id not in leaving]
         batch.prefill = plan_prefill(self._active, leaving, self.settings.chunk_tokens)
         if self.settings.spec_enabled:
-            batch.drafts = self._drafts(batch.decode)
+            batch.drafts = plan_drafts(batch.decode, self.settings.spec_k, self.model.config.context_length)
         return batch
-
-    def _drafts(self, decode: list[Stream]) -> list[list[int]]:
-        """Prompt-lookup drafts per decoding stream: within its reserved positions, its token
-        budget and the context, and SPEC_ROWS decode rows in all."""
-        budget = max(0, SPEC_ROWS - len(decode))
-        drafts = []
-        for s in decode:
-            n_past = s.session.n_past
-            room = min(self.settings.spec_k, budget, s.max_new_tokens - s.record.n_gen - 1,
-                       s.positions - n_past - 1, self.model.config.context_length - n_past - 1)
-            d = propose(s.prompt + s.generated, room) if room > 0 else []
-            budget -= len(d)
-            drafts.append(d)
-        return drafts
 
     def _admit(self) -> None:
         self.waiting_for_pages = None

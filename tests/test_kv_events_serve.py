@@ -145,7 +145,7 @@ def test_the_apps_server_toggle_publishes_the_workers_cache(qtbot, tiny_gguf_pat
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from app.serve.desktop import DesktopServer
     from app.settings import AppSettings
-    from app.worker import EngineClient
+    from app.engine_client import EngineClient
 
     assert "Server KV events: not a ZeroMQ endpoint" in AppSettings(server_kv_events="nope").errors()[0]
     client, loaded = EngineClient(), []
