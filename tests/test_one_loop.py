@@ -107,3 +107,19 @@ def test_only_the_engine_loop_submits_to_a_scheduler():
                         and node.func.attr == "submit" and "sch" in ast.unparse(node.func.value).lower():
                     callers.append(f"{p.relative_to(ROOT)}:{node.lineno}")
     assert not callers, callers
+
+
+def test_a_job_that_breaks_its_own_submit_fails_alone_and_the_loop_goes_on(tiny_model):
+    from engine.loop import Accepted, Job, Refused
+    from engine.scheduler import FinishEvent
+
+    loop = EngineLoop(Scheduler(tiny_model))
+    answers: dict[str, list] = {"bad": [], "good": []}
+    # A lone surrogate cannot be encoded: the tokenizer raises inside this job's submit.
+    loop.submit(Job({"messages": [{"role": "user", "content": "x\ud800y"}]}, answers["bad"].append))
+    loop.submit(Job({"user": "hello", "max_new_tokens": 2}, answers["good"].append))
+    loop.run_until_done()
+    (bad,) = answers["bad"]
+    assert isinstance(bad, Refused) and bad.status in (400, 500) and bad.message
+    assert isinstance(answers["good"][0], Accepted) and isinstance(answers["good"][-1], FinishEvent)
+    assert loop.in_flight() == 0 and not loop.scheduler.has_work()
