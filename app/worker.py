@@ -1,4 +1,4 @@
-"""The engine's one long-lived worker thread (DESIGN §6).
+"""The engine's one long-lived worker thread (docs/design.md §7).
 
 `EngineWorker` is a QObject moved to a parentless QThread. It holds the Model
 and the Scheduler; nothing else touches them. The UI feeds it by queued
@@ -410,7 +410,7 @@ class EngineClient(QObject):
         self._trace.emit(path)
 
     def shutdown(self) -> None:
-        """Stop, quit() and wait() (DESIGN §6); safe to call twice."""
+        """Stop, quit() and wait() (docs/design.md §7); safe to call twice."""
         if not self.thread.isRunning():
             return
         self.worker.request_shutdown()

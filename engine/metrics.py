@@ -1,4 +1,4 @@
-"""The scheduler's timeline (one row per step) and per-request records (DESIGN §5)."""
+"""The scheduler's timeline (one row per step) and per-request records (docs/design.md §6)."""
 
 from __future__ import annotations
 

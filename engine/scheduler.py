@@ -1,4 +1,4 @@
-"""Continuous batching over a paged KV pool with a prefix cache (DESIGN §4), in nano-vllm's shape.
+"""Continuous batching over a paged KV pool with a prefix cache (docs/design.md §4), in nano-vllm's shape.
 
 `step()` = `schedule()` -> ONE `eval_batch` -> `postprocess()`. `schedule` admits queued
 requests (attaching their cached prefix, then taking every page the request may fill, so

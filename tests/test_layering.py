@@ -1,4 +1,4 @@
-"""Imports go one way (DESIGN §1). The engine is a library: it imports only the standard library,
+"""Imports go one way (docs/design.md §1). The engine is a library: it imports only the standard library,
 numpy, gguf, tokenizers, jinja2 and threadpoolctl, never Qt, pyqtgraph, app or ui; ui never imports app."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = os.path.join(ROOT, "engine")
 UI = os.path.join(ROOT, "ui")
 FORBIDDEN = ("PySide6", "pyqtgraph", "app", "ui", "PyQt5", "PyQt6", "shiboken6")
-# Besides the standard library, the engine may import only these (DESIGN §1, issue 10).
+# Besides the standard library, the engine may import only these (docs/design.md §1, issue 10).
 ENGINE_ALLOWED = ("numpy", "gguf", "tokenizers", "jinja2", "threadpoolctl")
 
 

@@ -1,4 +1,4 @@
-"""The Requests tab: one row per finished request, in the words of DESIGN §5."""
+"""The Requests tab: one row per finished request, in the words of docs/design.md §6."""
 
 from __future__ import annotations
 

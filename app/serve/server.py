@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI's endpoints over a RequestBroker (DESIGN §8).
+"""The FastAPI app: OpenAI's endpoints over a RequestBroker (docs/design.md §8).
 
 Handlers never touch the scheduler: they parse and check the request, hand a
 `Job` to the broker and read its events from an asyncio queue the engine
