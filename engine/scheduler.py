@@ -28,7 +28,16 @@ from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeli
 from .prefix_cache import create_prefix_cache, prefix_attach, prefix_insert
 from .sampler import Sampler, SamplingParams
 from .spec import propose, verify
-from .stream import Batch, FinishEvent, SchedulerSettings, Stream, SubmitRefused, TokenEvent, check_fits
+from .stream import (
+    MAX_NEW_TOKENS,
+    Batch,
+    FinishEvent,
+    SchedulerSettings,
+    Stream,
+    SubmitRefused,
+    TokenEvent,
+    check_fits,
+)
 
 __all__ = ["Batch", "FinishEvent", "Scheduler", "SchedulerSettings", "Stream", "SubmitRefused",
            "TokenEvent"]
@@ -84,7 +93,7 @@ class Scheduler:
     # submit -----------------------------------------------------------
     def submit(self, prompt: list[int] | None = None, *, messages: list[dict] | None = None,
                system: str | None = None, user: str | None = None,
-               sampling: SamplingParams | None = None, max_new_tokens: int = 128,
+               sampling: SamplingParams | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
                stop_ids: list[int] | None = None, preview: str = "",
                conversation_id: str | None = None, namespace: str = "",
                arrival: float | None = None, client: str = "") -> int:

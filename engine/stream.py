@@ -11,6 +11,7 @@ from .metrics import RequestRecord
 from .sampler import Sampler
 from .tokenizer import TokenStream
 
+MAX_NEW_TOKENS = 128  # the one default answer length: window, CLI, scenarios and submit alike
 
 class SubmitRefused(ValueError):
     """A request the scheduler will not take; the message says why."""
