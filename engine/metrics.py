@@ -25,6 +25,12 @@ def page_states(pool: KVPool, cache: PrefixCache | None) -> np.ndarray:
     return states
 
 
+
+def hit_rate(saved: int, computed: int) -> float:
+    """The one hit rate (docs/design.md §6): saved / (saved + computed), the share of prompt tokens spared."""
+    total = saved + computed
+    return saved / total if total else 0.0
+
 @dataclass
 class TimelineRow:
     """Every metric of one scheduler step; cumulative counts since the scheduler started."""
@@ -51,9 +57,8 @@ class TimelineRow:
 
     @property
     def hit_rate(self) -> float:
-        """saved / (saved + computed): the share of prompt tokens the cache spared."""
-        total = self.prefill_saved + self.prefill_computed
-        return self.prefill_saved / total if total else 0.0
+        """saved / (saved + computed) so far (`hit_rate`)."""
+        return hit_rate(self.prefill_saved, self.prefill_computed)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate}

@@ -15,6 +15,7 @@ import jinja2
 
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
 from ui.format import format_bytes  # the GUI's sizes: the same words on screen and on paper
+from ui.format import secs as fmt_s  # and its durations
 
 from .figures import Figure, chart_images, ensure_qt_app, page_map_image
 from .files import (
@@ -73,12 +74,6 @@ def write_pdf(path: str | os.PathLike, report: Report) -> str:
 
 def fmt_pct(x: float | None) -> str:
     return "–" if x is None else f"{x * 100:.1f} %"
-
-
-def fmt_s(x: float | None) -> str:
-    if x is None:
-        return "–"
-    return f"{x * 1000:.0f} ms" if abs(x) < 1 else f"{x:.2f} s"
 
 
 def fmt_rate(x: float | None) -> str:
