@@ -12,7 +12,7 @@ from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerSettings
 from engine.stream import reserved_positions
 
-from .serve.kv_events import normalize_endpoint
+from .kv_wire import normalize_endpoint
 from .settings_table import TABLE, default
 
 ORGANIZATION = "PrefixLab"

@@ -12,7 +12,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.serve.kv_events import (
+from app.kv_wire import (
     END_SEQ,
     AllBlocksCleared,
     BadFrame,

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import zmq
 
-from app.serve.kv_events import BlockStored, decode_batch, parse_seq
+from app.kv_wire import BlockStored, decode_batch, parse_seq
 from app.serve.kv_events_publisher import KVEventPublisher
 from tests.kv_events_helpers import Event, Page
 from tests.wait import wait_until

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from app.cli import main as cli_main
-from app.serve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from app.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from app.serve.kv_events_publisher import KVEventPublisher
 from app.watch.llama_server import LlamaServerPoller, parse_metrics, parse_slots
 from app.watch.state import EngineState, cross_engine

@@ -83,7 +83,7 @@ def run(args) -> int:
         raise SystemExit("prefixlab watch: give one of --kv-events ENDPOINT [...] or --llama-server URL")
     if args.llama_server:
         return _run_llama(args)
-    from app.serve.kv_events import normalize_endpoint
+    from app.kv_wire import normalize_endpoint
 
     from .subscriber import Watcher
     try:
