@@ -6,7 +6,9 @@ The one helper for reports, traces, watch snapshots, assembled model files and c
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 import typing
 from collections.abc import Callable
@@ -64,3 +66,19 @@ def atomic_write_many(targets: list[tuple[str | os.PathLike, Writer]]) -> list[s
 def atomic_write(path: str | os.PathLike, write: Writer) -> str:
     """Write through `write(fh)` into a temporary file beside `path`, then rename it over `path`."""
     return atomic_write_many([(path, write)])[0]
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str):
+    """A temporary folder beside `final` to fill; it replaces `final` when the block ends well.
+
+    When the block raises, the temporary folder goes and `final` is left as it was.
+    """
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
+    try:
+        yield tmp
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

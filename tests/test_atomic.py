@@ -39,3 +39,17 @@ def test_many_files_are_renamed_only_once_all_are_written(tmp_path):
 
 def test_the_one_hit_rate_is_saved_over_saved_plus_computed():
     assert hit_rate(0, 0) == 0.0 and hit_rate(48, 16) == 0.75 and hit_rate(10, 0) == 1.0
+
+
+def test_a_folder_replaces_the_old_one_only_when_it_is_complete(tmp_path):
+    from engine.atomic import atomic_dir
+    final = tmp_path / "image"
+    final.mkdir()
+    (final / "index.json").write_text("old")
+    with pytest.raises(RuntimeError), atomic_dir(str(final)) as tmp:
+        (tmp_path / tmp / "index.json").write_text("half")
+        raise RuntimeError("the load was stopped")
+    assert (final / "index.json").read_text() == "old" and os.listdir(tmp_path) == ["image"]
+    with atomic_dir(str(final)) as tmp:
+        (tmp_path / tmp / "index.json").write_text("new")
+    assert (final / "index.json").read_text() == "new" and os.listdir(tmp_path) == ["image"]
