@@ -13,7 +13,7 @@ from engine.scheduler import SchedulerSettings
 from engine.stream import reserved_positions
 
 from .kv_wire import normalize_endpoint
-from .settings_table import TABLE, default
+from .settings_table import SETTINGS, TABLE, default
 
 ORGANIZATION = "PrefixLab"
 APPLICATION = "PrefixLab"
@@ -61,16 +61,16 @@ class AppSettings:
                 kind = "a whole number" if s.kind == "int" else "a number"
                 errs.append(f"{s.label} must be {kind} {s.range_words()}, got {value!r}")
         if not self.server_host or len(self.server_host) > 253 or any(c.isspace() for c in self.server_host):
-            errs.append(f"Server host must be a host name or address, got {self.server_host!r}")
+            errs.append(f"{_label('server_host')} must be a host name or address, got {self.server_host!r}")
         if any(ord(c) < 33 for c in self.server_api_key) or len(self.server_api_key) > 200:
-            errs.append("Server API key must be at most 200 characters, without spaces")
+            errs.append(f"{_label('server_api_key')} must be at most 200 characters, without spaces")
         if self.server_kv_events:
             try:
                 normalize_endpoint(self.server_kv_events)
             except ValueError as e:
-                errs.append(f"Server KV events: {e}")
+                errs.append(f"{_label('server_kv_events')}: {e}")
         if len(self.namespace) > 200 or any(ord(c) < 32 for c in self.namespace):
-            errs.append("Namespace must be at most 200 printable characters")
+            errs.append(f"{_label('namespace')} must be at most 200 printable characters")
         return errs + self._fit_errors(bad)
 
     def _fit_errors(self, bad: set[str]) -> list[str]:
@@ -138,6 +138,10 @@ class AppSettings:
         store.endGroup()
         loaded = cls(**values)
         return loaded if not loaded.errors() else defaults
+
+
+def _label(name: str) -> str:
+    return SETTINGS[name].label
 
 
 def _coerce(raw, default):
