@@ -6,19 +6,25 @@ import argparse
 
 from engine import ModelLoadError, ModelNotInstalled, SamplingParams, load_model
 from engine.scheduler import SchedulerSettings
+from engine.stream import MAX_NEW_TOKENS
+
+from .settings_table import cli_help
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampling options: the engine's SamplingParams defaults, help and limits from the settings table."""
     g = p.add_argument_group("sampling")
     d = SamplingParams()
-    g.add_argument("--max-new", type=int, default=128, help="most tokens to generate per answer")
-    g.add_argument("--temp", type=float, default=d.temperature, help="temperature (0: greedy)")
-    g.add_argument("--top-k", type=int, default=d.top_k)
-    g.add_argument("--top-p", type=float, default=d.top_p)
-    g.add_argument("--min-p", type=float, default=d.min_p)
-    g.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty)
-    g.add_argument("--repeat-last-n", type=int, default=d.repeat_last_n)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new", type=int, default=MAX_NEW_TOKENS,
+                   help=cli_help("max_new_tokens") + f" (default {MAX_NEW_TOKENS}, or a scenario's own)")
+    for flag, name, kind in (("--temp", "temperature", float), ("--top-k", "top_k", int),
+                             ("--top-p", "top_p", float), ("--min-p", "min_p", float),
+                             ("--repeat-penalty", "repeat_penalty", float)):
+        g.add_argument(flag, type=kind, default=getattr(d, name),
+                       help=cli_help(name) + " (default %(default)s)")
+    g.add_argument("--repeat-last-n", type=int, default=d.repeat_last_n,
+                   help="recent tokens the repetition penalty looks at (default %(default)s)")
+    g.add_argument("--seed", type=int, default=None, help="a fixed seed makes sampling repeatable")
 
 
 def sampling_from_args(args) -> SamplingParams:
@@ -55,21 +61,19 @@ def add_scheduler_args(p: argparse.ArgumentParser):
     """The scheduler's settings as options, with SchedulerSettings' defaults."""
     g = p.add_argument_group("scheduler")
     d = SchedulerSettings()
-    for flag, name, text in (("--max-streams", "max_streams", "requests decoded together"),
-                             ("--max-queue", "max_queue", "requests that may wait"),
-                             ("--chunk-tokens", "chunk_tokens", "prompt tokens per prefill chunk"),
-                             ("--page-rows", "page_rows", "positions per KV page")):
-        g.add_argument(flag, type=int, default=getattr(d, name), help=text + " (default %(default)s)")
+    for flag, name in (("--max-streams", "max_streams"), ("--chunk-tokens", "chunk_tokens"),
+                       ("--page-rows", "page_rows")):
+        g.add_argument(flag, type=int, default=getattr(d, name),
+                       help=cli_help(name) + " (default %(default)s)")
+    g.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests that may wait (default %(default)s)")
     g.add_argument("--pool-pages", type=int, default=None, help="bound the KV pool (default: grows)")
-    g.add_argument("--cache-pages", type=int, default=d.cache_pages, help="cache budget in pages (0: none)")
+    g.add_argument("--cache-pages", type=int, default=d.cache_pages, help=cli_help("cache_pages"))
     g.add_argument("--no-cache", action="store_true", help="turn the prefix cache off")
     g.add_argument("--spec", action=argparse.BooleanOptionalAction, default=d.spec_enabled,
-                   help="speculative decoding: draft tokens from n-grams of the prompt, verified in the "
-                        "same pass; greedy output unchanged (default "
-                        + ("on)" if d.spec_enabled else "off: it measured slower on 2 cores for the "
-                                                        "shipped workloads)"))
+                   help="speculative decoding: " + cli_help("spec_enabled"))
     g.add_argument("--spec-k", type=int, default=d.spec_k,
-                   help="speculative decoding: tokens drafted per stream and step (default %(default)s)")
+                   help="speculative decoding: " + cli_help("spec_k") + " (default %(default)s)")
     return g
 
 

@@ -18,6 +18,7 @@ from ui.about import AboutDialog
 from ui.main_window import MainWindow
 from ui.settings_dialog import SettingsDialog
 
+from . import settings_table
 from .builtin_menu import ModelInstalls
 from .controller import Controller
 from .scenario import Scenario, bundled_scenarios, load_scenario
@@ -231,7 +232,7 @@ class Desktop(QObject):
     # settings, reports, about ------------------------------------------------------------
     def settings_dialog(self) -> SettingsDialog:
         """The Settings dialog on the current settings, validated as AppSettings validates."""
-        dlg = SettingsDialog(self.controller.settings.to_dict(), AppSettings().to_dict(),
+        dlg = SettingsDialog(self.controller.settings.to_dict(), settings_table.rows(),
                              lambda values: AppSettings.from_dict(values).errors(), self.window)
         dlg.flush_requested.connect(self.controller.flush_cache)
         return dlg

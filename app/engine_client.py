@@ -1,4 +1,4 @@
-"""The UI thread's handle on the engine worker (docs/design.md §6): owns its thread, sends requests.
+"""The UI thread's handle on the engine worker (docs/design.md §7): owns its thread, sends requests.
 
 Typed turns go straight into the worker's engine loop (thread-safe, like HTTP requests);
 everything else (load, settings, reports, probes) goes as queued signals to the worker's slots.
@@ -76,7 +76,7 @@ class EngineClient(QObject):
         self._trace.emit(path)
 
     def shutdown(self) -> None:
-        """Stop, quit() and wait() (DESIGN §6); safe to call twice."""
+        """Stop, quit() and wait() (docs/design.md §7); safe to call twice."""
         if not self.thread.isRunning():
             return
         self.worker.request_shutdown()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from engine.loop import EngineLoop
-from engine.scheduler import DEFAULT_MAX_NEW_TOKENS, FinishEvent, Scheduler, SubmitRefused
+from engine.scheduler import FinishEvent, Scheduler, SubmitRefused
+from engine.stream import MAX_NEW_TOKENS
 
 from .common_args import (
     add_model_arg,
@@ -62,7 +63,7 @@ def run(args) -> int:
     except ValueError as e:
         raise SystemExit(f"prefixlab run: {e}") from None
     max_new = args.max_new if args.max_new is not None else (
-        scenario.max_new_tokens if scenario else DEFAULT_MAX_NEW_TOKENS)
+        scenario.max_new_tokens if scenario else MAX_NEW_TOKENS)
     if max_new < 1:
         raise SystemExit("prefixlab run: --max-new must be >= 1")
     m = load_model_or_exit(getattr(args, "model", None))

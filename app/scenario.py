@@ -6,6 +6,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from engine.stream import MAX_NEW_TOKENS
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIO_DIR = os.path.join(REPO_ROOT, "resources", "scenarios")
 
@@ -19,7 +21,7 @@ class Scenario:
     prompts: list[str] = field(default_factory=list)
     conversation: list[str] = field(default_factory=list)
     description: str = ""
-    max_new_tokens: int = 64
+    max_new_tokens: int = MAX_NEW_TOKENS
     path: str = ""
 
 
@@ -43,7 +45,7 @@ def load_scenario(path: str) -> Scenario:
     system = data.get("system", "")
     if not isinstance(system, str):
         raise ValueError(f"{path}: 'system' must be a string")
-    max_new = data.get("max_new_tokens", 64)
+    max_new = data.get("max_new_tokens", MAX_NEW_TOKENS)
     if not isinstance(max_new, int) or max_new < 1:
         raise ValueError(f"{path}: 'max_new_tokens' must be an integer >= 1")
     return Scenario(name=str(data.get("name") or os.path.basename(path)), system=system, prompts=prompts,

@@ -12,13 +12,12 @@ from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerSettings
 from engine.stream import reserved_positions
 
-from .serve.kv_events import normalize_endpoint
+from .kv_wire import normalize_endpoint
+from .settings_table import SETTINGS, TABLE, default
 
 ORGANIZATION = "PrefixLab"
 APPLICATION = "PrefixLab"
 MAX_RECENT_MODELS = 8
-MAX_SPEC_K = 16      # the Settings dialog's bound on drafted tokens per stream and step
-
 
 
 def qsettings() -> QSettings:
@@ -28,69 +27,55 @@ def qsettings() -> QSettings:
 
 @dataclass
 class AppSettings:
-    """Every preference the Settings dialog edits."""
+    """Every preference the Settings dialog edits (defaults and limits: app/settings_table.py)."""
 
-    page_rows: int = 16
-    pool_pages: int = 0          # 0: the pool grows
-    cache_pages: int = 0         # cache budget in pages; 0: unbounded
-    max_streams: int = SchedulerSettings.max_streams
-    chunk_tokens: int = SchedulerSettings.chunk_tokens   # engine/stream.py says why
-    cache_enabled: bool = True
-    spec_enabled: bool = SchedulerSettings.spec_enabled  # speculative decoding (the scheduler's default)
-    spec_k: int = SchedulerSettings.spec_k               # tokens drafted per stream and step
-    namespace: str = ""
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.1
-    seed: int = -1               # -1: a fresh seed per request
-    max_new_tokens: int = 64
-    server_host: str = "127.0.0.1"   # the Server toggle's address (this machine only by default)
-    server_port: int = 8000
-    server_api_key: str = ""         # empty: no key asked
-    server_kv_events: str = ""       # empty: off; else where the Server publishes the cache (vLLM's events)
+    page_rows: int = default("page_rows")
+    pool_pages: int = default("pool_pages")        # 0: the pool grows
+    cache_pages: int = default("cache_pages")      # cache budget in pages; 0: unbounded
+    max_streams: int = default("max_streams")
+    chunk_tokens: int = default("chunk_tokens")    # engine/stream.py says why
+    cache_enabled: bool = default("cache_enabled")
+    spec_enabled: bool = default("spec_enabled")   # speculative decoding
+    spec_k: int = default("spec_k")                # tokens drafted per stream and step
+    namespace: str = default("namespace")
+    temperature: float = default("temperature")
+    top_k: int = default("top_k")
+    top_p: float = default("top_p")
+    min_p: float = default("min_p")
+    repeat_penalty: float = default("repeat_penalty")  # the window's own default: the table says why
+    seed: int = default("seed")                    # -1: a fresh seed per request
+    max_new_tokens: int = default("max_new_tokens")
+    server_host: str = default("server_host")      # the Server toggle's address (this machine only)
+    server_port: int = default("server_port")
+    server_api_key: str = default("server_api_key")  # empty: no key asked
+    server_kv_events: str = default("server_kv_events")  # empty: off; else where the cache is published
 
     # validation -----------------------------------------------------------
     def errors(self) -> list[str]:
         """Every problem with these values, one readable sentence each (empty when valid)."""
         errs, bad = [], set()
-
-        def need_int(name: str, low: int, high: int) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-                bad.add(name)
-                errs.append(f"{label(name)} must be a whole number from {low} to {high}, got {value!r}")
-
-        need_int("page_rows", 1, 4096)
-        need_int("pool_pages", 0, 1_000_000)
-        need_int("cache_pages", 0, 1_000_000)
-        need_int("max_streams", 1, 64)
-        need_int("chunk_tokens", 1, 65_536)
-        need_int("spec_k", 1, MAX_SPEC_K)
-        need_int("top_k", 0, 1_000_000)
-        need_int("seed", -1, 2**31 - 1)
-        need_int("max_new_tokens", 1, 65_536)
-        need_int("server_port", 1, 65_535)
+        for s in TABLE:
+            value = getattr(self, s.name)
+            if s.low is not None and s.out_of_range(value):
+                bad.add(s.name)
+                kind = "a whole number" if s.kind == "int" else "a number"
+                errs.append(f"{s.label} must be {kind} {s.range_words()}, got {value!r}")
         if not self.server_host or len(self.server_host) > 253 or any(c.isspace() for c in self.server_host):
-            errs.append(f"Server host must be a host name or address, got {self.server_host!r}")
+            errs.append(f"{_label('server_host')} must be a host name or address, got {self.server_host!r}")
         if any(ord(c) < 33 for c in self.server_api_key) or len(self.server_api_key) > 200:
-            errs.append("Server API key must be at most 200 characters, without spaces")
+            errs.append(f"{_label('server_api_key')} must be at most 200 characters, without spaces")
         if self.server_kv_events:
             try:
                 normalize_endpoint(self.server_kv_events)
             except ValueError as e:
-                errs.append(f"Server KV events: {e}")
-        if not 0.0 <= self.temperature <= 10.0:
-            errs.append(f"Temperature must be from 0 (greedy) to 10, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            errs.append(f"Top-p must be above 0 and at most 1, got {self.top_p}")
-        if not 0.0 <= self.min_p < 1.0:
-            errs.append(f"Min-p must be at least 0 and below 1, got {self.min_p}")
-        if not 0.0 < self.repeat_penalty <= 10.0:
-            errs.append(f"Repetition penalty must be above 0 and at most 10, got {self.repeat_penalty}")
+                errs.append(f"{_label('server_kv_events')}: {e}")
         if len(self.namespace) > 200 or any(ord(c) < 32 for c in self.namespace):
-            errs.append("Namespace must be at most 200 printable characters")
+            errs.append(f"{_label('namespace')} must be at most 200 printable characters")
+        return errs + self._fit_errors(bad)
+
+    def _fit_errors(self, bad: set[str]) -> list[str]:
+        """Problems of values valid alone but not together (pool, request and cache sizes)."""
+        errs = []
         if self.pool_pages and not bad & {"page_rows", "pool_pages", "max_new_tokens"}:
             # One request must fit: the pages the engine reserves for a one-token prompt, the
             # answer and the turn's closing tokens (no model here, so no context limit).
@@ -144,30 +129,19 @@ class AppSettings:
     def load(cls, store: QSettings | None = None) -> AppSettings:
         """The remembered settings; a missing or unreadable value falls back to its default."""
         store = store or qsettings()
-        default = cls()
+        defaults = cls()
         values = {}
         store.beginGroup("settings")
         for f in fields(cls):
             raw = store.value(f.name, None)
-            values[f.name] = _coerce(raw, getattr(default, f.name))
+            values[f.name] = _coerce(raw, getattr(defaults, f.name))
         store.endGroup()
         loaded = cls(**values)
-        return loaded if not loaded.errors() else default
+        return loaded if not loaded.errors() else defaults
 
 
-LABELS = {
-    "page_rows": "Page rows", "pool_pages": "Pool pages", "cache_pages": "Cache budget",
-    "max_streams": "Max streams", "chunk_tokens": "Chunk tokens", "cache_enabled": "Prefix cache",
-    "spec_enabled": "Speculative decoding", "spec_k": "Draft tokens (k)",
-    "namespace": "Namespace", "temperature": "Temperature", "top_k": "Top-k", "top_p": "Top-p",
-    "min_p": "Min-p", "repeat_penalty": "Repetition penalty", "seed": "Seed",
-    "max_new_tokens": "Max new tokens", "server_host": "Server host", "server_port": "Server port",
-    "server_api_key": "Server API key", "server_kv_events": "Server KV events",
-}
-
-
-def label(name: str) -> str:
-    return LABELS.get(name, name)
+def _label(name: str) -> str:
+    return SETTINGS[name].label
 
 
 def _coerce(raw, default):

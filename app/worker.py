@@ -1,4 +1,4 @@
-"""The engine's one long-lived worker thread (DESIGN §6).
+"""The engine's one long-lived worker thread (docs/design.md §7).
 
 `EngineWorker` is a QObject moved to a parentless QThread. It holds the Model
 and drives the one engine loop (engine/loop.py) that owns the Scheduler; nothing

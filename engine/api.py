@@ -1,4 +1,4 @@
-"""The functional engine API of DESIGN §3 (the dasLLAMA tutorial's calls)."""
+"""The functional engine API of docs/design.md §2 (the dasLLAMA tutorial's calls)."""
 
 from __future__ import annotations
 

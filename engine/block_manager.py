@@ -1,5 +1,5 @@
 """The pages: one owner for page ids, reference counts, the free list and every session's
-page table and tokens (DESIGN §1, nano-vllm's BlockManager).
+page table and tokens (docs/design.md §1, nano-vllm's BlockManager).
 
 The manager never touches tensors: `KVPool` (engine/kv_pool.py) adds the K/V arrays, and
 the trace replay drives a bare manager with no storage at all. Everything here is plain

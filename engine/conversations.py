@@ -1,4 +1,4 @@
-"""The chat front end: chat messages and conversations in, token requests out (docs/design.md §4).
+"""The chat front end: chat messages and conversations in, token requests out (docs/design.md §5).
 
 The scheduler knows token requests only. A chat turn becomes one here: the template renders
 the messages, a follow-up extends its conversation's last turn token for token (so it hits

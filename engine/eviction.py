@@ -1,4 +1,4 @@
-"""Eviction policies of the prefix cache: which cached page is given back first (DESIGN §10).
+"""Eviction policies of the prefix cache: which cached page is given back first (docs/design.md §3).
 
 A policy keeps a lazy min-heap of (priority, key) over the pages it may evict.
 The cache tells it when a page is touched (a hit or an insert), added, or left

@@ -1,4 +1,4 @@
-"""The one owner loop of a Scheduler (docs/design.md §4): every front end goes through it.
+"""The one owner loop of a Scheduler (docs/design.md §5): every front end goes through it.
 
 The desktop worker, `prefixlab serve` and `prefixlab run` alike hand it `Job`s from any
 thread (`submit`, `cancel`), and the thread that owns the scheduler calls `step`: take the

@@ -1,4 +1,4 @@
-"""The scheduler's timeline (one row per step) and per-request records (DESIGN §5)."""
+"""The scheduler's timeline (one row per step) and per-request records (docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ def page_states(pool: KVPool, cache: PrefixCache | None) -> np.ndarray:
         states[held] = np.where(pool.refcount[held] > 1, PAGE_SHARED, PAGE_CACHED)
     return states
 
+
+
+def hit_rate(saved: int, computed: int) -> float:
+    """The one hit rate (docs/design.md §6): saved / (saved + computed), the share of prompt tokens spared."""
+    total = saved + computed
+    return saved / total if total else 0.0
 
 @dataclass
 class TimelineRow:
@@ -51,9 +57,8 @@ class TimelineRow:
 
     @property
     def hit_rate(self) -> float:
-        """saved / (saved + computed): the share of prompt tokens the cache spared."""
-        total = self.prefill_saved + self.prefill_computed
-        return self.prefill_saved / total if total else 0.0
+        """saved / (saved + computed) so far (`hit_rate`)."""
+        return hit_rate(self.prefill_saved, self.prefill_computed)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate}

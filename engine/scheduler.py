@@ -1,4 +1,4 @@
-"""Continuous batching over a paged KV pool with a prefix cache (DESIGN §4), in nano-vllm's shape.
+"""Continuous batching over a paged KV pool with a prefix cache (docs/design.md §4), in nano-vllm's shape.
 
 `step()` = `schedule()` -> ONE `eval_batch` -> `postprocess()`. `schedule` admits queued
 requests (attaching their cached prefix, then taking every page the request may fill, so
@@ -34,7 +34,7 @@ from .prefix_cache import create_prefix_cache, prefix_attach, prefix_insert
 from .sampler import Sampler, SamplingParams
 from .spec import plan_drafts, verify
 from .stream import (
-    DEFAULT_MAX_NEW_TOKENS,
+    MAX_NEW_TOKENS,
     Batch,
     FinishEvent,
     QueueFull,
@@ -46,7 +46,7 @@ from .stream import (
     check_fits,
 )
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "Batch", "FinishEvent", "QueueFull", "Request", "Scheduler",
+__all__ = ["MAX_NEW_TOKENS", "Batch", "FinishEvent", "QueueFull", "Request", "Scheduler",
            "SchedulerSettings", "Stream", "SubmitRefused", "TokenEvent"]
 
 POOL_FIELDS = ("page_rows", "pool_pages")  # settings that need a new pool, hence a new Scheduler

@@ -12,9 +12,9 @@ from .metrics import RequestRecord
 from .sampler import Sampler, SamplingParams
 from .tokenizer import TokenStream
 
-# New tokens a request may generate when its front end does not say (the CLI, the app and the
-# engine alike; the server's default is "up to the context", as OpenAI's).
-DEFAULT_MAX_NEW_TOKENS = 128
+# New tokens a request may generate when its front end does not say: the one default answer
+# length (window, CLI, scenarios and engine alike; the server's is "up to the context", as OpenAI's).
+MAX_NEW_TOKENS = 128
 
 
 class SubmitRefused(ValueError):
@@ -76,7 +76,7 @@ class Request:
 
     prompt: list[int]
     sampling: SamplingParams | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int = MAX_NEW_TOKENS
     stop_ids: list[int] | None = None      # None: the model's end-of-turn tokens
     preview: str = ""
     namespace: str = ""

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import zlib
 
 import numpy as np
+
+from .atomic import atomic_dir
 
 IMAGE_VERSION = 6  # 2: index checksum; 3: head [d, vocab]; 5: architectures, one head copy; 6: blocks
 ALIGN = 64
@@ -74,8 +74,7 @@ def write_image(gguf_path: str, header_bytes: int, arrays, info: dict) -> str:
     """
     final = image_dir(gguf_path)
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
-    try:
+    with atomic_dir(final) as tmp:
         index, offset, crc = {}, 0, 0
         with open(os.path.join(tmp, "weights.bin"), "wb") as fh:
             for name, arr in arrays:
@@ -101,11 +100,6 @@ def write_image(gguf_path: str, header_bytes: int, arrays, info: dict) -> str:
         meta["index_crc"] = _index_crc(meta)
         with open(os.path.join(tmp, "index.json"), "w", encoding="utf-8") as fh:
             json.dump(meta, fh)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _write_stamp(final, crc)
     return final
 

@@ -33,7 +33,7 @@ def run_scenario(model, path: str, make_scheduler) -> list[dict]:
 
     def submit(user: str, **kw) -> None:
         rid = loop.submit_now(system=sc.get("system", ""), user=user,
-                              max_new_tokens=sc.get("max_new_tokens", 64), **kw)
+                              max_new_tokens=sc["max_new_tokens"], **kw)
         out[rid] = {"prompt_ids": list(sch.prompt_of(rid)), "generated_ids": [], "text": "",
                     "finish_reason": None}
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
 from app.serve.runner import Server
 from engine.metrics import PAGE_PRIVATE, PAGE_SHARED
 from engine.scheduler import Scheduler, SchedulerSettings
+from tests.wait import wait_until
 
 WAIT_S = 120.0
 
@@ -16,10 +15,8 @@ WAIT_S = 120.0
 def start_server(factory, **kw) -> Server:
     """Start a server on a free port and wait until /health answers 200."""
     server = Server(factory, host="127.0.0.1", port=0, **kw).start()
-    deadline = time.monotonic() + WAIT_S
-    while httpx.get(server.url + "/health").status_code != 200:
-        assert time.monotonic() < deadline, f"the server never became ready: {server.engine.load_error}"
-        time.sleep(0.05)
+    wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, WAIT_S,
+               lambda: f"the server to become ready ({server.engine.load_error})", interval=0.05)
     return server
 
 
@@ -30,11 +27,9 @@ def scheduler_on(model, **settings):
 
 def wait_idle(server: Server) -> None:
     """Until every request has finished and its pages went back (the engine thread is then idle)."""
-    deadline = time.monotonic() + WAIT_S
     sch = server.engine.scheduler
-    while sch.has_work() or server.engine.loop.in_flight():
-        assert time.monotonic() < deadline, "requests never finished"
-        time.sleep(0.02)
+    wait_until(lambda: not (sch.has_work() or server.engine.loop.in_flight()), WAIT_S,
+               "every request to finish")
 
 
 def pages_held_by_sessions(server: Server) -> int:

@@ -32,6 +32,7 @@ from tests.gui_helpers import (  # noqa: E402
     error_boxes,
     set_settings,
 )
+from tests.wait import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -46,10 +47,7 @@ def loader_threads() -> list[threading.Thread]:
 
 def join_loaders(timeout: float = 120.0) -> None:
     """Let an abandoned background load end, so it does not slow the next tests."""
-    end = time.monotonic() + timeout
-    for t in loader_threads():
-        t.join(max(0.0, end - time.monotonic()))
-    assert not loader_threads(), "a model load never ended"
+    wait_until(lambda: not loader_threads(), timeout, "an abandoned model load to end", interval=0.1)
 
 
 def start_prompts(d, prompts: list[str]) -> list:

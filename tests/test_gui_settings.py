@@ -10,6 +10,7 @@ import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
+from app import settings_table  # noqa: E402
 from app.scenario import bundled_scenarios  # noqa: E402
 from app.settings import AppSettings, add_recent_model, qsettings, recent_models  # noqa: E402
 from app.system_info import about_versions  # noqa: E402
@@ -77,7 +78,7 @@ def test_settings_dialog_speculative_decoding_round_trip(open_desktop, qtbot):
     sched = chosen.scheduler_settings()
     assert (sched.spec_enabled, sched.spec_k) == (True, 7)
     # Reopened on those values: the box is ticked and k is editable; unticking greys k again.
-    again = SettingsDialog(chosen.to_dict(), AppSettings().to_dict(), lambda v: [])
+    again = SettingsDialog(chosen.to_dict(), settings_table.rows(), lambda v: [])
     qtbot.addWidget(again)
     assert again.spec_enabled.isChecked() and again.spec_k.isEnabled() and again.spec_k.value() == 7
     again.spec_enabled.setChecked(False)
@@ -191,3 +192,44 @@ def test_about_lists_the_versions(qtbot, gui_settings):
     dlg = AboutDialog(None, v, "SmolLM2 · llama")
     qtbot.addWidget(dlg)
     assert "PySide6" in dlg.text()
+
+
+def test_one_settings_table_feeds_the_dialog_the_cli_and_validation(qtbot):
+    # each default, limit, label and tip is written once, in app/settings_table.py
+    import argparse
+
+    from app.common_args import add_sampling_args, add_scheduler_args
+    from app.settings_table import SETTINGS, WINDOW_REPEAT_PENALTY
+    from engine.sampler import SamplingParams
+    from engine.stream import MAX_NEW_TOKENS
+
+    assert sorted(AppSettings().to_dict()) == sorted(SETTINGS)
+    assert AppSettings().to_dict() == {n: s.default for n, s in SETTINGS.items()}
+    engine = SamplingParams()
+    app = AppSettings()
+    assert (app.temperature, app.top_k, app.top_p, app.min_p) == (engine.temperature, engine.top_k,
+                                                                    engine.top_p, engine.min_p)
+    assert app.max_new_tokens == MAX_NEW_TOKENS and app.repeat_penalty == WINDOW_REPEAT_PENALTY
+    dlg = SettingsDialog(app.to_dict(), settings_table.rows(), lambda v: AppSettings.from_dict(v).errors())
+    qtbot.addWidget(dlg)
+    # the window's own repetition penalty is on screen, with why it differs from the engine's
+    assert dlg.repeat_penalty.value() == pytest.approx(1.1)
+    assert "llama.cpp" in dlg.repeat_penalty.toolTip() and "loop" in dlg.repeat_penalty.toolTip()
+    for name, s in SETTINGS.items():
+        w = getattr(dlg, name)
+        assert w.toolTip() == s.tip
+        if s.kind in ("int", "float"):
+            assert (w.minimum(), w.maximum()) == (s.low, s.high), name
+    dlg.spec_enabled.setChecked(True)
+    dlg.spec_k.setValue(3)
+    assert dlg.values()["spec_k"] == 3 and dlg.values()["spec_enabled"] is True
+    # the CLI shows the same limits and its defaults are the engine's
+    p = argparse.ArgumentParser()
+    add_sampling_args(p)
+    add_scheduler_args(p)
+    args = p.parse_args([])
+    assert args.max_new == MAX_NEW_TOKENS and args.repeat_penalty == engine.repeat_penalty
+    assert " ".join(p.format_help().split()).count("at least 1 and at most 65,536") == 2  # max-new, chunk
+    # validation speaks the same limits
+    errs = AppSettings(spec_k=SETTINGS["spec_k"].high + 1).errors()
+    assert errs == ["Draft tokens (k) must be a whole number at least 1 and at most 16, got 17"]

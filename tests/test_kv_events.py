@@ -12,7 +12,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.serve.kv_events import (
+from app.kv_wire import (
     END_SEQ,
     AllBlocksCleared,
     BadFrame,
@@ -24,6 +24,7 @@ from app.serve.kv_events import (
     stored_event,
 )
 from app.watch.subscriber import Watcher
+from tests.wait import wait_until
 
 
 # vLLM's declarations (vllm/distributed/kv_events.py, array_like era, newest fields), rebuilt
@@ -183,10 +184,8 @@ class FakeVLLM:
 
 
 def _watch_until(watcher, done, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not done() and time.monotonic() < end:
-        watcher.poll(50)
-    assert done(), watcher.snapshot()
+    wait_until(done, timeout, lambda: f"the watcher to catch up: {watcher.snapshot()}",
+               step=lambda: watcher.poll(50))
 
 
 def test_vllm_layout_feed_rebuilt_with_a_gap_repaired_from_replay():
@@ -245,11 +244,13 @@ def test_oversized_frame_is_refused_and_the_watcher_keeps_going():
         state = watcher.states[0]
         vllm.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\x00" * (1024 * 1024)])
         vllm.seq = 1
-        end = time.monotonic() + 10
-        while state.counters.batches == 0 and time.monotonic() < end:
+        def publish_and_poll() -> None:
             vllm.publish([VBlockStored([vllm.seq], None, [1], 1, None, "GPU", None)])
             watcher.poll(100)
-        assert state.counters.batches > 0 and state.counters.disconnects >= 1
+
+        wait_until(lambda: state.counters.batches > 0, 10, "a batch after the reconnect",
+                   step=publish_and_poll)
+        assert state.counters.disconnects >= 1
         assert state.live == state.counters.batches  # one block per batch, none lost once back
     finally:
         watcher.close()

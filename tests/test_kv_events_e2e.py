@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 from app.serve.kv_events_publisher import KVEventPublisher
 from app.watch.subscriber import Watcher
 from engine import SamplingParams, prefix_held_groups, prefix_release
 from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
+from tests.wait import wait_until
 
 SYSTEM = ("You are the assistant of Bolt & Board, a neighbourhood hardware store. We sell power drills, "
           "hand saws, screws, nails, paint and ladders. Answer in one short sentence.")
@@ -19,10 +18,8 @@ QUESTIONS = ["Do you sell drills?", "Do you have green paint?", "Can I buy a lad
 def _caught_up(pub: KVEventPublisher, watcher: Watcher) -> None:
     assert pub.flush(10)
     state = watcher.states[0]
-    end = time.monotonic() + 10
-    while state.last_seq != pub.published_batches - 1 and time.monotonic() < end:
-        watcher.poll(50)
-    assert state.last_seq == pub.published_batches - 1, state.summary()
+    wait_until(lambda: state.last_seq == pub.published_batches - 1, 10,
+               lambda: f"the watcher to see every batch: {state.summary()}", step=lambda: watcher.poll(50))
 
 
 def test_watcher_rebuilds_the_schedulers_cache_exactly(real_model):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import pytest
 import zmq
 
-from app.serve.kv_events import BlockStored, decode_batch, parse_seq
+from app.kv_wire import BlockStored, decode_batch, parse_seq
 from app.serve.kv_events_publisher import KVEventPublisher
 from tests.kv_events_helpers import Event, Page
+from tests.wait import wait_until
 
 
 def _replay_with(kind: int, endpoint: str, start: int) -> list[tuple[int, bytes]]:
@@ -42,9 +41,7 @@ def test_replay_serves_buffered_batches_to_dealer_and_req_clients():
     try:
         for i in range(3):
             pub(Event("stored", (Page(10 + i, None, (i, i)),)))
-            end = time.monotonic() + 5
-            while pub.published_batches <= i and time.monotonic() < end:
-                time.sleep(0.005)
+            wait_until(lambda i=i: pub.published_batches > i, 5, "the batch to be published", interval=0.005)
         got = _replay_with(zmq.DEALER, pub.replay_endpoint, 0)
         assert [seq for seq, _ in got] == [1, 2]  # the buffer keeps the last 2 batches
         batch, bad = decode_batch(got[1][1])
@@ -61,9 +58,7 @@ def test_stored_pages_split_into_parent_linked_runs():
         pub(Event("stored", (Page(1, None, (1, 2)), Page(2, 1, (3, 4)), Page(7, 5, (9, 9)))))
         pub(Event("removed", (Page(2, 1, (3, 4)), Page(7, 5, (9, 9)))))
         pub(Event("cleared"))
-        end = time.monotonic() + 5
-        while pub.published_events < 4 and time.monotonic() < end:
-            time.sleep(0.005)
+        wait_until(lambda: pub.published_events >= 4, 5, "four events published", interval=0.005)
         events = [e for _, p in _replay_with(zmq.DEALER, pub.replay_endpoint, 0)
                   for e in decode_batch(p)[0].events]
         raw = [msgspec.to_builtins(e) for e in events]

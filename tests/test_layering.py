@@ -1,4 +1,4 @@
-"""Imports go one way (DESIGN §1). The engine is a library: it imports only the standard library,
+"""Imports go one way (docs/design.md §1). The engine is a library: it imports only the standard library,
 numpy, gguf, tokenizers, jinja2 and threadpoolctl, never Qt, pyqtgraph, app or ui; ui never imports app."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = os.path.join(ROOT, "engine")
 UI = os.path.join(ROOT, "ui")
 FORBIDDEN = ("PySide6", "pyqtgraph", "app", "ui", "PyQt5", "PyQt6", "shiboken6")
-# Besides the standard library, the engine may import only these (DESIGN §1, issue 10).
+# Besides the standard library, the engine may import only these (docs/design.md §1, issue 10).
 ENGINE_ALLOWED = ("numpy", "gguf", "tokenizers", "jinja2", "threadpoolctl")
 
 
@@ -143,3 +143,80 @@ def test_the_checker_sees_imports(tmp_path):
                    "from ..ui import window\nimport importlib\nimportlib.import_module('app.gui')\n")
     names = [n for _, n in _imports(str(src))]
     assert {"PySide6.QtCore", "pyqtgraph", "ui", "app.gui"} <= set(names)
+
+
+# app/'s rooms: which capability subpackage may import which (docs/design.md §1) -----------------
+QT = ("PySide6", "pyqtgraph", "shiboken6", "ui")
+DESKTOP = ("app.desktop", "app.controller", "app.worker", "app.driver", "app.turns", "app.gui",
+           "app.settings", "app.server_toggle", "app.builtin_menu", "app.whatif_controller")
+# room -> (modules it must not import, its files allowed Qt and ui anyway)
+APP_RULES = {
+    "app/kv_wire.py": (("app", "zmq") + QT, ()),  # the wire format alone: msgspec and the stdlib
+    "app/serve": (("app.watch", "app.replay", "app.bench") + DESKTOP + QT, ()),
+    "app/watch": (("app.serve", "app.replay", "app.report", "app.bench") + QT, ("gui.py", "ui_stall.py")),
+    "app/replay": (("app.serve", "app.watch", "app.bench") + DESKTOP + QT, ("plot.py",)),
+    "app/report": (("app.serve", "app.watch", "app.replay", "app.bench") + DESKTOP + QT,
+                   ("figures.py", "render.py")),
+}
+
+
+def _module_of(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def absolute_imports(path: str) -> list[tuple[int, str]]:
+    """Every module `path` imports, relative imports resolved against its package."""
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), filename=path)
+    module = _module_of(path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                found.append((node.lineno, node.module or ""))
+                continue
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+    return found
+
+
+def room_offenders(room: str, forbidden: tuple[str, ...], qt_files: tuple[str, ...] = ()) -> list[str]:
+    """Imports under `room` (a folder or one file) of a module in `forbidden` (or below one)."""
+    path = os.path.join(ROOT, room)
+    files = [path] if path.endswith(".py") else [
+        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py")]
+    bad = []
+    for file in files:
+        rules = forbidden if os.path.basename(file) not in qt_files else tuple(
+            f for f in forbidden if f not in QT)
+        where = os.path.relpath(file, ROOT)
+        bad += [f"{where}:{line} imports {name}" for line, name in absolute_imports(file)
+                if any(name == f or name.startswith(f + ".") for f in rules)]
+    return bad
+
+
+def test_app_subpackages_import_only_what_their_room_allows():
+    for room, (forbidden, qt_files) in APP_RULES.items():
+        assert os.path.exists(os.path.join(ROOT, room)), room
+        offenders = room_offenders(room, forbidden, qt_files)
+        assert not offenders, "\n".join(offenders)
+
+
+def test_nothing_but_the_cli_imports_the_bench():
+    offenders = [o for o in room_offenders("app", ("app.bench",)) + room_offenders("ui", ("app.bench",))
+                 if not o.startswith(("app/bench/", "app/cli.py"))]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_room_rule_resolves_relative_imports(tmp_path, monkeypatch):
+    room = tmp_path / "app" / "watch"
+    room.mkdir(parents=True)
+    (room / "ok.py").write_text("from .state import EngineState\nfrom ..kv_wire import decode_batch\n")
+    (room / "bad.py").write_text("from ..serve.kv_events import seq_bytes\nfrom PySide6 import QtCore\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    bad = room_offenders("app/watch", ("app.serve",) + QT)
+    assert sorted(b.split(" imports ")[1] for b in bad) == ["PySide6", "app.serve.kv_events"]

@@ -1,4 +1,4 @@
-"""The prefix cache of DESIGN §3 on a tiny pool with fake evaluation (no model needed)."""
+"""The prefix cache of docs/design.md §3 on a tiny pool with fake evaluation (no model needed)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Eviction policies of the prefix cache, and id-keyed pages (engine/eviction.py, DESIGN §10)."""
+"""Eviction policies of the prefix cache, and id-keyed pages (engine/eviction.py, docs/design.md §3)."""
 
 from __future__ import annotations
 

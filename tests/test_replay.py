@@ -32,7 +32,7 @@ def hits(path: str, budget: int | None, policy: str):
     return replay(open_trace(path, block_size=BLOCK), ReplayConfig(budget=budget, policy=policy))
 
 
-# the shipped Mooncake trace (DESIGN §10) ---------------------------------------------------------
+# the shipped Mooncake trace (docs/design.md §10) ---------------------------------------------------------
 
 
 def test_mooncake_trace_infinite_capacity_hit_ratio():

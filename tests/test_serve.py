@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,14 +10,14 @@ import httpx
 import openai
 import pytest
 
+from app.bench.w8 import load_w8
 from app.cli import main
-from app.scenario import SCENARIO_DIR, load_scenario
 from tests.serve_helpers import pages_held_by_sessions, scheduler_on, start_server, wait_idle
 
 pytestmark = pytest.mark.model
 PAGE_ROWS = 16
 MAX_TOKENS = 6
-W8 = load_scenario(os.path.join(SCENARIO_DIR, "w8.json"))
+W8 = load_w8()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -20,6 +19,7 @@ from app.serve.runner import ServeError, Server, bind
 from engine.prefix_cache import blake2b_64
 from engine.scheduler import Scheduler, SchedulerSettings
 from tests.serve_helpers import pages_held_by_sessions, wait_idle
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.model
 KEYS = ["key-alice", "key-bob"]
@@ -197,15 +197,11 @@ def test_the_prefixlab_serve_command_serves_until_interrupted(sig, background):
                             preexec_fn=ignore)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "prefixlab serve did not start"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            time.sleep(0.1)
+        def healthy() -> bool:
+            assert proc.poll() is None, "prefixlab serve exited before it was ready"
+            return httpx.get(url + "/health").status_code == 200
+
+        wait_until(healthy, 120, "prefixlab serve to start", interval=0.1, ignore=(httpx.ConnectError,))
         r = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0).chat.completions.create(
             model="gpt-4o", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert r.usage.completion_tokens == 2

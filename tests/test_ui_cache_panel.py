@@ -281,16 +281,22 @@ def test_ten_thousand_pages_paint_fast(qtbot):
     assert pm.render_image(1200, 800).startswith(PNG)
 
 
-def test_screenshot(busy, panel, qtbot):
+def test_the_shown_panel_paints_every_page_in_its_states_colour(busy, panel, qtbot):
+    from ui.colors import state_color, theme_for
     panel.update_snapshot(busy)
-    panel.chains_table.select_chain(busy.chains[0].id)
-    panel.show_probe({"matched_tokens": 32, "matched_pages": 2, "n_prompt": 52, "stop_reason": "miss",
-                      "first_diff_index": 37, "chain_id": busy.chains[0].id,
-                      "context_before": "<|im_start|>user\nWhich", "prompt_token": " paint",
-                      "cached_token": " glue"})
     panel.show()
     qtbot.waitExposed(panel)
-    assert panel.grab().save("/tmp/prefixlab_cache_panel.png")
+    pm = panel.page_map
+    image = pm.grab().toImage()  # what the user sees, not the map's own records
+    theme = theme_for(pm)
+    seen = set()
+    for page in range(pm.page_count):
+        r = pm.cell_rect(page)
+        state = int(busy.page_states[page])
+        # a cell's corner: its centre may carry the page's reference count
+        assert image.pixelColor(r.left() + 1, r.top() + 1) == state_color(state, theme), (page, state)
+        seen.add(state)
+    assert len(seen) >= 2
 
 
 def test_a_panel_on_a_hidden_tab_updates_once_shown(run, busy, qtbot):

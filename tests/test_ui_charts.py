@@ -168,11 +168,24 @@ def test_themes_follow_the_palette(panel, qtbot):
     assert bg.lightness() < 100
 
 
-def test_screenshot(run, panel, qtbot):
+def test_the_shown_charts_end_at_the_sessions_last_figures(run, panel, qtbot):
     panel.set_data(run.rows, run.records)
     panel.show()
     qtbot.waitExposed(panel)
-    assert panel.grab().save("/tmp/prefixlab_charts.png")
+    panel.refresh()
+    last = run.rows[-1]
+    for name in ("hits", "prefill_saved", "prefill_computed"):  # each curve's last point: the last row
+        x, y = panel.curves[name].getData()
+        assert (x[-1], y[-1]) == (last.wall_s, getattr(last, name)), name
+    assert panel.curves["hit_rate"].getData()[1][-1] == pytest.approx(100 * last.hit_rate)
+    # and the hits chart shows that point once painted: its view reaches the last step and count
+    view = panel.plot_widgets()["hits"].getPlotItem()
+
+    def in_view() -> bool:
+        (x0, x1), (y0, y1) = view.viewRange()
+        return x0 <= last.wall_s <= x1 and y0 <= last.hits <= y1
+
+    qtbot.waitUntil(in_view, timeout=3000)
 
 
 def test_many_redraws_keep_the_interpreter_alive(run, panel, qtbot):

@@ -13,11 +13,12 @@ import threading
 import pytest
 
 from app.cli import main as cli_main
-from app.serve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from app.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from app.serve.kv_events_publisher import KVEventPublisher
 from app.watch.llama_server import LlamaServerPoller, parse_metrics, parse_slots
 from app.watch.state import EngineState, cross_engine
 from tests.kv_events_helpers import Event, Page
+from tests.wait import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,7 +170,6 @@ def test_llama_server_slots_and_metrics_parse_across_versions():
                     reason="no llama-server binary on PATH (llama.cpp's server); the parsing is tested "
                            "on the README's JSON shapes above")
 def test_llama_server_live(tmp_path, real_model):
-    import time
     import urllib.request
 
     port = 18000 + os.getpid() % 1000
@@ -177,13 +177,8 @@ def test_llama_server_live(tmp_path, real_model):
                              "-c", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.5)
+        wait_until(lambda: urllib.request.urlopen(url + "/health", timeout=1).read() is not None, 60,
+                   "llama-server to start", interval=0.5, ignore=(OSError,))
         sample = LlamaServerPoller(url).poll()
         assert sample.slots and not sample.errors and "llamacpp:prompt_tokens_total" in sample.metrics
     finally:
@@ -192,17 +187,13 @@ def test_llama_server_live(tmp_path, real_model):
 
 
 def test_watch_session_hands_the_ui_ready_snapshots():
-    import time
-
     from app.watch.session import WatchSession
     pub = KVEventPublisher("tcp://127.0.0.1:*")
     session = WatchSession([pub.endpoint], snapshot_every=0.05).start()
     try:
         _publish_when_subscribed(pub).join()
-        end = time.monotonic() + 10
-        done = lambda: session.latest and session.latest.engines[0].summary["removed_blocks"] == 1  # noqa: E731
-        while time.monotonic() < end and not done():
-            time.sleep(0.02)
+        wait_until(lambda: session.latest and session.latest.engines[0].summary["removed_blocks"] == 1, 10,
+                   "the removal in the UI's snapshot")
         (view,) = session.latest.engines
         assert view.summary["live_blocks"] == 2 and view.chains[0]["blocks"] == 2
         assert view.history[-1][1:] == (3, 1, 2)  # stored, removed, live after the last batch

@@ -1,4 +1,4 @@
-"""Live charts of the scheduler's timeline: pool pages, cache, hits, prefill saved, TTFT (DESIGN §5).
+"""Live charts of the scheduler's timeline: pool pages, cache, hits, prefill saved, TTFT (docs/design.md §6).
 
 `append` only copies rows into growable NumPy columns and marks the panel dirty;
 a QTimer pushes the columns to the curves at most REFRESH_HZ times a second and

@@ -23,9 +23,11 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def secs(s: float) -> str:
-    """0.2 -> '200 ms'; 2.5 -> '2.50 s'."""
-    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+def secs(s: float | None) -> str:
+    """The one duration format: 0.2 -> '200 ms'; 2.5 -> '2.50 s'; None (unknown) -> '–'."""
+    if s is None:
+        return "–"
+    return f"{s * 1000:.0f} ms" if abs(s) < 1 else f"{s:.2f} s"
 
 
 def pool_summary(snap) -> str:

@@ -1,16 +1,14 @@
-"""The Requests tab: one row per finished request, in the words of DESIGN §5."""
+"""The Requests tab: one row per finished request, in the words of docs/design.md §6."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem
 
+from .format import secs
+
 COLUMNS = ["Req", "Prompt", "Prompt tok", "Cached", "Prefilled", "Generated", "Queue", "TTFT", "tok/s",
            "Drafts acc.", "Finish", "Client"]
-
-
-def _ms(seconds: float | None) -> str:
-    return f"{seconds * 1000:.0f} ms" if seconds is not None else "—"
 
 
 class RequestsTable(QTableWidget):
@@ -30,8 +28,8 @@ class RequestsTable(QTableWidget):
         self.insertRow(row)
         tps = f"{r.decode_tps:.1f}" if r.decode_tps else "—"
         drafts = f"{r.spec_acceptance * 100:.1f} %" if r.spec_acceptance is not None else "—"
-        values = [r.id, r.preview, r.n_prompt, r.n_cached, r.n_prefilled, r.n_gen, _ms(r.queue_wait_s),
-                  _ms(r.ttft_s), tps, drafts, r.finish_reason, r.client]
+        values = [r.id, r.preview, r.n_prompt, r.n_cached, r.n_prefilled, r.n_gen, secs(r.queue_wait_s),
+                  secs(r.ttft_s), tps, drafts, r.finish_reason, r.client]
         for col, v in enumerate(values):
             item = QTableWidgetItem(str(v))
             if isinstance(v, (int, float)):

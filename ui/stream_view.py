@@ -14,6 +14,8 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
 )
 
+from engine.metrics import hit_rate
+
 from .format import secs
 from .theme import card_button, color, repolish
 from .transcript import Transcript, Turn
@@ -291,7 +293,7 @@ class StreamView(QFrame):
 
     def _cache_badge(self, n_cached: int, n_prompt: int) -> None:
         kind = "cache" if n_cached else "nocache"
-        pct = 100 * n_cached / n_prompt if n_prompt else 0
+        pct = 100 * hit_rate(n_cached, n_prompt - n_cached)
         _set_badge(self.badge_cache, f"cached {n_cached} of {n_prompt}", kind,
                    f"{n_cached} of the prompt's {n_prompt} tokens came from the prefix cache ({pct:.0f}%)")
 

@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
 
 from .whatif import POLICY_COLORS, WhatIfChart
 
-COLUMNS = ("page size", "budget", "policy", "hit ratio", "tokens saved", "hits", "evicted")
+COLUMNS = ("page size", "budget", "policy", "token hit ratio", "tokens saved", "hits", "evicted")
 
 
 def _budget_text(budget: int | None) -> str:

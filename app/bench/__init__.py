@@ -90,6 +90,31 @@ def run(args) -> int:
     return 0
 
 
+def _load_model(path: str, image_dir: str | None):
+    """The model, from the weight image the load children just wrote in `image_dir` if given."""
+    import engine as dl
+
+    if image_dir is None:
+        return dl.load_model(path)
+    saved = os.environ.get("PREFIXLAB_CACHE_DIR")
+    os.environ["PREFIXLAB_CACHE_DIR"] = image_dir
+    try:
+        return dl.load_model(path)
+    finally:
+        if saved is None:
+            os.environ.pop("PREFIXLAB_CACHE_DIR", None)
+        else:
+            os.environ["PREFIXLAB_CACHE_DIR"] = saved
+
+
+def _model_facts(m) -> dict:
+    """What the result says about the model it measured."""
+    return {"name": m.name, "arch": m.arch, "quant": m.quant, "n_params": m.n_params,
+            "file_size": m.file_size, "matmul_bytes": m.weights.matmul_bytes(),
+            "from_image": m.from_image, "config": dict(m.config.__dict__),
+            "description": m.describe(), "quant_mix": m.quant_mix}
+
+
 def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTIONS, log=None) -> dict:
     """Run the chosen sections; return the whole result (what --json writes)."""
     import engine as dl
@@ -130,23 +155,8 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
         needs_model = {"prefill", "decode", "batch", "scheduler", "serve", "blas", "peer"} & set(sections)
         if needs_model:
             log("bench: loading the model ...")
-            if image_ready:  # the load children just wrote a fresh weight image there
-                saved = os.environ.get("PREFIXLAB_CACHE_DIR")
-                os.environ["PREFIXLAB_CACHE_DIR"] = tmp_cache
-                try:
-                    m = dl.load_model(path)
-                finally:
-                    if saved is None:
-                        os.environ.pop("PREFIXLAB_CACHE_DIR", None)
-                    else:
-                        os.environ["PREFIXLAB_CACHE_DIR"] = saved
-            else:
-                m = dl.load_model(path)
-            result["model"].update({
-                "name": m.name, "arch": m.arch, "quant": m.quant, "n_params": m.n_params,
-                "file_size": m.file_size, "matmul_bytes": m.weights.matmul_bytes(),
-                "from_image": m.from_image, "config": dict(m.config.__dict__),
-                "description": m.describe(), "quant_mix": m.quant_mix})
+            m = _load_model(path, tmp_cache if image_ready else None)
+            result["model"].update(_model_facts(m))
             if "prefill" in sections:
                 section("prefill", lambda: bench_engine.prefill_figures(m, quick))
             if "decode" in sections or "batch" in sections:  # the batch speedup needs single-stream

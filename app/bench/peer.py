@@ -81,10 +81,10 @@ def peer_w8_child(path: str) -> dict:
     w8 = load_w8()
     llm = llama_cpp.load(path, PEER_THREADS)
     n_gen = []
-    for q in w8["prompts"]:
+    for q in w8.prompts:
         out = llm.create_chat_completion(
-            messages=[{"role": "system", "content": w8["system"]}, {"role": "user", "content": q}],
-            max_tokens=w8["max_new"], temperature=0.0, top_k=1)
+            messages=[{"role": "system", "content": w8.system}, {"role": "user", "content": q}],
+            max_tokens=w8.max_new_tokens, temperature=0.0, top_k=1)
         n_gen.append(int(out["usage"]["completion_tokens"]))
     return {"n_gen": n_gen}
 

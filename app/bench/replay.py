@@ -60,9 +60,9 @@ def replay_figures(quick: bool) -> tuple[dict, dict]:
     figures = {
         "replay_one_config_s": figure(inf_s, "s", ISSUE, **target("replay_one_config_s"),
                                       note=f"leaf-LRU, infinite capacity, {inf_r.requests:,} requests; "
-                                           f"hit ratio {inf_r.token_hit_ratio:.4f}"),
+                                           f"token hit ratio {inf_r.token_hit_ratio:.4f}"),
         "replay_10k_blocks_s": figure(bounded_s, "s", ISSUE, **target("replay_10k_blocks_s"),
-                                      note=f"leaf-LRU at 10,000 blocks; hit ratio "
+                                      note=f"leaf-LRU at 10,000 blocks; token hit ratio "
                                            f"{bounded_r.token_hit_ratio:.4f}, {bounded_r.evicted:,} evicted"),
         "replay_sweep_wall_s": figure(wall, "s", ISSUE,
                                       note=f"{len(configs)} configurations (capacities x policies) "

@@ -14,12 +14,11 @@ import importlib.util
 import os
 import socket
 
-from ..scenario import SCENARIO_DIR, load_scenario
 from ..serve import loadtest
 from .common import child_env, figure, ratio
+from .w8 import load_w8
 
 ISSUE = "OpenAI server"
-W8 = os.path.join(SCENARIO_DIR, "w8.json")
 TARGET_VS_LLAMA_CPP = 0.8
 
 
@@ -42,7 +41,7 @@ def _measure(cmd: list[str], base: str, system: str, prompts: list[str], max_new
 
 def serve_figures(model_path: str, quick: bool, eos_ids: tuple[int, ...]) -> tuple[dict, dict]:
     """The section: both servers, one after the other, on the same clients."""
-    sc = load_scenario(W8)
+    sc = load_w8()
     prompts = sc.prompts[:2] if quick else sc.prompts
     max_new = 2 if quick else sc.max_new_tokens
     # Both servers get the same number of threads: OpenBLAS's for ours, n_threads for llama.cpp.
@@ -59,7 +58,7 @@ def serve_figures(model_path: str, quick: bool, eos_ids: tuple[int, ...]) -> tup
                                        "to last token, prefixlab serve"),
         "serve_w8_hit_rate": figure(ours["hit_rate"], "ratio", ISSUE, note="cached / prompt tokens (usage)"),
     }
-    details = {"scenario": W8, "clients": len(prompts), "max_new": max_new, "threads": threads,
+    details = {"scenario": sc.path, "clients": len(prompts), "max_new": max_new, "threads": threads,
                "prefixlab": ours}
     if importlib.util.find_spec("llama_cpp") is None:
         details["llama_cpp"] = "not installed: no comparison"

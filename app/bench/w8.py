@@ -1,7 +1,7 @@
 """Bench section "w8": the W8 workload as a user runs it, whole `prefixlab run` processes.
 
-W8 (`w8.json`, a copy of the issue's workload): a 129-token shared system prompt, eight
-questions, up to 32 greedy tokens each, default settings. Figures (issue "Performance"):
+W8 (resources/scenarios/w8.json, the one copy of the issue's workload): a 129-token shared
+system prompt, eight questions, up to 32 greedy tokens each, default settings. Figures (issue "Performance"):
 - the first token: `prefixlab run` of W8's first question with --max-new 1, process start
   to exit (so an upper bound on the first token's time), on a warm weight image;
 - W8's wall time on the idle machine, then with one and with two busy-loop processes
@@ -12,22 +12,23 @@ questions, up to 32 greedy tokens each, default settings. Figures (issue "Perfor
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import os
 import subprocess
 import sys
 import time
 
+from ..scenario import SCENARIO_DIR, Scenario, load_scenario
 from .common import child_env, figure, ratio, target
 
 ISSUE = "Performance"
-W8_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w8.json")
+W8_FILE = os.path.join(SCENARIO_DIR, "w8.json")
 BUSY_LOOP = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
 
 
-def load_w8() -> dict:
-    with open(W8_FILE, encoding="utf-8") as fh:
-        return json.load(fh)
+def load_w8() -> Scenario:
+    """The W8 workload: a scenario like any other, so the app and `prefixlab run` open it too."""
+    return load_scenario(W8_FILE)
 
 
 @contextlib.contextmanager
@@ -44,11 +45,12 @@ def busy_processes(n: int, seconds: float = 600.0):
             p.wait()
 
 
-def ours_cmd(path: str, w8: dict, prompts: list[str] | None = None, max_new: int | None = None) -> list[str]:
+def ours_cmd(path: str, w8: Scenario, prompts: list[str] | None = None,
+             max_new: int | None = None) -> list[str]:
     """`prefixlab run` of W8 (or some of its prompts) with default settings."""
-    cmd = [sys.executable, "-m", "app.cli", "run", "--model", path, "--system", w8["system"],
-           "--max-new", str(max_new or w8["max_new"]), "--quiet"]
-    for q in prompts or w8["prompts"]:
+    cmd = [sys.executable, "-m", "app.cli", "run", "--model", path, "--system", w8.system,
+           "--max-new", str(max_new or w8.max_new_tokens), "--quiet"]
+    for q in prompts or w8.prompts:
         cmd += ["--prompt", q]
     return cmd
 
@@ -66,10 +68,10 @@ def timed_child(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
 def w8_figures(path: str, quick: bool) -> tuple[dict, dict]:
     w8 = load_w8()
     if quick:  # two prompts, two tokens: the figures exist, nothing more
-        w8 = {**w8, "prompts": w8["prompts"][:2], "max_new": 2}
+        w8 = dataclasses.replace(w8, prompts=w8.prompts[:2], max_new_tokens=2)
     reps = 1 if quick else 3
     full = ours_cmd(path, w8)
-    first = ours_cmd(path, w8, prompts=w8["prompts"][:1], max_new=1)
+    first = ours_cmd(path, w8, prompts=w8.prompts[:1], max_new=1)
     timed_child(full)                                    # a warm weight image and page cache
     walls: dict[str, list[float]] = {"first_token": [], "idle": [], "busy1": [], "busy2": []}
     for _ in range(reps):
@@ -93,5 +95,5 @@ def w8_figures(path: str, quick: bool) -> tuple[dict, dict]:
                                     note=f"W8 with two busy-loop processes: {min(walls['busy2']):.2f} s "
                                          "(a fair share of 2 cores among 3 is 3x)"),
     }
-    return figures, {"w8": W8_FILE, "prompts": len(w8["prompts"]), "max_new": w8["max_new"],
+    return figures, {"w8": W8_FILE, "prompts": len(w8.prompts), "max_new": w8.max_new_tokens,
                      "reps": reps, "walls": walls}

@@ -1,1 +1,1 @@
-"""Traces and what-if replay: record, import, redact and replay request streams (DESIGN §10)."""
+"""Traces and what-if replay: record, import, redact and replay request streams (docs/design.md §10)."""

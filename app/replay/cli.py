@@ -138,8 +138,8 @@ def _write_json(path: str, obj: dict) -> None:
 
 def table(results: list[ReplayResult]) -> str:
     """The per-configuration table the CLI prints."""
-    head = ("page size", "budget", "policy", "hit ratio", "tokens saved", "blocks hit", "hits", "requests",
-            "evicted", "s")
+    head = ("page size", "budget", "policy", "token hit ratio", "tokens saved", "blocks hit", "hits",
+            "requests", "evicted", "s")
     body = [(str(r.page_rows), "inf" if r.budget is None else f"{r.budget:,}", r.policy,
              f"{r.token_hit_ratio:.4f}", f"{r.tokens_saved:,}", f"{r.blocks_hit:,}", f"{r.hits:,}",
              f"{r.requests:,}", f"{r.evicted:,}", f"{r.seconds:.2f}") for r in results]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from engine.eviction import DEFAULT_POLICY
+from engine.metrics import hit_rate
 
 OVER_TIME_POINTS = 64  # windows of the hit-ratio-over-time series, at most
 
@@ -37,7 +38,8 @@ class ReplayResult:
 
     @property
     def token_hit_ratio(self) -> float:
-        return self.tokens_saved / self.input_tokens if self.input_tokens else 0.0
+        """The trace's hit rate, saved / (saved + computed), in replay's words (docs/design.md §10)."""
+        return hit_rate(self.tokens_saved, self.input_tokens - self.tokens_saved)
 
     def to_json(self) -> dict:
         return {**asdict(self), "token_hit_ratio": self.token_hit_ratio}
@@ -68,7 +70,7 @@ class OverTime:
             self.width *= 2
 
     def series(self) -> list[dict]:
-        return [{"t": t, "requests": n, "token_hit_ratio": s / tot if tot else 0.0}
+        return [{"t": t, "requests": n, "token_hit_ratio": hit_rate(s, tot - s)}
                 for t, n, s, tot in self.windows]
 
 

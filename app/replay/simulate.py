@@ -5,7 +5,7 @@ session (the match capped one token short of the prompt), take pages for the
 rest, insert its full pages, and at its end insert what its session held and
 release it (the cache evicts down to its budget as pages become free).
 
-Hash-id traces (DESIGN §10) run the same calls on a BlockManager of one row per
+Hash-id traces (docs/design.md §10) run the same calls on a BlockManager of one row per
 page and an id-keyed cache: a page is one block keyed by its hash id, and the
 session's "tokens" are the block ids. Capping the ids one short,
 ceil(L / block) - 1, is (L - 1) // block blocks; the insert covers the full

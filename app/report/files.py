@@ -13,13 +13,12 @@ import io
 import json
 import os
 import re
-import tempfile
-import typing
 import zipfile
-from collections.abc import Callable
 
 import msgspec
 
+from engine import atomic
+from engine.atomic import Writer
 from engine.metrics import RequestRecord, TimelineRow
 
 from .model import READABLE_VERSIONS, SCHEMA, SCHEMA_NAME, Report
@@ -51,42 +50,20 @@ def check_target(path: str) -> None:
         raise ReportWriteError(path, f"{folder} is not a folder")
 
 
-Writer = Callable[[typing.BinaryIO], None]
 
 
 def atomic_write_many(targets: list[tuple[str | os.PathLike, Writer]]) -> list[str]:
-    """Write each (path, write(fh)) into a temporary file beside its path, then rename them all.
+    """Write each (path, write(fh)) atomically (engine/atomic.py), all renamed only once all are written.
 
-    Nothing is renamed until every file is written, so a failure leaves the old files as they
-    were and no temporary file behind. Any OSError becomes a ReportWriteError naming the path.
+    Any OSError becomes a ReportWriteError naming the path; no temporary file is left behind.
     """
     paths = [os.path.abspath(os.fspath(p)) for p, _ in targets]
     for path in paths:
         check_target(path)
-    temps: list[str] = []
-    path = paths[0]
     try:
-        for path, (_, write) in zip(paths, targets, strict=True):
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.",
-                                       suffix=".tmp")
-            temps.append(tmp)
-            with os.fdopen(fd, "wb") as fh:
-                write(fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)
-        for path, tmp in zip(paths, temps, strict=True):
-            os.replace(tmp, path)
-        temps = []
-    except OSError as e:
-        raise ReportWriteError(path, e.strerror or str(e)) from e
-    finally:
-        for tmp in temps:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-    return paths
+        return atomic.atomic_write_many([(path, w) for path, (_, w) in zip(paths, targets, strict=True)])
+    except atomic.WriteFailed as e:
+        raise ReportWriteError(e.path, e.reason) from e
 
 
 def atomic_write(path: str | os.PathLike, write: Writer) -> str:

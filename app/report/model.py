@@ -75,7 +75,7 @@ class ReportSettings(msgspec.Struct, kw_only=True):
 
 
 class Totals(msgspec.Struct, kw_only=True):
-    """Session totals, in the words of DESIGN §5."""
+    """Session totals, in the words of docs/design.md §6."""
 
     requests: int
     finished: int

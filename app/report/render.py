@@ -15,6 +15,7 @@ import jinja2
 
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
 from ui.format import format_bytes  # the GUI's sizes: the same words on screen and on paper
+from ui.format import secs as fmt_s  # and its durations
 
 from .figures import Figure, chart_images, ensure_qt_app, page_map_image
 from .files import (
@@ -73,12 +74,6 @@ def write_pdf(path: str | os.PathLike, report: Report) -> str:
 
 def fmt_pct(x: float | None) -> str:
     return "–" if x is None else f"{x * 100:.1f} %"
-
-
-def fmt_s(x: float | None) -> str:
-    if x is None:
-        return "–"
-    return f"{x * 1000:.0f} ms" if abs(x) < 1 else f"{x:.2f} s"
 
 
 def fmt_rate(x: float | None) -> str:
@@ -158,6 +153,30 @@ def _kv(pairs) -> list[tuple[str, str, str]]:
     return [(label, fmt_any(v) if not isinstance(v, str) else v, format_cell(v)) for label, v in pairs]
 
 
+def _sampling_words(sp) -> str:
+    """The sampling settings in one line: "greedy", or the parameters that matter."""
+    words = "greedy" if sp.temperature <= 0 else (
+        f"temperature {sp.temperature:g}, top-k {sp.top_k}, top-p {sp.top_p:g}, min-p {sp.min_p:g}")
+    if sp.repeat_penalty != 1.0:
+        words += f", repeat penalty {sp.repeat_penalty:g} over {sp.repeat_last_n}"
+    if sp.seed is not None and sp.temperature > 0:
+        words += f", seed {sp.seed}"
+    return words
+
+
+def _settings_rows(s) -> list[tuple[str, str, str]]:
+    """The report's settings table: the scheduler's knobs and the sampling."""
+    return _kv([
+        ("page rows (positions per page)", s.page_rows),
+        ("pool pages", s.pool_pages if s.pool_pages is not None else f"grows (now {s.pool_capacity})"),
+        ("cache budget (pages)", s.cache_pages if s.cache_pages else "unbounded"),
+        ("prefix cache", "on" if s.cache_enabled else "off"), ("max streams", s.max_streams),
+        ("max queue", s.max_queue), ("chunk tokens", s.chunk_tokens),
+        ("speculative decoding", "not recorded" if s.spec_enabled is None else
+         f"on, k = {s.spec_k}" if s.spec_enabled else "off"),
+        ("namespace", s.namespace or "(none)"), ("sampling", _sampling_words(s.sampling))])
+
+
 def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> dict:
     """What the HTML and PDF templates show, formatted, with exact values beside the text."""
     t, m, s = report.totals, report.model, report.settings
@@ -192,27 +211,12 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         ("peak_pages_sessions", "peak pages held by streams", fmt_int),
         ("spec_drafted", "draft tokens verified (speculative decoding)", fmt_int),
         ("spec_accepted", "drafts accepted", lambda n: fmt_drafts(n, t.spec_drafted)))]
-    sp = s.sampling
-    sampling = "greedy" if sp.temperature <= 0 else (
-        f"temperature {sp.temperature:g}, top-k {sp.top_k}, top-p {sp.top_p:g}, min-p {sp.min_p:g}")
-    if sp.repeat_penalty != 1.0:
-        sampling += f", repeat penalty {sp.repeat_penalty:g} over {sp.repeat_last_n}"
-    if sp.seed is not None and sp.temperature > 0:
-        sampling += f", seed {sp.seed}"
     model_rows = _kv([("file", m.file_name), ("name", m.name), ("architecture", m.architecture),
                       ("quantization", m.quantization), ("model", m.description),
                       ("parameters", m.parameters),
                       ("context length", m.context_length), ("layers", m.n_layers),
                       ("file size", format_bytes(m.file_size)), ("sha256", m.sha256)])
-    settings_rows = _kv([
-        ("page rows (positions per page)", s.page_rows),
-        ("pool pages", s.pool_pages if s.pool_pages is not None else f"grows (now {s.pool_capacity})"),
-        ("cache budget (pages)", s.cache_pages if s.cache_pages else "unbounded"),
-        ("prefix cache", "on" if s.cache_enabled else "off"), ("max streams", s.max_streams),
-        ("max queue", s.max_queue), ("chunk tokens", s.chunk_tokens),
-        ("speculative decoding", "not recorded" if s.spec_enabled is None else
-         f"on, k = {s.spec_k}" if s.spec_enabled else "off"),
-        ("namespace", s.namespace or "(none)"), ("sampling", sampling)])
+    settings_rows = _settings_rows(s)
     machine = report.machine
     machine_rows = _kv([("platform", machine.platform), ("CPUs", machine.cpu_count),
                         ("python", f"{machine.python} ({machine.python_implementation})")])

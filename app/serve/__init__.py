@@ -1,1 +1,1 @@
-"""Serving: the OpenAI-compatible HTTP server over the scheduler (DESIGN §8)."""
+"""Serving: the OpenAI-compatible HTTP server over the scheduler (docs/design.md §8)."""

@@ -1,4 +1,4 @@
-"""`prefixlab serve`: the scheduler behind an OpenAI-compatible HTTP server (DESIGN §8)."""
+"""`prefixlab serve`: the scheduler behind an OpenAI-compatible HTTP server (docs/design.md §8)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ class DesktopServer:
         return self.http.url
 
     def _publish(self, endpoint: str) -> None:
-        from .kv_events import normalize_endpoint
+        from ..kv_wire import normalize_endpoint
         from .kv_events_publisher import KVEventPublisher
         self.publisher = KVEventPublisher(normalize_endpoint(endpoint))
         # A new scheduler (new model, new pool) has a new cache: the publisher follows it. Called

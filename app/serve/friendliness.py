@@ -12,6 +12,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+from engine.metrics import hit_rate
+
 from ..probe import departure
 
 TOP_POSITIONS = 5
@@ -50,12 +52,11 @@ class ClientStats:
 
     def to_dict(self) -> dict:
         """The numbers and the most common miss positions, as plain data."""
-        total = self.cached_tokens + self.computed_tokens
         top = [{**vars(self.examples[pos]), "count": n} for pos, n in self.misses.most_common(TOP_POSITIONS)]
         return {"requests": self.requests, "hits": self.hits, "prompt_tokens": self.prompt_tokens,
                 "prefill_tokens_saved": self.cached_tokens, "prefill_tokens_computed": self.computed_tokens,
-                "hit_rate": self.cached_tokens / total if total else 0.0, "cold_misses": self.cold_misses,
-                "miss_positions": top}
+                "hit_rate": hit_rate(self.cached_tokens, self.computed_tokens),
+                "cold_misses": self.cold_misses, "miss_positions": top}
 
 
 class Friendliness:

@@ -27,7 +27,7 @@ from collections import deque
 
 import zmq
 
-from .kv_events import (
+from ..kv_wire import (
     END_SEQ,
     cleared_event,
     encode_batch,

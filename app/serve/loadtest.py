@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from engine.metrics import hit_rate
+
 READY_TIMEOUT_S = 300.0
 
 
@@ -80,7 +82,8 @@ def run_clients(base_url: str, system: str, prompts: list[str], max_tokens: int,
         "pieces": [r.pieces for r in results],
         "texts": [r.text for r in results],
         "cached_tokens": cached,
-        "hit_rate": sum(cached) / sum(prompt) if known and sum(prompt) else None,
+        # usage's cached tokens are the saved ones; the rest of the prompt was computed
+        "hit_rate": hit_rate(sum(cached), sum(prompt) - sum(cached)) if known else None,
     }
 
 

@@ -1,4 +1,4 @@
-"""OpenAI request parsing and response objects (DESIGN §8): plain data, no HTTP.
+"""OpenAI request parsing and response objects (docs/design.md §8): plain data, no HTTP.
 
 Parsing checks every field a client may send and raises `ApiError` naming the
 field; unknown fields are ignored (clients send many), unsupported ones that

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI's endpoints over the engine loop (DESIGN §8).
+"""The FastAPI app: OpenAI's endpoints over the engine loop (docs/design.md §8).
 
 Handlers never touch the scheduler: they parse and check the request, hand a
 `Job` to the engine loop and read its events from an asyncio queue the engine
@@ -86,13 +86,8 @@ def model_id(model) -> str:
     return os.path.basename(model.path)
 
 
-def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool = False) -> FastAPI:
-    """The server's ASGI app; `api_keys` empty: no authentication."""
-    app = FastAPI(title="PrefixLab", docs_url=None, redoc_url=None, openapi_url=None)
-    keys = {k: tenant_of(k) for k in (api_keys or [])}
-    if cors:
-        from fastapi.middleware.cors import CORSMiddleware
-        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI error object: validation is 400 (not FastAPI's 422), never a traceback."""
 
     @app.exception_handler(ApiError)
     async def api_error(_request, e: ApiError):
@@ -111,6 +106,11 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
     async def internal_error(_request, e: Exception):
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
 
+
+def _tenant_checker(api_keys: list[str]) -> Callable[[Request], str]:
+    """A request's tenant from its bearer key (401 when keys are set and it has none of them)."""
+    keys = {k: tenant_of(k) for k in api_keys}
+
     def tenant(request: Request) -> str:
         if not keys:
             return ""
@@ -121,6 +121,18 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
                 return name
         raise ApiError(401, "invalid API key: send 'Authorization: Bearer <key>'" if given else
                        "missing API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key")
+
+    return tenant
+
+
+def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool = False) -> FastAPI:
+    """The server's ASGI app; `api_keys` empty: no authentication."""
+    app = FastAPI(title="PrefixLab", docs_url=None, redoc_url=None, openapi_url=None)
+    tenant = _tenant_checker(api_keys or [])
+    if cors:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    _add_error_handlers(app)
 
     def loaded_model():
         model = backend.model()

@@ -1,1 +1,1 @@
-"""Watch serving engines' prefix caches: vLLM KV-event feeds and llama.cpp servers (DESIGN §9)."""
+"""Watch serving engines' prefix caches: vLLM KV-event feeds and llama.cpp servers (docs/design.md §9)."""

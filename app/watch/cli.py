@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
+
+from engine.atomic import atomic_write
 
 from ..stop_signals import StopOnSignals
 from .state import DEFAULT_MAX_BLOCKS
@@ -62,10 +63,8 @@ def rank_endpoints(endpoints: list[str], ranks: int) -> list[str]:
 def _write_json(path: str | None, data: dict) -> None:
     if not path:
         return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1)
-    os.replace(tmp, path)  # a reader never sees half a file
+    text = json.dumps(data, indent=1).encode("utf-8")
+    atomic_write(path, lambda fh: fh.write(text))  # a reader never sees half a file
     print(f"wrote {path}", flush=True)
 
 
@@ -84,7 +83,7 @@ def run(args) -> int:
         raise SystemExit("prefixlab watch: give one of --kv-events ENDPOINT [...] or --llama-server URL")
     if args.llama_server:
         return _run_llama(args)
-    from app.serve.kv_events import normalize_endpoint
+    from app.kv_wire import normalize_endpoint
 
     from .subscriber import Watcher
     try:

@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QMainWindow, QWidget
 
 from ui.watch_view import WatchView
 
-from ..serve.kv_events import normalize_endpoint
+from ..kv_wire import normalize_endpoint
 from ..settings import qsettings
 from .session import WatchSession
 

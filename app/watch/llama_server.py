@@ -1,4 +1,4 @@
-"""Watch a llama.cpp server, which has no event feed: poll `GET /slots` and `GET /metrics` (DESIGN §9).
+"""Watch a llama.cpp server, which has no event feed: poll `GET /slots` and `/metrics` (docs/design.md §9).
 
 The shapes vary by llama.cpp version (documented in its tools/server/README.md):
 a slot has `id`, `n_ctx` and `is_processing` (older builds: `state` 0 idle / 1

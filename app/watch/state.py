@@ -16,7 +16,7 @@ import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from app.serve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from app.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 DEFAULT_MAX_BLOCKS = 250_000   # ~100 MB of blocks with 16 token ids each
 HISTORY_POINTS = 3_600         # per-batch points kept for the charts

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from app.serve.kv_events import BadFrame, decode_batch, parse_seq, seq_bytes, split_message
+from app.kv_wire import BadFrame, decode_batch, parse_seq, seq_bytes, split_message
 
 from .state import DEFAULT_MAX_BLOCKS, BatchResult, EngineState, cross_engine
 

@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from app.serve.kv_events import encode_batch, removed_event, seq_bytes, stored_event
+from app.kv_wire import encode_batch, removed_event, seq_bytes, stored_event
 
 from .subscriber import Watcher
 

@@ -25,7 +25,7 @@ def measure(seconds: float = 3.0, rate: float = 5000.0) -> dict:
     from PySide6.QtCore import QEventLoop, QSettings, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.serve.kv_events import seq_bytes
+    from app.kv_wire import seq_bytes
 
     from .gui import WatchWindow
     from .throughput import BLOCK_EVENTS_PER_BATCH, vllm_like_batches

@@ -1,4 +1,6 @@
-"""vLLM's KV-event wire format (DESIGN §9): the one place that knows its layout.
+"""vLLM's KV-event wire format (docs/design.md §9): the one place that knows its layout.
+
+The publisher (app/serve) and the watcher (app/watch) both import it, so neither imports the other.
 
 A PUB message is three frames: `topic`, `seq` (8-byte big-endian), `payload`
 (msgpack). The payload is an `EventBatch` array `[ts, events, data_parallel_rank]`
