@@ -35,6 +35,7 @@ class ChainRecord:
     last_hit_at: float | None = None
     namespace: str = ""
     first_page_depth: int = 0
+    pinned: bool = False          # never evicted; counts against the budget (`prefix_pin`)
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,15 @@ class ProbeResult:
     first_diff_index: int | None
     nearest_chain_id: int | None
     cached_token: int | None = None  # what the nearest cached page holds at first_diff_index
+
+
+class Inserted(int):
+    """What `prefix_insert` returns: the pages it added (an int), and `.short`, the full pages it
+    left out because caching them would have evicted a pinned page."""
+
+    short: int
+
+    def __new__(cls, added: int, short: int = 0):
+        obj = super().__new__(cls, added)
+        obj.short = short
+        return obj

@@ -227,8 +227,7 @@ class Scheduler:
             if self.settings.cache_enabled:
                 matched = prefix_attach(self.cache, self.pool, s.session, s.prompt, s.record.namespace)
                 if matched:
-                    deepest = self.cache.by_page[s.session.page_table[-1]]
-                    s.record.chain_hit = self.cache.pages[deepest].chain_id
+                    s.record.chain_hit = self.cache.chain_of(s.session.page_table[-1])
                 s.record.n_cached = matched
                 self.prefill_saved += matched
             # A bounded pool takes every page the request may fill now, so it never runs dry
@@ -277,9 +276,8 @@ class Scheduler:
     def _own_chain(self, s: Stream) -> int | None:
         """The chain holding this session's deepest page, if the session's own page was cached."""
         for page in reversed(self.pool.table(s.session)):
-            key = self.cache.by_page.get(page)
-            if key is not None:
-                chain = self.cache.pages[key].chain_id
+            chain = self.cache.chain_of(page)
+            if chain is not None:
                 return chain if chain != s.record.chain_hit else None
         return None
 

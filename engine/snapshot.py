@@ -60,15 +60,16 @@ class SnapshotMaker:
         cache, pool, tok = scheduler.cache, scheduler.pool, scheduler.model.tokenizer
         rows = pool.page_rows
         states = scheduler.page_states()
+        refs = pool.refcount  # one array for the whole snapshot: O(pages), not O(pages^2)
         pages: dict[int, PageInfo] = {}
         live_keys = set()
-        for page, key in cache.by_page.items():
-            entry = cache.pages[key]
+        for entry in cache.entries():
+            page, key = entry.page, entry.key
             live_keys.add(key)
             text = self._text_by_key.get(key)
             if text is None:
                 text = self._text_by_key[key] = tok.decode(entry.tokens)
-            pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]), entry.chain_id,
+            pages[page] = PageInfo(page, int(refs[page]), int(states[page]), cache.chain_of(page),
                                    first_position=entry.depth * rows, text=text)
         cfg = scheduler.model.config
         private_texts: dict[tuple[int, ...], str] = {}
@@ -82,7 +83,7 @@ class SnapshotMaker:
                 if info is None:
                     toks = tuple(s.tokens[i * rows:(i + 1) * rows])
                     text = private_texts[toks] = self._text_by_tokens.get(toks) or tok.decode(list(toks))
-                    info = pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]),
+                    info = pages[page] = PageInfo(page, int(refs[page]), int(states[page]),
                                                   first_position=i * rows, text=text)
                 info.owners.append(stream.id)
                 if cfg.sliding_window and not info.read_by:
@@ -93,7 +94,7 @@ class SnapshotMaker:
         return Snapshot(
             timeline=list(scheduler.timeline.rows[since_row:]),
             page_states=states.copy(),
-            refcounts=pool.refcount.copy(),
+            refcounts=refs.copy(),
             pages=pages,
             chains=[copy.copy(c) for c in prefix_chain_list(cache)],
             records=[copy.copy(r) for r in scheduler.records.values()],
