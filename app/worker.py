@@ -214,6 +214,13 @@ class EngineWorker(QObject):
         self.cache_flushed.emit(n)
         self._emit_stats(force=True)
 
+    @Slot(int, bool)
+    @guarded
+    def pin_chain(self, chain_id: int, pinned: bool) -> None:
+        if self.scheduler is not None and chain_id in self.scheduler.cache.chains:
+            self.scheduler.cache.pin(chain_id, pinned)
+            self._emit_stats(force=True)
+
     @Slot(dict)
     @guarded
     def probe(self, request: dict) -> None:
@@ -354,6 +361,7 @@ class EngineClient(QObject):
     _submit = Signal(list)
     _flush = Signal()
     _probe = Signal(dict)
+    _pin = Signal(int, bool)
     _report = Signal(object)
     _trace = Signal(str)
     _shutdown = Signal()
@@ -370,6 +378,7 @@ class EngineClient(QObject):
         self._submit.connect(self.worker.submit)
         self._flush.connect(self.worker.flush_cache)
         self._probe.connect(self.worker.probe)
+        self._pin.connect(self.worker.pin_chain)
         self._report.connect(self.worker.make_report)
         self._trace.connect(self.worker.save_trace)
         self._shutdown.connect(self.worker.shutdown)
@@ -401,6 +410,9 @@ class EngineClient(QObject):
 
     def probe(self, system: str, user: str, namespace: str = "") -> None:
         self._probe.emit({"system": system, "user": user, "namespace": namespace})
+
+    def pin_chain(self, chain_id: int, pinned: bool) -> None:
+        self._pin.emit(chain_id, pinned)
 
     def make_report(self, path: str, system: str = "", title: str = "") -> None:
         self._report.emit({"path": path, "system": system, "title": title})

@@ -45,6 +45,7 @@ class CachePanel(QWidget):
     """Page map, chains table and probe view; selecting a chain outlines its pages in the map."""
 
     probe_requested = Signal()
+    pin_requested = Signal(int, bool)  # chain id, pinned: the chains table's pin box
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -81,6 +82,7 @@ class CachePanel(QWidget):
         self.setMinimumSize(360, 420)
 
         self.chains_table.chain_selected.connect(self.page_map.highlight_chain)
+        self.chains_table.pin_toggled.connect(self.pin_requested)
         self.page_map.page_clicked.connect(self._on_page_clicked)
         self._update_summary()
 
