@@ -39,6 +39,8 @@ class Snapshot:
     page_rows: int
     prefill_tok_s: float
     seconds_saved: float
+    kv_dtype: str = "float32"
+    bytes_per_page: int = 0
 
 
 def _read_by(cfg, in_window: bool) -> str:
@@ -101,4 +103,6 @@ class SnapshotMaker:
             page_rows=rows,
             prefill_tok_s=scheduler.prefill_rate(),
             seconds_saved=scheduler.seconds_saved(),
+            kv_dtype=getattr(pool, "kv_dtype", "float32"),
+            bytes_per_page=getattr(pool, "bytes_per_page", 0),
         )

@@ -333,3 +333,11 @@ def test_pin_box_asks_the_engine_to_pin_and_shows_pinned_chains(run, panel, qtbo
     row = table.visible_chain_order().index(chain_id)
     assert table.model().data(table.model().index(row, COL_PIN),
                               Qt.ItemDataRole.CheckStateRole) == Qt.CheckState.Checked
+
+
+def test_summary_names_the_page_dtype_and_bytes(run, panel):
+    snap = run.snapshots[-1]
+    panel.update_snapshot(snap)
+    text = panel.summary.text()
+    assert snap.kv_dtype == "float32" and "float32" in text
+    assert f"{snap.bytes_per_page / 1024:,.0f} KiB each" in text

@@ -137,6 +137,7 @@ class CachePanel(QWidget):
         counts = self.page_map.counts_by_state()
         cached = counts["cached"] + counts["shared"]
         parts = [("pool", f"{len(s.page_states):,} pages × {s.page_rows}"),
+                 ("pages", f"{s.kv_dtype}, {s.bytes_per_page / 1024:,.0f} KiB each"),
                  ("in cache", f"{cached:,}"), ("chains", f"{len(s.chains):,}")]
         if s.prefill_tok_s:
             parts.append(("prefill", f"{s.prefill_tok_s:,.0f} tok/s"))
