@@ -6,6 +6,7 @@ import time
 
 from engine.scheduler import FinishEvent, Scheduler, SubmitRefused
 
+from .cache_persist import persist_from_args
 from .common_args import (
     add_model_arg,
     add_sampling_args,
@@ -65,6 +66,7 @@ def run(args) -> int:
         raise SystemExit("prefixlab run: --max-new must be >= 1")
     m = load_model_or_exit(getattr(args, "model", None))
     sch = Scheduler(m, settings)
+    persisted = persist_from_args(args, sch)  # --persist-cache: loaded before the first request
     system = scenario.system if scenario else args.system
 
     def on_event(ev) -> None:
@@ -89,6 +91,8 @@ def run(args) -> int:
         sch.cancel_all()
         sch.run_until_done(on_event)
     print(summary(sch, time.perf_counter() - t0))
+    if persisted:
+        persisted.save()
     for path in filter(None, (args.json, args.report)):
         write_report(path, sch, m, system, sampling, scenario.name if scenario else "")
         print(f"wrote {path}")

@@ -24,6 +24,7 @@ Listeners (`add_listener`) hear every change: pages stored, removed, or all clea
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -232,6 +233,43 @@ class PrefixCache(ProbeIndex):
             return None
         kept = pinned + sum(1 for e in path if not self.chains[e.chain_id].pinned)
         return max(0, self.max_pages - kept)
+
+    # persistence ------------------------------------------------------
+    def adopt(self, pool: BlockManager, pages: list[tuple], chains: list[ChainRecord],
+              fill: Callable[[int, int], None]) -> int:
+        """Re-create saved pages (parents first), each on a fresh pool page that `fill(i, page)`
+        writes; `pages[i]` is (key, parent, tokens, namespace, depth, chain id). A page whose key
+        is not its tokens' key is refused (ValueError); what is cached already, or has no parent,
+        is skipped; it stops at the budget or a full pool. Returns the pages re-created."""
+        self.bind(pool)
+        ids = {c.id: next(self._chain_ids) for c in chains}
+        records = {c.id: dataclasses.replace(c, id=ids[c.id], pages_live=0, n_tokens=0) for c in chains}
+        new: list[CachedPage] = []
+        for i, (key, parent, toks, namespace, depth, chain_id) in enumerate(pages):
+            toks = tuple(int(t) for t in toks)
+            if self.page_key(parent, toks, namespace) != key:
+                raise ValueError(f"saved page {i} does not hash to its key")
+            if key in self.pages or (parent is not None and parent not in self.pages):
+                continue
+            if (self.max_pages and len(self.pages) >= self.max_pages) or (
+                    pool.max_pages is not None and not pool.num_free_pages):
+                break
+            page = pool.alloc()
+            fill(i, page)
+            chain = records[chain_id]
+            if chain.id not in self.chains:
+                self.chains[chain.id] = chain
+            entry = CachedPage(key, page, toks, parent, namespace, depth, chain.id)
+            self.pages[key] = entry
+            self.by_page[page] = key
+            self.link(entry)
+            self.touch(entry)
+            chain.pages_live += 1
+            chain.n_tokens += pool.page_rows
+            new.append(entry)
+        if new:
+            self._emit("stored", new)
+        return len(new)
 
     # the tutorial's operations ----------------------------------------
     def insert(self, pool: BlockManager, s: Session, tokens, preview: str = "", namespace: str = "",
