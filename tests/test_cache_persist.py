@@ -6,10 +6,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
+import openai
 import pytest
 
 from app.cache_persist import FILE_NAME, PersistedCache
@@ -150,3 +154,38 @@ def test_prefixlab_run_twice_hits_and_answers_as_without_cache(real_model, tmp_p
     assert done.returncode == 0
     assert [ln for ln in done.stderr.splitlines() if "not loaded" in ln] != []
     assert json.loads(out.read_text())["requests"][0]["n_cached"] == 0
+
+
+def serve_once(model_path: str, store, system: str) -> tuple[int, str]:
+    """Start `prefixlab serve --persist-cache`, ask one question, stop it; (cached tokens, output)."""
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", "0", "--model", model_path,
+           "--page-rows", "4", "--persist-cache", str(store)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    guard = threading.Timer(180, proc.kill)
+    guard.start()
+    try:
+        lines = iter(proc.stdout.readline, "")
+        url = re.search(r"listening on (http://\S+)/v1", next(lines)).group(1)
+        seen = []
+        for line in lines:  # up to "ready": the cache's line comes before it
+            seen.append(line)
+            if "ready" in line:
+                break
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        reply = client.chat.completions.create(model="m", max_tokens=3, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "Paint?"}])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        guard.cancel()
+    assert proc.returncode == 0, out
+    return reply.usage.prompt_tokens_details.cached_tokens, "".join(seen) + out
+
+
+def test_prefixlab_serve_keeps_its_cache_across_a_restart(tiny_gguf_path, tmp_path):
+    system = "You paint walls. " * 8
+    cached, out = serve_once(tiny_gguf_path, tmp_path, system)
+    assert cached == 0 and "saved" in out and (tmp_path / FILE_NAME).exists()
+    cached, out = serve_once(tiny_gguf_path, tmp_path, system)
+    assert "loaded" in out and cached > 0
