@@ -4,6 +4,7 @@ over the methods of `PrefixCache` (engine/prefix_store.py, where the semantics a
 from __future__ import annotations
 
 from .block_manager import BlockManager, Session
+from .disk_tier import DiskTier
 from .eviction import DEFAULT_POLICY
 from .prefix_records import (
     CacheCounters,
@@ -23,10 +24,12 @@ __all__ = ["CacheCounters", "CacheEvent", "CachedPage", "CachedPageInfo", "Chain
 
 
 def create_prefix_cache(max_pages: int = 0, hash_fn: HashFn | None = None,
-                        policy: str = DEFAULT_POLICY) -> PrefixCache:
+                        policy: str = DEFAULT_POLICY, disk_pages: int = 0) -> PrefixCache:
     """A prefix cache with a page budget (0: unbounded) and an eviction policy (engine.eviction);
+    `disk_pages` > 0 adds a disk tier of that many pages that evicted pages move to;
     `hash_fn` is injectable for tests."""
-    return PrefixCache(max_pages=max_pages, hash_fn=hash_fn, policy=policy)
+    tier = DiskTier(disk_pages) if disk_pages else None
+    return PrefixCache(max_pages=max_pages, hash_fn=hash_fn, policy=policy, tier=tier)
 
 
 def prefix_insert(cache: PrefixCache, pool: BlockManager, s: Session, tokens, preview: str = "",

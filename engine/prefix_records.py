@@ -55,6 +55,7 @@ class CacheEvent:
 
     kind: str
     pages: tuple[CachedPageInfo, ...] = ()
+    medium: str = "GPU"         # the tier: "GPU" the pool's pages, "CPU" the disk tier's (vLLM's names)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class CacheCounters:
     inserted_pages: int = 0
     evicted_pages: int = 0
     tokens_saved: int = 0
+    demoted_pages: int = 0      # evicted pages moved to the disk tier
+    disk_hit_pages: int = 0     # attached pages loaded back from the disk tier (also in hit_pages)
 
 
 @dataclass

@@ -24,7 +24,6 @@ Listeners (`add_listener`) hear every change: pages stored, removed, or all clea
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import itertools
 import logging
@@ -33,6 +32,7 @@ import time
 from collections.abc import Callable
 
 from .block_manager import BlockManager, Session, attach_cap
+from .disk_tier import DiskTier
 from .eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .prefix_index import ProbeIndex
 from .prefix_records import (
@@ -43,6 +43,7 @@ from .prefix_records import (
     ChainRecord,
     Inserted,
 )
+from .prefix_tiers import TierMixin
 
 HashFn = Callable[[bytes], int]
 log = logging.getLogger("prefixlab.cache")
@@ -63,11 +64,13 @@ def _check_session(pool: BlockManager, s: Session) -> None:
         raise ValueError(f"session {s.id} belongs to another KV pool")
 
 
-class PrefixCache(ProbeIndex):
-    """Cached pages by chained key, chain records, pins, and an eviction policy (default leaf-LRU)."""
+class PrefixCache(ProbeIndex, TierMixin):
+    """Cached pages by chained key, chain records, pins, an eviction policy (default leaf-LRU)
+    and an optional disk tier that evicted pages move to (engine/disk_tier.py)."""
 
     def __init__(self, max_pages: int = 0, hash_fn: HashFn | None = None,
-                 policy: str | EvictionPolicy = DEFAULT_POLICY, id_keys: bool = False):
+                 policy: str | EvictionPolicy = DEFAULT_POLICY, id_keys: bool = False,
+                 tier: DiskTier | None = None):
         if not isinstance(max_pages, int) or max_pages < 0:
             raise ValueError(f"max_pages must be an integer >= 0 (0: unbounded), got {max_pages!r}")
         self.max_pages = max_pages
@@ -86,6 +89,7 @@ class PrefixCache(ProbeIndex):
         self.by_page: dict[int, int] = {}            # pool page -> key
         self.siblings = {}                           # (namespace, parent) -> tokens (prefix_index)
         self.listeners: list[Callable[[CacheEvent], None]] = []
+        self.tier = tier
 
     # listeners --------------------------------------------------------
     def add_listener(self, fn: Callable[[CacheEvent], None]) -> None:
@@ -95,9 +99,10 @@ class PrefixCache(ProbeIndex):
     def remove_listener(self, fn: Callable[[CacheEvent], None]) -> None:
         self.listeners.remove(fn)
 
-    def _emit(self, kind: str, entries=()) -> None:
+    def _emit(self, kind: str, entries=(), medium: str = "GPU") -> None:
+        # medium, vLLM's word: "GPU" for pool pages (the fast tier), "CPU" for the disk tier
         if self.listeners:
-            event = CacheEvent(kind, tuple(_info(e) for e in entries))
+            event = CacheEvent(kind, tuple(_info(e) for e in entries), medium)
             for fn in list(self.listeners):
                 fn(event)
 
@@ -137,6 +142,8 @@ class PrefixCache(ProbeIndex):
         if self.pool is None:
             self.pool, self.page_rows = pool, pool.page_rows
             pool.add_cache(self)
+            if self.tier is not None:
+                self.tier.bind(pool)
         elif self.pool is not pool:
             raise ValueError("this prefix cache belongs to another KV pool")
 
@@ -169,6 +176,8 @@ class PrefixCache(ProbeIndex):
         removed: list[CachedPage] = []
 
         def remove(entry: CachedPage) -> None:
+            if self.tier is not None:
+                self.demote(entry)  # its K/V go down to the disk tier before the page is freed
             self._remove(entry)
             removed.append(entry)
         self.policy.evict(n, self.pages, self._unheld, remove)
@@ -233,43 +242,6 @@ class PrefixCache(ProbeIndex):
             return None
         kept = pinned + sum(1 for e in path if not self.chains[e.chain_id].pinned)
         return max(0, self.max_pages - kept)
-
-    # persistence ------------------------------------------------------
-    def adopt(self, pool: BlockManager, pages: list[tuple], chains: list[ChainRecord],
-              fill: Callable[[int, int], None]) -> int:
-        """Re-create saved pages (parents first), each on a fresh pool page that `fill(i, page)`
-        writes; `pages[i]` is (key, parent, tokens, namespace, depth, chain id). A page whose key
-        is not its tokens' key is refused (ValueError); what is cached already, or has no parent,
-        is skipped; it stops at the budget or a full pool. Returns the pages re-created."""
-        self.bind(pool)
-        ids = {c.id: next(self._chain_ids) for c in chains}
-        records = {c.id: dataclasses.replace(c, id=ids[c.id], pages_live=0, n_tokens=0) for c in chains}
-        new: list[CachedPage] = []
-        for i, (key, parent, toks, namespace, depth, chain_id) in enumerate(pages):
-            toks = tuple(int(t) for t in toks)
-            if self.page_key(parent, toks, namespace) != key:
-                raise ValueError(f"saved page {i} does not hash to its key")
-            if key in self.pages or (parent is not None and parent not in self.pages):
-                continue
-            if (self.max_pages and len(self.pages) >= self.max_pages) or (
-                    pool.max_pages is not None and not pool.num_free_pages):
-                break
-            page = pool.alloc()
-            fill(i, page)
-            chain = records[chain_id]
-            if chain.id not in self.chains:
-                self.chains[chain.id] = chain
-            entry = CachedPage(key, page, toks, parent, namespace, depth, chain.id)
-            self.pages[key] = entry
-            self.by_page[page] = key
-            self.link(entry)
-            self.touch(entry)
-            chain.pages_live += 1
-            chain.n_tokens += pool.page_rows
-            new.append(entry)
-        if new:
-            self._emit("stored", new)
-        return len(new)
 
     # the tutorial's operations ----------------------------------------
     def insert(self, pool: BlockManager, s: Session, tokens, preview: str = "", namespace: str = "",
@@ -352,10 +324,13 @@ class PrefixCache(ProbeIndex):
             return 0
         rows = pool.page_rows
         matched: list[CachedPage] = []
-        for _, _, entry, ok in self.walk(prompt, namespace, attach_cap(len(prompt), rows)):
+        cap = attach_cap(len(prompt), rows)
+        for _, _, entry, ok in self.walk(prompt, namespace, cap):
             if not ok:
                 break
             matched.append(entry)
+        if self.tier is not None and len(matched) < cap:
+            matched += self.promote(pool, prompt, namespace, matched, cap)
         n = len(matched) * rows
         pool.attach(s, [e.page for e in matched], prompt[:n])
         for entry in matched:
@@ -393,5 +368,7 @@ class PrefixCache(ProbeIndex):
         self.siblings.clear()
         self.chains.clear()
         self.policy.clear()
+        if self.tier is not None:
+            self.tier.clear()
         self._emit("cleared")
         return n

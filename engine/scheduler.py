@@ -50,7 +50,8 @@ class Scheduler:
             model.weights.prepare_batched()  # now, not inside the first batched step's TTFT
         self.pool = create_kv_pool(model, self.settings.page_rows, self.settings.pool_pages,
                                    kv_dtype=self.settings.kv_dtype)
-        self.cache = create_prefix_cache(max_pages=self.settings.cache_pages)
+        self.cache = create_prefix_cache(max_pages=self.settings.cache_pages,
+                                         disk_pages=self.settings.disk_tier_pages)
         self.cache.bind(self.pool)
         self.queue: deque[Stream] = deque()
         self.active: list[Stream] = []
