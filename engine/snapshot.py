@@ -43,6 +43,10 @@ class Snapshot:
     seconds_saved: float
     kv_dtype: str = "float32"
     bytes_per_page: int = 0
+    disk_pages: int = 0          # cached pages in the disk tier (none in the pool's page map)
+    disk_capacity: int = 0       # 0: no disk tier
+    disk_hit_pages: int = 0      # pages attached from the disk tier so far
+    disk_load_s: float = 0.0     # the time loading them back took
 
 
 def _read_by(cfg, in_window: bool) -> str:
@@ -110,4 +114,13 @@ class SnapshotMaker:
             seconds_saved=scheduler.seconds_saved(),
             kv_dtype=getattr(pool, "kv_dtype", "float32"),
             bytes_per_page=getattr(pool, "bytes_per_page", 0),
+            **_tier_fields(cache),
         )
+
+
+def _tier_fields(cache) -> dict:
+    tier = cache.tier
+    if tier is None:
+        return {}
+    return {"disk_pages": len(tier), "disk_capacity": tier.capacity,
+            "disk_hit_pages": cache.counters.disk_hit_pages, "disk_load_s": tier.load_seconds}

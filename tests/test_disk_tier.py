@@ -93,3 +93,20 @@ def test_the_scheduler_hits_through_its_disk_tier(tiny_model):
     assert sch.records[first].n_cached == 0
     assert sch.records[second].n_cached > 2 * 4          # more than the pool's budget could hold
     assert sch.cache.counters.disk_hit_pages > 0 and sch.cache.tier.load_seconds > 0
+
+
+def test_the_cache_panel_shows_the_disk_tier_and_its_load_time(tiny_model, qtbot):
+    from engine.snapshot import SnapshotMaker
+    from ui.cache_panel import CachePanel
+    system = "You answer questions about paint. " * 4
+    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, cache_pages=2, disk_tier_pages=256))
+    for user in ("Red?", "Blue?"):
+        sch.submit(system=system, user=user, max_new_tokens=2)
+        sch.run_until_done()
+    snap = SnapshotMaker().take(sch)
+    assert snap.disk_capacity == 256 and snap.disk_pages == len(sch.cache.tier) > 0
+    panel = CachePanel()
+    qtbot.addWidget(panel)
+    panel.update_snapshot(snap)
+    text = panel.summary.text()
+    assert f"{snap.disk_pages:,} / 256 pages" in text and "loaded back in" in text and "recompute" in text
