@@ -6,16 +6,18 @@ from __future__ import annotations
 from .block_manager import BlockManager, Session
 from .disk_tier import DiskTier
 from .eviction import DEFAULT_POLICY
-from .prefix_records import (
+from .prefix_records import ProbeResult
+from .prefix_store import (  # the records re-exported here, where the tutorial's callers look
     CacheCounters,
     CachedPage,
     CachedPageInfo,
     CacheEvent,
     ChainRecord,
+    HashFn,
     Inserted,
-    ProbeResult,
+    PrefixCache,
+    blake2b_64,
 )
-from .prefix_store import HashFn, PrefixCache, blake2b_64
 
 __all__ = ["CacheCounters", "CacheEvent", "CachedPage", "CachedPageInfo", "ChainRecord", "Inserted",
            "PrefixCache", "ProbeResult", "blake2b_64", "create_prefix_cache", "prefix_attach",
