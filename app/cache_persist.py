@@ -22,8 +22,6 @@ import time
 
 import numpy as np
 
-from .report.files import atomic_write
-
 FORMAT_VERSION = 1
 MAGIC = b"PLXKVC\x00\x01"
 FILE_NAME = "prefix-cache.plkv"
@@ -165,6 +163,7 @@ class PersistedCache:
 
     def save(self) -> int:
         """Write the cache atomically; the pages written."""
+        from .report.files import atomic_write  # on exit only: `prefixlab run` starts without it
         sch = self.scheduler
         os.makedirs(self.dir, exist_ok=True)
         data = encode_cache(sch.cache, sch.pool, sch.model)
