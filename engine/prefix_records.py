@@ -70,6 +70,7 @@ class CacheCounters:
     tokens_saved: int = 0
     demoted_pages: int = 0      # evicted pages moved to the disk tier
     disk_hit_pages: int = 0     # attached pages loaded back from the disk tier (also in hit_pages)
+    disk_hits: int = 0          # attaches that loaded at least one page from the disk tier (also in hits)
 
 
 @dataclass

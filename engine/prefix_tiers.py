@@ -91,6 +91,7 @@ class TierMixin:
         if loaded:
             tier.load_seconds += time.perf_counter() - t0
             self.counters.disk_hit_pages += len(loaded)
+            self.counters.disk_hits += 1
             self._emit("removed", loaded, medium="CPU")
             self._emit("stored", loaded)
         return loaded

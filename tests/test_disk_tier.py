@@ -110,3 +110,15 @@ def test_the_cache_panel_shows_the_disk_tier_and_its_load_time(tiny_model, qtbot
     panel.update_snapshot(snap)
     text = panel.summary.text()
     assert f"{snap.disk_pages:,} / 256 pages" in text and "loaded back in" in text and "recompute" in text
+    # the hits chart counts hits by tier: the disk tier's under all of them
+    from ui.charts import ChartsPanel
+    charts = ChartsPanel()
+    qtbot.addWidget(charts)
+    charts.show()
+    qtbot.waitExposed(charts)
+    charts.set_data(snap.timeline, snap.records)
+    charts.refresh()
+    _, disk = charts.series("disk_hits")
+    _, hits = charts.series("hits")
+    assert disk[-1] == sch.cache.counters.disk_hits >= 1 and hits[-1] >= disk[-1]
+    assert charts.curves["disk_hits"].getData()[1][-1] == disk[-1]
