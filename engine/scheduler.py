@@ -74,7 +74,7 @@ class Scheduler:
     def update_settings(self, settings: SchedulerSettings) -> None:
         """Apply new knobs now; page_rows and pool_pages need a new pool (a new Scheduler)."""
         settings.validate()
-        for name in POOL_FIELDS:
+        for name in POOL_FIELDS + ("kv_dtype", "disk_tier_pages"):  # the pages' storage, too
             if getattr(settings, name) != getattr(self.settings, name):
                 raise ValueError(f"changing {name} needs a new KV pool: create a new Scheduler")
         self.settings = dataclasses.replace(settings)
