@@ -122,3 +122,43 @@ def test_the_cache_panel_shows_the_disk_tier_and_its_load_time(tiny_model, qtbot
     _, hits = charts.series("hits")
     assert disk[-1] == sch.cache.counters.disk_hits >= 1 and hits[-1] >= disk[-1]
     assert charts.curves["disk_hits"].getData()[1][-1] == disk[-1]
+
+
+def test_the_page_storage_needs_a_new_scheduler(tiny_model):
+    import dataclasses
+
+    import pytest
+    settings = SchedulerSettings(page_rows=4)
+    sch = Scheduler(tiny_model, settings)
+    for change in ({"kv_dtype": "float16"}, {"disk_tier_pages": 8}):
+        with pytest.raises(ValueError, match="needs a new KV pool"):
+            sch.update_settings(dataclasses.replace(settings, **change))
+
+
+def test_a_watcher_sees_both_tiers_in_the_kv_events(tiny_model):
+    from app.serve.kv_events_publisher import KVEventPublisher
+    from app.watch.subscriber import Watcher
+    pub = KVEventPublisher("tcp://127.0.0.1:*")
+    watcher = Watcher([pub.endpoint])
+    try:
+        assert pub.wait_for_subscriber(10)
+        sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, cache_pages=3, disk_tier_pages=256))
+        pub.attach(sch.cache)
+        for user in ("Red?", "Blue?", "Green?"):
+            sch.submit(system="You answer questions about paint. " * 4, user=user, max_new_tokens=2)
+            sch.run_until_done()
+        assert pub.flush(10)
+        state = watcher.states[0]
+        want = {"GPU": set(sch.cache.pages), "CPU": set(sch.cache.tier.pages)}
+        assert want["CPU"] and want["GPU"]
+
+        def seen(medium):
+            return set(state.tiers.get((medium, None), {}))
+        for _ in range(200):
+            watcher.poll(50)
+            if seen("GPU") == want["GPU"] and seen("CPU") == want["CPU"]:
+                break
+        assert seen("GPU") == want["GPU"] and seen("CPU") == want["CPU"]
+    finally:
+        watcher.close()
+        pub.close()
