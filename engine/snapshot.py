@@ -108,7 +108,7 @@ class SnapshotMaker:
             refcounts=refs.copy(),
             pages=pages,
             chains=prefix_chain_list(cache),  # copies already
-            records=[copy.copy(r) for r in scheduler.records.values()],
+            records=[copy.copy(r) for r in scheduler.records()],
             page_rows=rows,
             prefill_tok_s=scheduler.prefill_rate(),
             seconds_saved=scheduler.seconds_saved(),

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from app.cache_persist import FILE_NAME, PersistedCache
+from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 
 SYSTEM = "You are a helpful assistant. " * 6
@@ -28,9 +29,10 @@ def answered(model, tmp_path, settings=None, persist=True, out=None):
     sch = Scheduler(model, settings or SchedulerSettings(page_rows=4))
     kept = PersistedCache(str(tmp_path), sch, out or io.StringIO()) if persist else None
     loaded = kept.load() if kept else 0
-    rid = sch.submit(system=SYSTEM, user=QUESTION, max_new_tokens=6)
-    sch.run_until_done()
-    return sch, kept, loaded, sch.records[rid]
+    loop = EngineLoop(sch)
+    rid = loop.submit_now(system=SYSTEM, user=QUESTION, max_new_tokens=6)
+    loop.run_until_done()
+    return sch, kept, loaded, sch.record(rid)
 
 
 def test_a_restart_hits_the_saved_cache_with_the_same_greedy_answer(tiny_model, tmp_path):
@@ -98,12 +100,14 @@ def test_other_page_rows_or_kv_dtype_are_refused(tiny_model, tmp_path):
 KILLER = """
 import sys, io
 from engine import load_model
+from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 from app.cache_persist import PersistedCache
 sch = Scheduler(load_model(sys.argv[1]), SchedulerSettings(page_rows=4, max_queue=64))
+loop = EngineLoop(sch)
 for i in range(40):
-    sch.submit(system="persist " * 30, user=f"question {i} " * 20, max_new_tokens=1)
-sch.run_until_done()
+    loop.submit_now(system="persist " * 30, user=f"question {i} " * 20, max_new_tokens=1)
+loop.run_until_done()
 kept = PersistedCache(sys.argv[2], sch, io.StringIO())
 print("ready", flush=True)
 while True:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import engine as dl
+from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 
 from .prefix_helpers import assert_cache_consistent, assert_session_sees, evaluated, make_pool, teardown
@@ -13,6 +14,13 @@ from .prefix_helpers import assert_cache_consistent, assert_session_sees, evalua
 
 def seq(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
+
+
+def ask(loop: EngineLoop, **request) -> int:
+    """One chat request through the engine loop, run to its end; its id."""
+    rid = loop.submit_now(**request)
+    loop.run_until_done()
+    return rid
 
 
 def test_evicted_pages_move_to_disk_and_come_back_with_their_kv():
@@ -86,12 +94,11 @@ def test_a_page_back_from_disk_gives_the_logits_of_never_evicting_it(tiny_model)
 def test_the_scheduler_hits_through_its_disk_tier(tiny_model):
     system = "You answer questions about paint. " * 4
     sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, cache_pages=2, disk_tier_pages=256))
-    first = sch.submit(system=system, user="Red?", max_new_tokens=2)
-    sch.run_until_done()
-    second = sch.submit(system=system, user="Blue?", max_new_tokens=2)
-    sch.run_until_done()
-    assert sch.records[first].n_cached == 0
-    assert sch.records[second].n_cached > 2 * 4          # more than the pool's budget could hold
+    loop = EngineLoop(sch)
+    first = ask(loop, system=system, user="Red?", max_new_tokens=2)
+    second = ask(loop, system=system, user="Blue?", max_new_tokens=2)
+    assert sch.record(first).n_cached == 0
+    assert sch.record(second).n_cached > 2 * 4          # more than the pool's budget could hold
     assert sch.cache.counters.disk_hit_pages > 0 and sch.cache.tier.load_seconds > 0
 
 
@@ -100,9 +107,9 @@ def test_the_cache_panel_shows_the_disk_tier_and_its_load_time(tiny_model, qtbot
     from ui.cache_panel import CachePanel
     system = "You answer questions about paint. " * 4
     sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, cache_pages=2, disk_tier_pages=256))
+    loop = EngineLoop(sch)
     for user in ("Red?", "Blue?"):
-        sch.submit(system=system, user=user, max_new_tokens=2)
-        sch.run_until_done()
+        ask(loop, system=system, user=user, max_new_tokens=2)
     snap = SnapshotMaker().take(sch)
     assert snap.disk_capacity == 256 and snap.disk_pages == len(sch.cache.tier) > 0
     panel = CachePanel()
@@ -143,10 +150,10 @@ def test_a_watcher_sees_both_tiers_in_the_kv_events(tiny_model):
     try:
         assert pub.wait_for_subscriber(10)
         sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, cache_pages=3, disk_tier_pages=256))
+        loop = EngineLoop(sch)
         pub.attach(sch.cache)
         for user in ("Red?", "Blue?", "Green?"):
-            sch.submit(system="You answer questions about paint. " * 4, user=user, max_new_tokens=2)
-            sch.run_until_done()
+            ask(loop, system="You answer questions about paint. " * 4, user=user, max_new_tokens=2)
         assert pub.flush(10)
         state = watcher.states[0]
         want = {"GPU": set(sch.cache.pages), "CPU": set(sch.cache.tier.pages)}
