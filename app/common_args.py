@@ -74,7 +74,21 @@ def add_scheduler_args(p: argparse.ArgumentParser):
                    help="speculative decoding: " + cli_help("spec_enabled"))
     g.add_argument("--spec-k", type=int, default=d.spec_k,
                    help="speculative decoding: " + cli_help("spec_k") + " (default %(default)s)")
+    add_cache_tier_args(g)
     return g
+
+
+def add_cache_tier_args(g) -> None:
+    """The cache's storage options (docs/design.md §12): page dtype, disk tier, persistence."""
+    g.add_argument("--kv-dtype", choices=["f32", "f16"], default="f32",
+                   help="how KV pages store K and V: f16 halves the bytes per page (attention still "
+                        "computes in float32; default %(default)s)")
+    g.add_argument("--disk-tier-pages", type=int, default=0, metavar="N",
+                   help="a disk tier of N pages under the pool: a cached page about to be evicted moves "
+                        "to a memory-mapped file and comes back on a hit (default 0: none)")
+    g.add_argument("--persist-cache", metavar="DIR", default=None,
+                   help="keep the prefix cache across restarts: load DIR's cache file at start (when it "
+                        "matches the model), write it on exit")
 
 
 def scheduler_settings_from_args(args) -> SchedulerSettings:
@@ -82,6 +96,7 @@ def scheduler_settings_from_args(args) -> SchedulerSettings:
     settings = SchedulerSettings(
         max_streams=args.max_streams, max_queue=args.max_queue, chunk_tokens=args.chunk_tokens,
         page_rows=args.page_rows, pool_pages=args.pool_pages, cache_pages=args.cache_pages,
-        cache_enabled=not args.no_cache, spec_enabled=args.spec, spec_k=args.spec_k)
+        cache_enabled=not args.no_cache, spec_enabled=args.spec, spec_k=args.spec_k,
+        kv_dtype=args.kv_dtype, disk_tier_pages=args.disk_tier_pages)
     settings.validate()
     return settings

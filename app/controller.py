@@ -330,7 +330,6 @@ class Controller(QObject):
     # cache, probe, settings ------------------------------------------------------
     def flush_cache(self) -> None:
         self.client.flush_cache()
-
     def probe(self, system: str, user: str | None) -> bool:
         """Ask the worker how far (system, user) would match the cache."""
         if user is None or self.model_info is None:

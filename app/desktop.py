@@ -105,6 +105,7 @@ class Desktop(QObject):
         c.stats.connect(w.show_stats)
         c.scheduler_reset.connect(w.charts.clear)
         c.probe_ready.connect(w.cache_panel.show_probe)
+        w.cache_panel.pin_requested.connect(c.client.pin_chain)  # the worker pins; snapshots show it
         c.report_opened.connect(w.show_report)
         c.run_done.connect(self._save_session)
 

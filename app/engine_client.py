@@ -20,6 +20,7 @@ class EngineClient(QObject):
     _settings = Signal(dict)
     _flush = Signal()
     _probe = Signal(dict)
+    _pin = Signal(int, bool)
     _report = Signal(object)
     _trace = Signal(str)
     _shutdown = Signal()
@@ -35,6 +36,7 @@ class EngineClient(QObject):
         self._settings.connect(self.worker.apply_settings)
         self._flush.connect(self.worker.flush_cache)
         self._probe.connect(self.worker.probe)
+        self._pin.connect(self.worker.pin_chain)
         self._report.connect(self.worker.make_report)
         self._trace.connect(self.worker.save_trace)
         self._shutdown.connect(self.worker.shutdown)
@@ -67,6 +69,9 @@ class EngineClient(QObject):
 
     def probe(self, system: str, user: str, namespace: str = "") -> None:
         self._probe.emit({"system": system, "user": user, "namespace": namespace})
+
+    def pin_chain(self, chain_id: int, pinned: bool) -> None:
+        self._pin.emit(chain_id, pinned)
 
     def make_report(self, path: str, system: str = "", title: str = "") -> None:
         self._report.emit({"path": path, "system": system, "title": title})

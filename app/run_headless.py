@@ -8,6 +8,7 @@ from engine.loop import EngineLoop
 from engine.scheduler import FinishEvent, Scheduler, SubmitRefused
 from engine.stream import MAX_NEW_TOKENS
 
+from .cache_persist import persist_from_args
 from .common_args import (
     add_model_arg,
     add_sampling_args,
@@ -68,6 +69,7 @@ def run(args) -> int:
         raise SystemExit("prefixlab run: --max-new must be >= 1")
     m = load_model_or_exit(getattr(args, "model", None))
     sch = Scheduler(m, settings)
+    persisted = persist_from_args(args, sch)  # --persist-cache: loaded before the first request
     loop = EngineLoop(sch)  # the one loop the window and the server drive too
     system = scenario.system if scenario else args.system
     common = {"system": system, "sampling": sampling, "max_new_tokens": max_new, "namespace": args.namespace}
@@ -91,6 +93,8 @@ def run(args) -> int:
     except KeyboardInterrupt:
         loop.stop(lambda events: [on_event(ev) for ev in events])
     print(summary(sch, time.perf_counter() - t0))
+    if persisted:
+        persisted.save()
     for path in filter(None, (args.json, args.report)):
         write_report(path, sch, m, system, sampling, scenario.name if scenario else "")
         print(f"wrote {path}")

@@ -205,6 +205,13 @@ class EngineWorker(QObject):
         self.cache_flushed.emit(n)
         self._emit_stats(force=True)
 
+    @Slot(int, bool)
+    @guarded
+    def pin_chain(self, chain_id: int, pinned: bool) -> None:
+        if self.scheduler is not None and chain_id in self.scheduler.cache.chains:
+            self.scheduler.cache.pin(chain_id, pinned)
+            self._emit_stats(force=True)
+
     @Slot(dict)
     @guarded
     def probe(self, request: dict) -> None:

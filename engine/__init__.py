@@ -29,8 +29,10 @@ from .prefix_cache import (
     prefix_held_groups,
     prefix_held_pages,
     prefix_insert,
+    prefix_pin,
     prefix_probe,
     prefix_release,
+    prefix_unpin,
 )
 from .registry import BUILTIN_MODELS, BuiltinModel, ModelNotInstalled, resolve_model
 from .sampler import Sampler, SamplingParams
@@ -41,6 +43,6 @@ __all__ = [
     "PrefixCache", "ProbeResult", "Sampler", "SamplingParams", "Session", "TemplateError",
     "create_kv_pool", "create_prefix_cache", "create_session", "decode", "default_model_path",
     "encode", "eval", "eval_batch", "load_model", "prefix_attach", "prefix_chain_list",
-    "prefix_held_groups", "prefix_held_pages", "prefix_insert", "prefix_probe", "prefix_release",
-    "release_kv_pages", "resolve_model",
+    "prefix_held_groups", "prefix_held_pages", "prefix_insert", "prefix_pin", "prefix_probe",
+    "prefix_release", "prefix_unpin", "release_kv_pages", "resolve_model",
 ]

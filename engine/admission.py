@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, attach_cap
 from .prefix_cache import PrefixCache, prefix_probe
 from .stream import Stream
 
@@ -42,7 +42,7 @@ def must_wait(s: Stream, streams: list[Stream], cache: PrefixCache, page_rows: i
             continue
         target = other.target()
         if other.session.n_past < len(target):
-            shared = min(common_prefix(s.prompt, target), len(s.prompt) - 1) // page_rows
+            shared = min(common_prefix(s.prompt, target) // page_rows, attach_cap(len(s.prompt), page_rows))
             if shared > cached:
                 return True
     return False

@@ -10,9 +10,11 @@ from .model import forward
 from .threads import blas_threads
 
 
-def create_kv_pool(m: Model, page_rows: int = 16, max_pages: int | None = None) -> KVPool:
-    """A KV pool of pages holding `page_rows` positions each; `max_pages=None` grows."""
-    return KVPool(m.config, page_rows=page_rows, max_pages=max_pages)
+def create_kv_pool(m: Model, page_rows: int = 16, max_pages: int | None = None,
+                   kv_dtype: str = "float32") -> KVPool:
+    """A KV pool of pages holding `page_rows` positions each; `max_pages=None` grows; `kv_dtype`
+    "float16" stores K/V in half the bytes (attention still computes in float32)."""
+    return KVPool(m.config, page_rows=page_rows, max_pages=max_pages, kv_dtype=kv_dtype)
 
 
 def create_session(m: Model, pool: KVPool) -> Session:

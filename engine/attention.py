@@ -157,7 +157,12 @@ def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int,
     m = n - first_page * pool.page_rows
     k = pool.k[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
     v = pool.v[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
-    return k, v
+    return f32(k), f32(v)
+
+
+def f32(a: np.ndarray) -> np.ndarray:
+    """K/V as float32 for the math: a float16 pool's pages widened, a float32 pool's untouched."""
+    return a.astype(np.float32, copy=False)
 
 
 def window_first_page(n_past: int, window: int, page_rows: int) -> int:
@@ -173,9 +178,9 @@ def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan
     if len(plan.decode_rows):
         B, keys = len(plan.decode_rows), plan.decode_keys(window)
         k, v = pool.k[layer], pool.v[layer]                                 # [pages, rows, KV, hd]
-        own = (k[keys.own].reshape(B, -1, KV, hd), v[keys.own].reshape(B, -1, KV, hd))  # [B, So, KV, hd]
+        own = (f32(k[keys.own].reshape(B, -1, KV, hd)), f32(v[keys.own].reshape(B, -1, KV, hd)))
         shared = None if keys.shared is None else (                         # [Ss, KV, hd] each
-            k[keys.shared].reshape(-1, KV, hd), v[keys.shared].reshape(-1, KV, hd))
+            f32(k[keys.shared].reshape(-1, KV, hd)), f32(v[keys.shared].reshape(-1, KV, hd)))
         out[plan.decode_rows] = decode_attention(q[plan.decode_rows], own, keys.bias, shared)
     for start, n, table, n_past in plan.spans:
         first = window_first_page(n_past, window, rows)

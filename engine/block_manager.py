@@ -44,6 +44,12 @@ def pages_for(n_positions: int, page_rows: int) -> int:
     return -(-n_positions // page_rows)
 
 
+def attach_cap(n_prompt: int, page_rows: int) -> int:
+    """Most pages a prompt of `n_prompt` tokens may take from the cache: one token short of the
+    prompt, so the model always evaluates at least one token to make logits (docs/design.md §3)."""
+    return max(0, (n_prompt - 1) // page_rows)
+
+
 class Session:
     """One sequence's handle: `.page_table`, `.tokens`, `.n_past` read its manager's record."""
 
@@ -94,6 +100,7 @@ class BlockManager:
         self.max_pages = max_pages
         start = max_pages if max_pages is not None else INITIAL_PAGES
         self.refs: list[int] = [0] * start
+        self._refcount: np.ndarray | None = None   # `refcount`'s array, until a count changes
         self._free: list[int] = list(range(start - 1, -1, -1))  # pop() gives the lowest id
         self._seqs: dict[int, _Seq] = {}
         self.caches: list = []  # prefix caches bound to these pages (they evict on request)
@@ -113,13 +120,24 @@ class BlockManager:
 
     @property
     def refcount(self) -> np.ndarray:
-        """Every page's reference count, as a new int64 array (for charts, checks and tests)."""
-        return np.array(self.refs, dtype=np.int64)
+        """Every page's reference count as a read-only int64 array (charts, checks and tests).
+
+        Built once per change of any count, not per read: a snapshot reads it per page."""
+        arr = self._refcount
+        if arr is None:
+            arr = self._refcount = np.array(self.refs, dtype=np.int64)
+            arr.flags.writeable = False
+        return arr
+
+    def refcount_of(self, page: int) -> int:
+        """One page's reference count."""
+        return self.refs[page]
 
     # pages ------------------------------------------------------------
     def _grow(self) -> None:
         old = len(self.refs)
         self.refs.extend([0] * old)
+        self._refcount = None
         self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
         self._on_grow(old, 2 * old)
 
@@ -141,6 +159,7 @@ class BlockManager:
                 f"and the prefix cache has nothing it can evict")
         page = self._free.pop()
         self.refs[page] = 1
+        self._refcount = None
         return page
 
     def retain(self, page: int) -> None:
@@ -148,12 +167,14 @@ class BlockManager:
         if self.refs[page] <= 0:
             raise ValueError(f"page {page} is free; cannot take a reference on it")
         self.refs[page] += 1
+        self._refcount = None
 
     def release(self, page: int) -> None:
         """Drop one reference; the page returns to the free list at 0."""
         if self.refs[page] <= 0:
             raise ValueError(f"page {page} is already free; released twice")
         self.refs[page] -= 1
+        self._refcount = None
         if self.refs[page] == 0:
             self._free.append(page)
 

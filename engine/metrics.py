@@ -54,6 +54,7 @@ class TimelineRow:
     queued: int
     batch_size: int
     step_s: float
+    disk_hits: int = 0     # of `hits`, attaches that loaded pages back from the disk tier
 
     @property
     def hit_rate(self) -> float:
@@ -114,7 +115,7 @@ def timeline_row(pool: KVPool, cache: PrefixCache, **step) -> TimelineRow:
         capacity=pool.capacity, pages_private=int(counts[PAGE_PRIVATE]),
         pages_shared=int(counts[PAGE_SHARED]), pages_cached=int(counts[PAGE_CACHED]),
         pages_free=int(counts[PAGE_FREE]), chains=len(cache.chains), cached_pages=len(cache.pages),
-        queries=c.queries, hits=c.hits, hit_pages=c.hit_pages, **step)
+        queries=c.queries, hits=c.hits, hit_pages=c.hit_pages, disk_hits=c.disk_hits, **step)
 
 
 class Timeline:

@@ -35,6 +35,7 @@ class ChainRecord:
     last_hit_at: float | None = None
     namespace: str = ""
     first_page_depth: int = 0
+    pinned: bool = False          # never evicted; counts against the budget (`prefix_pin`)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class CacheEvent:
 
     kind: str
     pages: tuple[CachedPageInfo, ...] = ()
+    medium: str = "GPU"         # the tier: "GPU" the pool's pages, "CPU" the disk tier's (vLLM's names)
 
 
 @dataclass
@@ -66,6 +68,9 @@ class CacheCounters:
     inserted_pages: int = 0
     evicted_pages: int = 0
     tokens_saved: int = 0
+    demoted_pages: int = 0      # evicted pages moved to the disk tier
+    disk_hit_pages: int = 0     # attached pages loaded back from the disk tier (also in hit_pages)
+    disk_hits: int = 0          # attaches that loaded at least one page from the disk tier (also in hits)
 
 
 @dataclass
@@ -78,3 +83,15 @@ class ProbeResult:
     first_diff_index: int | None
     nearest_chain_id: int | None
     cached_token: int | None = None  # what the nearest cached page holds at first_diff_index
+
+
+class Inserted(int):
+    """What `prefix_insert` returns: the pages it added (an int), and `.short`, the full pages it
+    left out because caching them would have evicted a pinned page."""
+
+    short: int
+
+    def __new__(cls, added: int, short: int = 0):
+        obj = super().__new__(cls, added)
+        obj.short = short
+        return obj

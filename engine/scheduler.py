@@ -64,8 +64,10 @@ class Scheduler:
         self.model = model
         if self.settings.max_streams > 1:
             model.weights.prepare_batched()  # now, not inside the first batched step's TTFT
-        self.pool = create_kv_pool(model, self.settings.page_rows, self.settings.pool_pages)
-        self.cache = create_prefix_cache(max_pages=self.settings.cache_pages)
+        self.pool = create_kv_pool(model, self.settings.page_rows, self.settings.pool_pages,
+                                   kv_dtype=self.settings.kv_dtype)
+        self.cache = create_prefix_cache(max_pages=self.settings.cache_pages,
+                                         disk_pages=self.settings.disk_tier_pages)
         self.cache.bind(self.pool)
         self._queue: deque[Stream] = deque()
         self._active: list[Stream] = []
@@ -86,7 +88,7 @@ class Scheduler:
     def update_settings(self, settings: SchedulerSettings) -> None:
         """Apply new knobs now; page_rows and pool_pages need a new pool (a new Scheduler)."""
         settings.validate()
-        for name in POOL_FIELDS:
+        for name in POOL_FIELDS + ("kv_dtype", "disk_tier_pages"):  # the pages' storage, too
             if getattr(settings, name) != getattr(self.settings, name):
                 raise ValueError(f"changing {name} needs a new KV pool: create a new Scheduler")
         self.settings = dataclasses.replace(settings)
@@ -243,8 +245,7 @@ class Scheduler:
             if self.settings.cache_enabled:
                 matched = prefix_attach(self.cache, self.pool, s.session, s.prompt, s.record.namespace)
                 if matched:
-                    deepest = self.cache.by_page[s.session.page_table[-1]]
-                    s.record.chain_hit = self.cache.pages[deepest].chain_id
+                    s.record.chain_hit = self.cache.chain_of(s.session.page_table[-1])
                 s.record.n_cached = matched
                 self.prefill_saved += matched
             # A bounded pool takes every page the request may fill now, so it never runs dry
@@ -293,9 +294,8 @@ class Scheduler:
     def _own_chain(self, s: Stream) -> int | None:
         """The chain holding this session's deepest page, if the session's own page was cached."""
         for page in reversed(self.pool.table(s.session)):
-            key = self.cache.by_page.get(page)
-            if key is not None:
-                chain = self.cache.pages[key].chain_id
+            chain = self.cache.chain_of(page)
+            if chain is not None:
                 return chain if chain != s.record.chain_hit else None
         return None
 

@@ -11,8 +11,10 @@ from .attention import window_first_page
 from .metrics import RequestRecord, TimelineRow
 from .prefix_cache import ChainRecord, prefix_chain_list
 
+NO_OWNERS: list[int] = []  # shared by cached pages no session holds (never appended to)
 
-@dataclass
+
+@dataclass(slots=True)
 class PageInfo:
     """What a page-map tooltip shows about one pool page."""
 
@@ -39,6 +41,12 @@ class Snapshot:
     page_rows: int
     prefill_tok_s: float
     seconds_saved: float
+    kv_dtype: str = "float32"
+    bytes_per_page: int = 0
+    disk_pages: int = 0          # cached pages in the disk tier (none in the pool's page map)
+    disk_capacity: int = 0       # 0: no disk tier
+    disk_hit_pages: int = 0      # pages attached from the disk tier so far
+    disk_load_s: float = 0.0     # the time loading them back took
 
 
 def _read_by(cfg, in_window: bool) -> str:
@@ -60,16 +68,17 @@ class SnapshotMaker:
         cache, pool, tok = scheduler.cache, scheduler.pool, scheduler.model.tokenizer
         rows = pool.page_rows
         states = scheduler.page_states()
+        refs = pool.refcount  # one array for the whole snapshot: O(pages), not O(pages^2)
+        ref_of, state_of = refs.tolist(), states.tolist()  # plain ints: indexing numpy costs 10x
         pages: dict[int, PageInfo] = {}
-        live_keys = set()
-        for page, key in cache.by_page.items():
-            entry = cache.pages[key]
-            live_keys.add(key)
-            text = self._text_by_key.get(key)
+        texts = self._text_by_key
+        for entry in cache.entries():  # each cached page names its chain (what chain_of(page) reads)
+            page, key = entry.page, entry.key
+            text = texts.get(key)
             if text is None:
-                text = self._text_by_key[key] = tok.decode(entry.tokens)
-            pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]), entry.chain_id,
-                                   first_position=entry.depth * rows, text=text)
+                text = texts[key] = tok.decode(entry.tokens)
+            pages[page] = PageInfo(page, ref_of[page], state_of[page], entry.chain_id, NO_OWNERS,
+                                   entry.depth * rows, text)  # positional: 12k of these at 16k pages
         cfg = scheduler.model.config
         private_texts: dict[tuple[int, ...], str] = {}
         for stream in scheduler.streams():
@@ -77,27 +86,41 @@ class SnapshotMaker:
             if s is None:
                 continue
             first = window_first_page(s.n_past, cfg.sliding_window, rows)
+            tokens = s.tokens  # one copy per session, not one per page
             for i, page in enumerate(s.page_table):
                 info = pages.get(page)
                 if info is None:
-                    toks = tuple(s.tokens[i * rows:(i + 1) * rows])
+                    toks = tuple(tokens[i * rows:(i + 1) * rows])
                     text = private_texts[toks] = self._text_by_tokens.get(toks) or tok.decode(list(toks))
-                    info = pages[page] = PageInfo(page, int(pool.refcount[page]), int(states[page]),
+                    info = pages[page] = PageInfo(page, ref_of[page], state_of[page],
                                                   first_position=i * rows, text=text)
+                if info.owners is NO_OWNERS:
+                    info.owners = []
                 info.owners.append(stream.id)
                 if cfg.sliding_window and not info.read_by:
                     info.read_by = _read_by(cfg, i >= first)
-        for key in [k for k in self._text_by_key if k not in live_keys]:
-            del self._text_by_key[key]
+        if len(texts) > len(cache.pages):  # forget the texts of pages no longer cached
+            self._text_by_key = {k: t for k, t in texts.items() if k in cache.pages}
         self._text_by_tokens = private_texts
         return Snapshot(
             timeline=list(scheduler.timeline.rows[since_row:]),
             page_states=states.copy(),
-            refcounts=pool.refcount.copy(),
+            refcounts=refs.copy(),
             pages=pages,
-            chains=[copy.copy(c) for c in prefix_chain_list(cache)],
+            chains=prefix_chain_list(cache),  # copies already
             records=[copy.copy(r) for r in scheduler.records()],
             page_rows=rows,
             prefill_tok_s=scheduler.prefill_rate(),
             seconds_saved=scheduler.seconds_saved(),
+            kv_dtype=getattr(pool, "kv_dtype", "float32"),
+            bytes_per_page=getattr(pool, "bytes_per_page", 0),
+            **_tier_fields(cache),
         )
+
+
+def _tier_fields(cache) -> dict:
+    tier = cache.tier
+    if tier is None:
+        return {}
+    return {"disk_pages": len(tier), "disk_capacity": tier.capacity,
+            "disk_hit_pages": cache.counters.disk_hit_pages, "disk_load_s": tier.load_seconds}

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from .block_manager import BlockManager, Session, pages_for
 from .chat import CLOSING_SLACK
 from .config import ModelConfig
+from .kv_pool import kv_dtype_name
 from .metrics import RequestRecord
 from .sampler import Sampler, SamplingParams
 from .tokenizer import TokenStream
@@ -47,13 +48,17 @@ class SchedulerSettings:
     # scenario 2.98 s with it vs 2.73 s without; one stream 0.976x; W8 best 1.88 s vs 1.78 s).
     spec_enabled: bool = False
     spec_k: int = 4                # drafted tokens verified per stream and step, at most
+    kv_dtype: str = "float32"      # how pages store K/V: "float32" or "float16" (docs/design.md §12)
+    disk_tier_pages: int = 0       # pages of the disk tier under the pool (0: none)
 
     def validate(self) -> None:
         checks = [
             ("max_streams", self.max_streams, 1), ("max_queue", self.max_queue, 1),
             ("chunk_tokens", self.chunk_tokens, 1), ("page_rows", self.page_rows, 1),
             ("cache_pages", self.cache_pages, 0), ("spec_k", self.spec_k, 1),
+            ("disk_tier_pages", self.disk_tier_pages, 0),
         ]
+        self.kv_dtype = kv_dtype_name(self.kv_dtype)  # ValueError names the accepted ones
         if self.pool_pages is not None:
             checks.append(("pool_pages", self.pool_pages, 1))
         for name, value, low in checks:

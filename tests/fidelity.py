@@ -43,12 +43,13 @@ def tokenization_mismatches(m, reference: dict) -> list:
     return wrong
 
 
-def teacher_forced(m, reference: dict) -> list[dict]:
-    """Per run: the engine's argmax after every reference token, and the logits after the prompt."""
+def teacher_forced(m, reference: dict, kv_dtype: str = "float32") -> list[dict]:
+    """Per run: the engine's argmax after every reference token, and the logits after the prompt
+    (K/V pages stored as `kv_dtype`)."""
     out = []
     for run in reference["runs"]:
         ids = (run["prompt_ids"] + run["greedy_ids"])[:len(run["argmax"])]
-        s = dl.create_session(m, dl.create_kv_pool(m, page_rows=16))
+        s = dl.create_session(m, dl.create_kv_pool(m, page_rows=16, kv_dtype=kv_dtype))
         logits = dl.eval_batch(m, [s], [ids], all_positions=True)       # [N, vocab]
         assert logits.shape == (len(ids), m.config.vocab_size)
         out.append({"argmax": logits.argmax(axis=1),

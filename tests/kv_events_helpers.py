@@ -21,3 +21,4 @@ class Event:
 
     kind: str
     pages: tuple = ()
+    medium: str = "GPU"

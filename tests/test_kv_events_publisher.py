@@ -45,7 +45,7 @@ def test_replay_serves_buffered_batches_to_dealer_and_req_clients():
         got = _replay_with(zmq.DEALER, pub.replay_endpoint, 0)
         assert [seq for seq, _ in got] == [1, 2]  # the buffer keeps the last 2 batches
         batch, bad = decode_batch(got[1][1])
-        assert bad == 0 and batch.events == [BlockStored([12], None, [2, 2], 2, medium="CPU")]
+        assert bad == 0 and batch.events == [BlockStored([12], None, [2, 2], 2, medium="GPU")]
         (first,) = _replay_with(zmq.REQ, pub.replay_endpoint, 2)
         assert first[0] == 2
     finally:
@@ -57,14 +57,16 @@ def test_stored_pages_split_into_parent_linked_runs():
     try:
         pub(Event("stored", (Page(1, None, (1, 2)), Page(2, 1, (3, 4)), Page(7, 5, (9, 9)))))
         pub(Event("removed", (Page(2, 1, (3, 4)), Page(7, 5, (9, 9)))))
+        pub(Event("stored", (Page(7, 5, (9, 9)),), "CPU"))   # moved down to the disk tier
         pub(Event("cleared"))
-        wait_until(lambda: pub.published_events >= 4, 5, "four events published", interval=0.005)
+        wait_until(lambda: pub.published_events >= 5, 5, "five events published", interval=0.005)
         events = [e for _, p in _replay_with(zmq.DEALER, pub.replay_endpoint, 0)
                   for e in decode_batch(p)[0].events]
         raw = [msgspec.to_builtins(e) for e in events]
-        assert raw == [["BlockStored", [1, 2], None, [1, 2, 3, 4], 2, None, "CPU", None, None, None],
+        assert raw == [["BlockStored", [1, 2], None, [1, 2, 3, 4], 2, None, "GPU", None, None, None],
+                       ["BlockStored", [7], 5, [9, 9], 2, None, "GPU", None, None, None],
+                       ["BlockRemoved", [2, 7], "GPU", None],
                        ["BlockStored", [7], 5, [9, 9], 2, None, "CPU", None, None, None],
-                       ["BlockRemoved", [2, 7], "CPU", None],
                        ["AllBlocksCleared"]]
     finally:
         pub.close()

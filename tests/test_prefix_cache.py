@@ -200,7 +200,8 @@ def test_deepest_matched_page_gives_its_chain_the_hit():
 def test_counters():
     pool, cache = setup(page_rows=4, cache_pages=3)
     assert vars(cache.counters) == dict(queries=0, hits=0, hit_pages=0, inserted_pages=0,
-                                        evicted_pages=0, tokens_saved=0)
+                                        evicted_pages=0, tokens_saved=0, demoted_pages=0,
+                                        disk_hit_pages=0, disk_hits=0)
     a = evaluated(pool, seq(0, 12))
     dl.prefix_insert(cache, pool, a, a.tokens)            # 3 pages
     a.release()
@@ -218,7 +219,8 @@ def test_counters():
     c = evaluated(pool, seq(0, 4))
     assert dl.prefix_insert(cache, pool, c, c.tokens) == 0  # refreshes only
     assert vars(cache.counters) == dict(queries=3, hits=2, hit_pages=4, inserted_pages=5,
-                                        evicted_pages=2, tokens_saved=16)
+                                        evicted_pages=2, tokens_saved=16, demoted_pages=0,
+                                        disk_hit_pages=0, disk_hits=0)
     assert len(cache.pages) == 3
     teardown([s3, c], cache, pool)
 

@@ -70,8 +70,9 @@ def assert_close_to_scale(got: np.ndarray, want: np.ndarray, rel: float = 1e-4) 
     assert diff <= rel * scale, f"differ by {diff:.3g}, more than {rel:g} of the scale {scale:.3g}"
 
 
-def test_a_hit_gives_the_same_logits_and_continuation_as_a_miss(m):
-    pool = dl.create_kv_pool(m, page_rows=ROWS)
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_hit_gives_the_same_logits_and_continuation_as_a_miss(m, kv_dtype):
+    pool = dl.create_kv_pool(m, page_rows=ROWS, kv_dtype=kv_dtype)
     cache = dl.create_prefix_cache()
     p1, p2 = chat(m, SYSTEM, Q1), chat(m, SYSTEM, Q2)
     a = dl.create_session(m, pool)

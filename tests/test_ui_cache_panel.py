@@ -318,3 +318,32 @@ def test_a_panel_on_a_hidden_tab_updates_once_shown(run, busy, qtbot):
     bins = np.bincount(busy.page_states, minlength=4)
     assert panel.page_map.counts_by_state() == {NAMES[s]: int(bins[s]) for s in NAMES}
     assert panel.chains_table.model().rowCount() == len(busy.chains)
+
+
+def test_pin_box_asks_the_engine_to_pin_and_shows_pinned_chains(run, panel, qtbot):
+    from ui.chains_table import COL_PIN
+    snap = run.snapshots[-1]
+    panel.update_snapshot(snap)
+    table = panel.chains_table
+    chain_id = table.visible_chain_order()[0]
+    index = table.model().index(0, COL_PIN)
+    assert table.model().data(index, Qt.ItemDataRole.CheckStateRole) == Qt.CheckState.Unchecked
+    with qtbot.waitSignal(panel.pin_requested) as sig:
+        table.model().setData(index, Qt.CheckState.Checked.value, Qt.ItemDataRole.CheckStateRole)
+    assert sig.args == [chain_id, True]
+    # the engine's next snapshot says the chain is pinned: the box shows it
+    chains = [copy.copy(c) for c in snap.chains]
+    for c in chains:
+        c.pinned = c.id == chain_id
+    table.set_chains(chains)
+    row = table.visible_chain_order().index(chain_id)
+    assert table.model().data(table.model().index(row, COL_PIN),
+                              Qt.ItemDataRole.CheckStateRole) == Qt.CheckState.Checked
+
+
+def test_summary_names_the_page_dtype_and_bytes(run, panel):
+    snap = run.snapshots[-1]
+    panel.update_snapshot(snap)
+    text = panel.summary.text()
+    assert snap.kv_dtype == "float32" and "float32" in text
+    assert f"{snap.bytes_per_page / 1024:,.0f} KiB each" in text

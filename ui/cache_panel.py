@@ -45,6 +45,7 @@ class CachePanel(QWidget):
     """Page map, chains table and probe view; selecting a chain outlines its pages in the map."""
 
     probe_requested = Signal()
+    pin_requested = Signal(int, bool)  # chain id, pinned: the chains table's pin box
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -81,6 +82,7 @@ class CachePanel(QWidget):
         self.setMinimumSize(360, 420)
 
         self.chains_table.chain_selected.connect(self.page_map.highlight_chain)
+        self.chains_table.pin_toggled.connect(self.pin_requested)
         self.page_map.page_clicked.connect(self._on_page_clicked)
         self._update_summary()
 
@@ -135,7 +137,10 @@ class CachePanel(QWidget):
         counts = self.page_map.counts_by_state()
         cached = counts["cached"] + counts["shared"]
         parts = [("pool", f"{len(s.page_states):,} pages × {s.page_rows}"),
+                 ("pages", f"{s.kv_dtype}, {s.bytes_per_page / 1024:,.0f} KiB each"),
                  ("in cache", f"{cached:,}"), ("chains", f"{len(s.chains):,}")]
+        if s.disk_capacity:
+            parts.append(("disk tier", _disk_text(s)))
         if s.prefill_tok_s:
             parts.append(("prefill", f"{s.prefill_tok_s:,.0f} tok/s"))
         parts.append(("time saved", f"≈ {s.seconds_saved:.1f} s"))
@@ -147,3 +152,13 @@ class CachePanel(QWidget):
                 and hasattr(self, "page_map"):
             self._update_summary()
         super().changeEvent(e)
+
+
+def _disk_text(s: Snapshot) -> str:
+    """Disk-tier pages, and what loading them back cost beside recomputing them."""
+    text = f"{s.disk_pages:,} / {s.disk_capacity:,} pages"
+    if s.disk_hit_pages:
+        text += f", {s.disk_hit_pages:,} loaded back in {s.disk_load_s * 1e3:,.0f} ms"
+        if s.prefill_tok_s:
+            text += f" (recompute ≈ {s.disk_hit_pages * s.page_rows / s.prefill_tok_s * 1e3:,.0f} ms)"
+    return text

@@ -17,8 +17,8 @@ from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableView, QWidge
 
 from engine.prefix_cache import ChainRecord
 
-COLUMNS = ("id", "tokens", "pages live", "hits", "preview", "age", "idle")
-COL_ID, COL_TOKENS, COL_PAGES, COL_HITS, COL_PREVIEW, COL_AGE, COL_IDLE = range(len(COLUMNS))
+COLUMNS = ("id", "tokens", "pages live", "hits", "preview", "age", "idle", "pin")
+COL_ID, COL_TOKENS, COL_PAGES, COL_HITS, COL_PREVIEW, COL_AGE, COL_IDLE, COL_PIN = range(len(COLUMNS))
 HEADER_TIPS = (
     "chain id (one chain: the pages one insert added)",
     "tokens in the pages this chain added",
@@ -27,6 +27,7 @@ HEADER_TIPS = (
     "the request that made the chain",
     "time since the chain was made",
     "time since its last hit (or since it was made)",
+    "pinned: its pages are never evicted (they count against the cache budget); click to toggle",
 )
 SORT_ROLE = Qt.ItemDataRole.UserRole
 CHAIN_ID_ROLE = Qt.ItemDataRole.UserRole + 1
@@ -46,6 +47,8 @@ def humanize_seconds(seconds: float) -> str:
 
 class ChainsModel(QAbstractTableModel):
     """Rows of ChainRecord; updated in place by id so views keep their selection."""
+
+    pin_toggled = Signal(int, bool)  # chain id, pinned: a click on the pin column's box
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -88,6 +91,11 @@ class ChainsModel(QAbstractTableModel):
             return None
         c = self._chains[index.row()]
         col = index.column()
+        if col == COL_PIN and role in (Qt.ItemDataRole.CheckStateRole, SORT_ROLE,
+                                       Qt.ItemDataRole.DisplayRole):
+            if role == Qt.ItemDataRole.CheckStateRole:
+                return Qt.CheckState.Checked if c.pinned else Qt.CheckState.Unchecked
+            return int(c.pinned) if role == SORT_ROLE else ""
         if role == Qt.ItemDataRole.DisplayRole:
             if col == COL_ID:
                 return f"#{c.id}"
@@ -115,6 +123,20 @@ class ChainsModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ToolTipRole and col == COL_PREVIEW:
             return f"<pre style='white-space:pre-wrap'>{html.escape(c.preview)}</pre>"
         return None
+
+    def flags(self, index):
+        base = super().flags(index)
+        return base | Qt.ItemFlag.ItemIsUserCheckable if index.column() == COL_PIN else base
+
+    def setData(self, index, value, role=Qt.ItemDataRole.EditRole) -> bool:  # noqa: N802 - Qt's name
+        """A click on a pin box asks for the toggle; the engine's next snapshot shows the result."""
+        if role != Qt.ItemDataRole.CheckStateRole or index.column() != COL_PIN or not index.isValid():
+            return False
+        c = self._chains[index.row()]
+        c.pinned = Qt.CheckState(value) == Qt.CheckState.Checked
+        self.dataChanged.emit(index, index)
+        self.pin_toggled.emit(c.id, c.pinned)
+        return True
 
     @staticmethod
     def _number(c: ChainRecord, col: int) -> int:
@@ -147,10 +169,12 @@ class ChainsTable(QTableView):
     """Cached chains (id, tokens, pages live, hits, preview, age, idle); sortable, one row selectable."""
 
     chain_selected = Signal(object)  # chain id, or None when nothing is selected
+    pin_toggled = Signal(int, bool)  # chain id, pinned
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.chains_model = ChainsModel(self)
+        self.chains_model.pin_toggled.connect(self.pin_toggled)
         self.proxy = QSortFilterProxyModel(self)
         self.proxy.setSourceModel(self.chains_model)
         self.proxy.setSortRole(SORT_ROLE)

@@ -9,9 +9,9 @@ from engine.metrics import TimelineRow
 # Timeline columns kept per row (hit_rate is the engine row's own, not computed here).
 COLUMNS = ("step", "wall_s", "capacity", "pages_private", "pages_shared", "pages_cached", "pages_free",
            "chains", "cached_pages", "queries", "hits", "hit_pages", "hit_rate", "prefill_computed",
-           "prefill_saved", "decode_tokens")
+           "prefill_saved", "decode_tokens", "disk_hits")
 TIMELINE_SERIES = ("pages_private", "pages_shared", "pages_cached", "pages_free", "chains",
-                   "cached_pages", "hits", "hit_rate", "prefill_computed", "prefill_saved")
+                   "cached_pages", "hits", "disk_hits", "hit_rate", "prefill_computed", "prefill_saved")
 REQUEST_SERIES = ("ttft_hit", "ttft_miss")
 SERIES = TIMELINE_SERIES + REQUEST_SERIES
 CHARTS = ("pool", "cache", "hits", "prefill", "ttft")
@@ -21,7 +21,8 @@ STACK = ("pages_private", "pages_shared", "pages_cached", "pages_free")  # botto
 LABELS = {
     "pages_private": "private to streams", "pages_shared": "shared", "pages_cached": "cache only",
     "pages_free": "free", "chains": "cached chains", "cached_pages": "cached pages",
-    "hits": "hits (cumulative)", "hit_rate": "hit rate (%)", "prefill_computed": "computed",
+    "hits": "hits (cumulative)", "disk_hits": "of them from the disk tier", "hit_rate": "hit rate (%)",
+    "prefill_computed": "computed",
     "prefill_saved": "saved by the cache", "ttft_hit": "cache hit", "ttft_miss": "miss",
 }
 TITLES = {"pool": "KV pool pages", "cache": "Prefix cache", "hits": "Cache hits",

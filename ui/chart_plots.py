@@ -193,6 +193,7 @@ class ChartSet:
 
     def _build_hits(self) -> None:
         self._curve("hits", "hits", fill=True)
+        self._curve("hits", "disk_hits", width=1.5, style=Qt.PenStyle.DotLine)  # hits by tier
         item = self.widgets["hits"].getPlotItem()
         # Hit rate on a second y axis: a ViewBox stacked on the plot's, sharing its x.
         rate_vb = pg.ViewBox(enableMenu=False)
@@ -287,7 +288,7 @@ class ChartSet:
         for name in STACK:
             level = level + buf.column(name)
             self._set_step(name, x, level)
-        for name in ("chains", "cached_pages", "hits", "prefill_computed", "prefill_saved"):
+        for name in ("chains", "cached_pages", "hits", "disk_hits", "prefill_computed", "prefill_saved"):
             self._set_step(name, x, buf.column(name))
         self._set_step("hit_rate", x, 100.0 * buf.column("hit_rate"))
         for name, (ids, secs) in ttft.items():

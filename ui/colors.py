@@ -30,6 +30,7 @@ SERIES_COLORS = {
     "chains": "#8e6bd8",
     "cached_pages": _STATE_COLORS[PAGE_CACHED],
     "hits": "#3d85c6",
+    "disk_hits": "#7a5c2e",
     "hit_rate": "#cc5fa0",
     "prefill_computed": "#d55e00",
     "prefill_saved": "#1fa774",

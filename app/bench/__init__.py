@@ -17,6 +17,8 @@ processes; not in --quick).
 --peer llama-cpp adds the peer section ("Performance"): llama-cpp-python on the same GGUF,
 prefill, decode, eight streams and the W8 workload, as ratios with the issue's targets
 (its llama.cpp tok/s are the llama_cpp_* figures, which the llama_cpp section then reuses).
+tiers ("A cache that outlives the process"): the disk tier's load-back time per page beside
+the prefill time it spares; cache ("Prefix cache") also times a 16,384-page snapshot.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 import time
 
 SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
-            "blas", "llama_cpp", "w8", "peer")
+            "blas", "llama_cpp", "w8", "peer", "tiers")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 # left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run;
 # w8: a minute of whole processes, with busy ones)
@@ -152,7 +154,8 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
         if "load" in sections:
             section("load", lambda: bench_engine.load_figures(path, tmp_cache, quick))
             image_ready = "load" not in result["errors"]
-        needs_model = {"prefill", "decode", "batch", "scheduler", "serve", "blas", "peer"} & set(sections)
+        needs_model = {"prefill", "decode", "batch", "scheduler", "serve", "blas", "peer",
+                       "tiers"} & set(sections)
         if needs_model:
             log("bench: loading the model ...")
             m = _load_model(path, tmp_cache if image_ready else None)
@@ -170,6 +173,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("cache", lambda: bench_cache.cache_figures(quick))
         if "scheduler" in sections:
             section("scheduler", lambda: bench_sched.scheduler_figures(m, quick))
+        if "tiers" in sections:
+            from .tiers import tier_figures
+            section("tiers", lambda: tier_figures(m, quick))
         if "ui" in sections:
             section("ui", lambda: bench_ui.ui_figures(path, quick, tmp_cache if image_ready else None))
         if "kv_events" in sections:

@@ -107,4 +107,6 @@ def cache_figures(quick: bool, n_pages: int = 10_000, seed: int = 0) -> tuple[di
                "insert_us_per_page_mean": float(np.mean(insert)),
                "insert_us_per_page_min": float(np.min(insert)),
                "evicted_pages": evicted, "pages_before_evict": before}
-    return figures, details
+    from .snapshot import snapshot_figures  # imports this module's pool helpers
+    snap_figures, snap_details = snapshot_figures(quick, seed)
+    return {**figures, **snap_figures}, {**details, **snap_details}

@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
                    help="cache capacities in pages: integers or 'inf' (default: inf)")
     p.add_argument("--policy", type=_policy_list, default=[DEFAULT_POLICY], metavar="NAME,...",
                    help=f"eviction policies: {', '.join(POLICIES)} (default: {DEFAULT_POLICY})")
+    p.add_argument("--disk-budget", type=_budget_list, default=[None], metavar="D,...",
+                   help="a disk tier of D pages under the budget: evicted pages move there and hit "
+                        "again (two-tier curves; default: none)")
     p.add_argument("--json", metavar="OUT.json", help="write one row per configuration here")
     p.add_argument("--plot", metavar="OUT.png", help="write hit ratio vs capacity per policy as a PNG here")
     p.add_argument("--workers", type=_positive, metavar="N",
@@ -91,7 +94,7 @@ def run(args) -> int:
             if source.hashed and args.page_rows != [None]:
                 raise TraceError("--page-rows applies to token traces; a hash-id trace replays at "
                                  "its --block-size")
-            configs = configurations(args.page_rows, args.budget, args.policy)
+            configs = configurations(args.page_rows, args.budget, args.policy, args.disk_budget)
             results = run_sweep(source, configs, workers=args.workers, dask_scheduler=args.dask_scheduler,
                                 progress=not args.quiet and len(configs) > 1)
     except (TraceError, ValueError, RuntimeError) as e:
@@ -138,10 +141,11 @@ def _write_json(path: str, obj: dict) -> None:
 
 def table(results: list[ReplayResult]) -> str:
     """The per-configuration table the CLI prints."""
-    head = ("page size", "budget", "policy", "token hit ratio", "tokens saved", "blocks hit", "hits",
+    head = ("page size", "budget", "policy", "disk", "token hit ratio", "tokens saved", "blocks hit", "hits",
             "requests", "evicted", "s")
     body = [(str(r.page_rows), "inf" if r.budget is None else f"{r.budget:,}", r.policy,
-             f"{r.token_hit_ratio:.4f}", f"{r.tokens_saved:,}", f"{r.blocks_hit:,}", f"{r.hits:,}",
+             "-" if not r.disk_budget else f"{r.disk_budget:,}", f"{r.token_hit_ratio:.4f}",
+             f"{r.tokens_saved:,}", f"{r.blocks_hit:,}", f"{r.hits:,}",
              f"{r.requests:,}", f"{r.evicted:,}", f"{r.seconds:.2f}") for r in results]
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
     def line(cells) -> str:  # names left, numbers right

@@ -17,6 +17,7 @@ class ReplayConfig:
     page_rows: int | None = None   # token traces; None: the trace's own (hash-id traces: its block)
     budget: int | None = None
     policy: str = DEFAULT_POLICY
+    disk_budget: int | None = None  # a disk tier of this many pages under the budget (None: none)
 
 
 @dataclass
@@ -35,6 +36,8 @@ class ReplayResult:
     cached_pages: int = 0          # pages cached at the end (infinite capacity: the working set)
     seconds: float = 0.0           # wall time of this replay
     over_time: list[dict] = field(default_factory=list)  # {t, requests, token_hit_ratio} per window
+    disk_budget: int | None = None
+    blocks_from_disk: int = 0      # of blocks_hit, those loaded back from the disk tier
 
     @property
     def token_hit_ratio(self) -> float:

@@ -25,6 +25,7 @@ import itertools
 import time
 
 from engine.block_manager import BlockManager, Session
+from engine.disk_tier import DiskTier
 from engine.prefix_cache import PrefixCache, prefix_attach, prefix_insert
 
 from .results import OverTime, ReplayConfig, ReplayResult
@@ -55,6 +56,7 @@ def replay(source: TraceSource, config: ReplayConfig) -> ReplayResult:
             gc.enable()
     res = run.result
     res.evicted = run.cache.counters.evicted_pages
+    res.blocks_from_disk = run.cache.counters.disk_hit_pages
     res.cached_pages = len(run.cache.pages)
     res.over_time = run.over_time.series()
     res.seconds = time.perf_counter() - t0
@@ -67,9 +69,12 @@ class _Replay:
     def __init__(self, config: ReplayConfig, rows: int, hashed: bool):
         self.rows, self.hashed = rows, hashed
         self.pages = BlockManager(page_rows=1 if hashed else rows)
-        self.cache = PrefixCache(max_pages=config.budget or 0, policy=config.policy, id_keys=hashed)
+        tier = DiskTier(config.disk_budget) if config.disk_budget else None  # keys only: no K/V here
+        self.cache = PrefixCache(max_pages=config.budget or 0, policy=config.policy, id_keys=hashed,
+                                 tier=tier)
         self.cache.bind(self.pages)
-        self.result = ReplayResult(page_rows=rows, budget=config.budget, policy=config.policy)
+        self.result = ReplayResult(page_rows=rows, budget=config.budget, policy=config.policy,
+                                   disk_budget=config.disk_budget)
         self.over_time = OverTime()
         self.finishing: list = []   # (finish_s, order, session, request) of admitted requests
         self.order = itertools.count()

@@ -21,9 +21,11 @@ Progress = Callable[[int, int], None]  # (done, total)
 
 
 def configurations(page_rows: Iterable[int | None] = (None,), budgets: Iterable[int | None] = (None,),
-                   policies: Iterable[str] = (DEFAULT_POLICY,)) -> list[ReplayConfig]:
-    """Every combination, in the order page size, then budget, then policy."""
-    return [ReplayConfig(p, b, pol) for p, b, pol in itertools.product(page_rows, budgets, policies)]
+                   policies: Iterable[str] = (DEFAULT_POLICY,),
+                   disk_budgets: Iterable[int | None] = (None,)) -> list[ReplayConfig]:
+    """Every combination, in the order page size, then budget, then policy, then disk tier."""
+    return [ReplayConfig(p, b, pol, d)
+            for p, b, pol, d in itertools.product(page_rows, budgets, policies, disk_budgets)]
 
 
 def run_sweep(source: TraceSource, configs: list[ReplayConfig], workers: int | None = None,

@@ -212,8 +212,8 @@ def _page_map(scheduler) -> PageMapState:
     states = scheduler.page_states()
     pool, cache = scheduler.pool, scheduler.cache
     chain_ids: list[int | None] = [None] * len(states)
-    for page, key in cache.by_page.items():
-        chain_ids[page] = int(cache.pages[key].chain_id)
+    for page in cache.held_pages():
+        chain_ids[page] = cache.chain_of(page)
     return PageMapState(page_rows=int(pool.page_rows), capacity=int(pool.capacity),
                         state_names={str(k): v for k, v in PAGE_STATE_NAMES.items()},
                         states=[int(s) for s in states], refcounts=[int(n) for n in pool.refcount],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..cache_persist import persist_from_args
 from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
 from ..stop_signals import StopOnSignals
 from .kv_events_publisher import add_kv_events_args, publisher_from_args
@@ -54,7 +55,12 @@ def run(args) -> int:
     except ValueError as e:
         raise SystemExit(f"prefixlab serve: {e}") from None
     keys = list(args.api_key) + [k for k in [os.environ.get("PREFIXLAB_API_KEY")] if k]
-    prepare = (lambda scheduler: publisher.attach(scheduler.cache)) if publisher else None
+    persisted: list = []  # --persist-cache: loaded on the engine thread before the first request
+
+    def prepare(scheduler) -> None:
+        if publisher:
+            publisher.attach(scheduler.cache)
+        persisted.extend(filter(None, [persist_from_args(args, scheduler)]))
     try:
         server = Server(scheduler_factory(getattr(args, "model", None), settings, prepare), args.host,
                         args.port, api_keys=keys, cors=args.cors,
@@ -81,6 +87,8 @@ def run(args) -> int:
                 print("prefixlab serve: stopping", file=sys.stderr)
         finally:
             server.stop()
+            for p in persisted:  # the engine thread has stopped: the cache is still
+                p.save()
             _close(publisher)
     return 0
 

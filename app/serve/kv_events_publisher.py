@@ -13,7 +13,8 @@ they go on the wire as msgpack ints, like vLLM's int hashes; equal keys on two
 PrefixLab servers mean equal prefixes. Each insert call's new pages go as one
 `BlockStored` (a parent-linked run, as vLLM batches a request's blocks), each
 eviction batch as one `BlockRemoved`, `prefix_release` as `AllBlocksCleared`.
-The medium is "CPU": PrefixLab's pages live in host memory.
+The medium names the tier, as vLLM's does: "GPU" for the pool's pages (PrefixLab's fast
+tier, though it lives in host memory) and "CPU" for the disk tier under it.
 
 Sockets bind (the watchers connect). ZeroMQ has no authentication: bind to
 127.0.0.1 unless every host that can reach the port may read the cache.
@@ -40,26 +41,26 @@ from ..kv_wire import (
 MAX_EVENTS_PER_BATCH = 4096
 
 
-def _wire_events(kind: str, pages) -> list:
+def _wire_events(kind: str, pages, medium: str = "GPU") -> list:
     """The wire events for one cache event: stored pages split into parent-linked runs."""
     if kind == "cleared":
         return [cleared_event()]
     if kind == "removed":
-        return [removed_event([p.key for p in pages])] if pages else []
+        return [removed_event([p.key for p in pages], medium)] if pages else []
     out, run = [], []
     for p in pages:
         if run and p.parent != run[-1].key:
-            out.append(_stored(run))
+            out.append(_stored(run, medium))
             run = []
         run.append(p)
     if run:
-        out.append(_stored(run))
+        out.append(_stored(run, medium))
     return out
 
 
-def _stored(run) -> list:
+def _stored(run, medium: str) -> list:
     tokens = [t for p in run for t in p.tokens]
-    return stored_event([p.key for p in run], run[0].parent, tokens, len(run[0].tokens))
+    return stored_event([p.key for p in run], run[0].parent, tokens, len(run[0].tokens), medium)
 
 
 class KVEventPublisher:
@@ -107,13 +108,13 @@ class KVEventPublisher:
     # the engine thread's side ----------------------------------------------
     def __call__(self, event) -> None:
         """The cache listener: queue the event (never blocks; drops and counts past `max_queue`)."""
-        self._enqueue(event.kind, tuple(event.pages))
+        self._enqueue(event.kind, tuple(event.pages), event.medium)
 
-    def _enqueue(self, kind: str, pages: tuple) -> None:
+    def _enqueue(self, kind: str, pages: tuple, medium: str = "GPU") -> None:
         if len(self._queue) >= self.max_queue:
             self.dropped_events += 1
             return
-        self._queue.append((kind, pages))
+        self._queue.append((kind, pages, medium))
         self.queued_total += 1
         self._wake.set()
 
@@ -156,8 +157,8 @@ class KVEventPublisher:
         events: list = []
         n = 0
         while self._queue and n < MAX_EVENTS_PER_BATCH:
-            kind, pages = self._queue.popleft()
-            events.extend(_wire_events(kind, pages))
+            kind, pages, medium = self._queue.popleft()
+            events.extend(_wire_events(kind, pages, medium))
             n += 1
         if not events:
             self.sent_total += n

@@ -1,0 +1,374 @@
+"""The prefix cache (a page-granular one over a KVPool, ported from dasLLAMA): `PrefixCache`.
+
+Page i of a prompt is keyed by a chained hash of page i-1's key and page i's
+tokens (the namespace salts page 0), so equal keys mean equal prefixes. Hashes
+route, tokens verify: a hit is accepted only when the stored tokens, parent and
+namespace equal the prompt's. The cache holds one pool reference per page.
+
+Eviction gives back pages that no session holds and no pin keeps, in the order of
+a pluggable policy (engine/eviction.py). The default, leaf-LRU, takes the least
+recently used leaf (a page with no cached child): the deepest page of a chain goes
+first and no cached page is ever stranded behind an evicted head.
+
+A cache made with `id_keys=True` (the replay of hash-id traces) keys each page
+by an id the caller passes in place of its tokens: one id per page (page_rows 1),
+already chained like Mooncake's block hashes, so nothing is hashed and the page
+stores and indexes no tokens; the same attach and insert calls drive it.
+
+The cache works over any BlockManager (a KVPool, or a bare manager with no K/V
+storage, as the trace replay uses): it only moves page ids and references. Every
+operation is a method; the tutorial's free functions (`prefix_insert`, ...) call them.
+Listeners (`add_listener`) hear every change: pages stored, removed, or all cleared.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import logging
+import struct
+import time
+from collections.abc import Callable
+
+from .block_manager import BlockManager, Session, attach_cap
+from .disk_tier import DiskTier
+from .eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
+from .prefix_index import ProbeIndex
+from .prefix_records import (
+    CacheCounters,
+    CachedPage,
+    CachedPageInfo,
+    CacheEvent,
+    ChainRecord,
+    Inserted,
+)
+from .prefix_tiers import TierMixin
+
+HashFn = Callable[[bytes], int]
+log = logging.getLogger("prefixlab.cache")
+
+
+def blake2b_64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _info(entry: CachedPage) -> CachedPageInfo:
+    return CachedPageInfo(entry.key, entry.parent, entry.tokens, entry.namespace)
+
+
+def _check_session(pool: BlockManager, s: Session) -> None:
+    if s.released:
+        raise ValueError(f"session {s.id} was released; create a new session")
+    if s.pool is not pool:
+        raise ValueError(f"session {s.id} belongs to another KV pool")
+
+
+class PrefixCache(ProbeIndex, TierMixin):
+    """Cached pages by chained key, chain records, pins, an eviction policy (default leaf-LRU)
+    and an optional disk tier that evicted pages move to (engine/disk_tier.py)."""
+
+    def __init__(self, max_pages: int = 0, hash_fn: HashFn | None = None,
+                 policy: str | EvictionPolicy = DEFAULT_POLICY, id_keys: bool = False,
+                 tier: DiskTier | None = None):
+        if not isinstance(max_pages, int) or max_pages < 0:
+            raise ValueError(f"max_pages must be an integer >= 0 (0: unbounded), got {max_pages!r}")
+        self.max_pages = max_pages
+        self.id_keys = id_keys
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.hash_fn = hash_fn or blake2b_64
+        self.pages: dict[int, CachedPage] = {}
+        self.roots: dict[str, set[int]] = {}
+        self.chains: dict[int, ChainRecord] = {}
+        self.counters = CacheCounters()
+        self.page_rows: int | None = None
+        self.pool: BlockManager | None = None
+        self._clock = itertools.count(1)
+        self._chain_ids = itertools.count(1)
+        self._births = itertools.count(1)
+        self.by_page: dict[int, int] = {}            # pool page -> key
+        self.siblings = {}                           # (namespace, parent) -> tokens (prefix_index)
+        self.listeners: list[Callable[[CacheEvent], None]] = []
+        self.tier = tier
+
+    # listeners --------------------------------------------------------
+    def add_listener(self, fn: Callable[[CacheEvent], None]) -> None:
+        """Call `fn(event)` with a CacheEvent after every change (in the engine's thread)."""
+        self.listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[CacheEvent], None]) -> None:
+        self.listeners.remove(fn)
+
+    def _emit(self, kind: str, entries=(), medium: str = "GPU") -> None:
+        # medium, vLLM's word: "GPU" for pool pages (the fast tier), "CPU" for the disk tier
+        if self.listeners:
+            event = CacheEvent(kind, tuple(_info(e) for e in entries), medium)
+            for fn in list(self.listeners):
+                fn(event)
+
+    # keys -------------------------------------------------------------
+    def page_key(self, parent: int | None, tokens, namespace: str) -> int:
+        if self.id_keys:
+            return tokens[0]  # the page's own (already chained) id
+        if parent is None:
+            salt = b"ns:" + namespace.encode("utf-8") + b"\0"
+        else:
+            salt = parent.to_bytes(8, "little")
+        return self.hash_fn(salt + struct.pack(f"<{len(tokens)}q", *tokens))  # int64 LE
+
+    def verify(self, entry: CachedPage, parent: int | None, tokens, namespace: str) -> bool:
+        # An id-keyed page has no tokens: its id is its whole prefix (chained by the trace).
+        return (entry.parent == parent and entry.namespace == namespace
+                and (self.id_keys or entry.tokens == tuple(tokens)))
+
+    def chain_of(self, page: int) -> int | None:
+        """The chain owning pool page `page`, or None when the cache does not hold it."""
+        key = self.by_page.get(page)
+        return None if key is None else self.pages[key].chain_id
+
+    def entries(self) -> list[CachedPage]:
+        """Every cached page (a list: callers may evict while reading)."""
+        return list(self.pages.values())
+
+    # recency ----------------------------------------------------------
+    def touch(self, entry: CachedPage) -> None:
+        entry.last_used = next(self._clock)
+        entry.uses += 1
+        self.policy.touched(entry, self.pages)
+
+    def bind(self, pool: BlockManager) -> None:
+        if self.id_keys and pool.page_rows != 1:
+            raise ValueError(f"an id-keyed cache needs one id per page (page_rows 1), got {pool.page_rows}")
+        if self.pool is None:
+            self.pool, self.page_rows = pool, pool.page_rows
+            pool.add_cache(self)
+            if self.tier is not None:
+                self.tier.bind(pool)
+        elif self.pool is not pool:
+            raise ValueError("this prefix cache belongs to another KV pool")
+
+    def _check_pool(self, pool: BlockManager) -> None:
+        if self.pool is not None and self.pool is not pool:
+            raise ValueError("this prefix cache belongs to another KV pool")
+
+    # pins -------------------------------------------------------------
+    def pin(self, chain_id: int, pinned: bool = True) -> None:
+        """Keep (or, with pinned=False, stop keeping) a chain's pages from eviction."""
+        chain = self.chains.get(chain_id)
+        if chain is None:
+            raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
+                             f"(its pages were evicted or released)")
+        chain.pinned = pinned
+        if not pinned:
+            self.enforce_budget()  # an unpinned chain over the budget goes now
+
+    def pinned_pages(self) -> int:
+        """Cached pages of pinned chains: they count against the budget and are never evicted."""
+        return sum(c.pages_live for c in self.chains.values() if c.pinned)
+
+    # eviction ---------------------------------------------------------
+    def _unheld(self, entry: CachedPage) -> bool:
+        # only the cache's own reference, and no pin on its chain
+        return self.pool.refs[entry.page] == 1 and not self.chains[entry.chain_id].pinned
+
+    def evict(self, n: int) -> int:
+        """Give back up to n pages no session holds, in the policy's order; return how many."""
+        removed: list[CachedPage] = []
+
+        def remove(entry: CachedPage) -> None:
+            if self.tier is not None:
+                self.demote(entry)  # its K/V go down to the disk tier before the page is freed
+            self._remove(entry)
+            removed.append(entry)
+        self.policy.evict(n, self.pages, self._unheld, remove)
+        if removed:
+            self._emit("removed", removed)
+        return len(removed)
+
+    def link(self, entry: CachedPage) -> None:
+        """Add a new page to the tree: its parent's children (or the roots) and the sibling trie."""
+        entry.born = next(self._births)
+        if entry.parent is None:
+            self.roots.setdefault(entry.namespace, set()).add(entry.key)
+        else:
+            self.pages[entry.parent].children.add(entry.key)
+        self.policy.added(entry)
+        self.index(entry)
+
+    def _remove(self, entry: CachedPage) -> None:
+        del self.pages[entry.key]
+        del self.by_page[entry.page]
+        self.unindex(entry)
+        if entry.parent is None:
+            self.roots[entry.namespace].discard(entry.key)
+        else:
+            # A policy that evicts inner pages (plain LRU) can leave this page's parent
+            # gone already; its own cached children then stay, stranded, until the
+            # parent's key is inserted again.
+            parent = self.pages.get(entry.parent)
+            if parent is not None:
+                parent.children.discard(entry.key)
+                if not parent.children:
+                    self.policy.became_leaf(parent)
+        chain = self.chains[entry.chain_id]
+        chain.pages_live -= 1
+        if chain.pages_live == 0:
+            del self.chains[entry.chain_id]
+        self.counters.evicted_pages += 1
+        self.pool.release(entry.page)
+
+    def num_evictable(self) -> int:
+        """Cached pages eviction can give back, now or once their children went: pages that
+        no session holds and no pin keeps, with no such page below them. O(cached pages)."""
+        blocked: set[int] = set()
+        for entry in sorted(self.pages.values(), key=lambda e: -e.depth):  # children first
+            if entry.key in blocked or not self._unheld(entry):
+                blocked.add(entry.key)
+                if entry.parent is not None:
+                    blocked.add(entry.parent)
+        return len(self.pages) - len(blocked)
+
+    def enforce_budget(self) -> None:
+        """Evict down to the budget as far as pages can be given back (after inserts and releases)."""
+        if self.max_pages and len(self.pages) > self.max_pages:
+            self.evict(len(self.pages) - self.max_pages)
+
+    def _room(self, path: list[CachedPage]) -> int | None:
+        """New pages the budget can keep behind `path` without evicting a pinned page (None: any)."""
+        if not self.max_pages:
+            return None
+        pinned = self.pinned_pages()
+        if not pinned:
+            return None
+        kept = pinned + sum(1 for e in path if not self.chains[e.chain_id].pinned)
+        return max(0, self.max_pages - kept)
+
+    # the tutorial's operations ----------------------------------------
+    def insert(self, pool: BlockManager, s: Session, tokens, preview: str = "", namespace: str = "",
+               chain_id: int | None = None) -> Inserted:
+        """`prefix_insert` (engine/prefix_cache.py): donate the session's full pages covering `tokens`."""
+        _check_session(pool, s)
+        if chain_id is not None and chain_id not in self.chains:
+            raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
+                             f"(its pages were evicted or released)")
+        self.bind(pool)
+        rows = pool.page_rows
+        evaluated, table = pool.tokens(s), pool.table(s)
+        covered = min(len(tokens), len(evaluated))
+        if list(tokens[:covered]) != evaluated[:covered]:
+            first = next((i for i, (a, b) in enumerate(zip(tokens, evaluated, strict=False)) if a != b),
+                         min(len(evaluated), covered))
+            raise ValueError(
+                f"tokens differ from what session {s.id} evaluated, first at position {first}")
+        chain: ChainRecord | None = self.chains.get(chain_id) if chain_id is not None else None
+        parent: int | None = None
+        path: list[CachedPage] = []
+        new: list[CachedPage] = []
+        room: int | None = -1  # -1: not yet known (computed at the first new page)
+        short = 0
+        n_full = covered // rows
+        for i in range(n_full):
+            toks = tuple(map(int, tokens[i * rows:(i + 1) * rows]))
+            key = self.page_key(parent, toks, namespace)
+            entry = self.pages.get(key)
+            if entry is not None:
+                if not self.verify(entry, parent, toks, namespace):
+                    break  # a hash collision: never store under another prefix's key
+                path.append(entry)
+                parent = key
+                continue
+            page = table[i]
+            if page in self.by_page:
+                break  # this pool page already caches another prefix (e.g. another namespace)
+            if room == -1:
+                room = self._room(path)
+            if room is not None and len(new) >= room:
+                short = n_full - i  # caching these would evict a pinned page: cache less instead
+                break
+            if chain is None:
+                chain = ChainRecord(id=next(self._chain_ids), n_tokens=0, pages_live=0, hits=0,
+                                    preview=preview, created_at=time.time(), namespace=namespace,
+                                    first_page_depth=i)
+                self.chains[chain.id] = chain
+            pool.retain(page)
+            # Positional: half the cost of keywords, once per new page (a replay makes ~10^5).
+            entry = CachedPage(key, page, () if self.id_keys else toks, parent, namespace, i, chain.id)
+            self.pages[key] = entry
+            self.by_page[page] = key
+            self.link(entry)
+            path.append(entry)
+            new.append(entry)
+            chain.n_tokens += rows
+            chain.pages_live += 1
+            parent = key
+        # Touch root to leaf once the links exist: parents stay older than their children
+        # and only the path's leaf enters the LRU heap (no stale entry per inner page).
+        for entry in path:
+            self.touch(entry)
+        self.counters.inserted_pages += len(new)
+        if new:
+            self._emit("stored", new)
+        if short:
+            log.info("prefix cache: %d page(s) of %r not cached: the budget of %d pages is held by "
+                     "%d pinned page(s)", short, preview[:40], self.max_pages, self.pinned_pages())
+        self.enforce_budget()
+        return Inserted(len(new), short)
+
+    def attach(self, pool: BlockManager, s: Session, prompt, namespace: str = "") -> int:
+        """`prefix_attach` (engine/prefix_cache.py): attach the cached pages matching the prompt's start."""
+        _check_session(pool, s)
+        pool.check_fresh(s)
+        self._check_pool(pool)
+        self.counters.queries += 1
+        if self.pool is None:
+            return 0
+        rows = pool.page_rows
+        matched: list[CachedPage] = []
+        cap = attach_cap(len(prompt), rows)
+        for _, _, entry, ok in self.walk(prompt, namespace, cap):
+            if not ok:
+                break
+            matched.append(entry)
+        if self.tier is not None and len(matched) < cap:
+            matched += self.promote(pool, prompt, namespace, matched, cap)
+        n = len(matched) * rows
+        pool.attach(s, [e.page for e in matched], prompt[:n])
+        for entry in matched:
+            self.touch(entry)
+        if matched:
+            chain = self.chains[matched[-1].chain_id]
+            chain.hits += 1
+            chain.last_hit_at = time.time()
+            self.counters.hits += 1
+            self.counters.hit_pages += len(matched)
+            self.counters.tokens_saved += n
+        return n
+
+    def chain_list(self) -> list[ChainRecord]:
+        """Snapshots (copies) of every chain that still has a live page, oldest first."""
+        return [copy.copy(c) for c in self.chains.values() if c.pages_live > 0]
+
+    def held_groups(self) -> int:
+        """How many pool pages the cache holds a reference on."""
+        return len(self.by_page)
+
+    def held_pages(self) -> list[int]:
+        """The pool pages the cache holds a reference on, ascending."""
+        return sorted(self.by_page)
+
+    def release(self, pool: BlockManager) -> int:
+        """Hand every cached page back to the pool; return how many."""
+        self._check_pool(pool)
+        n = len(self.pages)
+        for entry in self.pages.values():
+            pool.release(entry.page)
+        self.pages.clear()
+        self.by_page.clear()
+        self.roots.clear()
+        self.siblings.clear()
+        self.chains.clear()
+        self.policy.clear()
+        if self.tier is not None:
+            self.tier.clear()
+        self._emit("cleared")
+        return n
