@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -26,8 +27,10 @@ from engine.scheduler import FinishEvent, TokenEvent
 from . import metrics
 from .broker import Job, Refused, RequestBroker
 from .friendliness import Friendliness
+from .guard import DEFAULT_MAX_BODY_BYTES, Guard, local_hosts
 from .protocol import (
     DEFAULT_MAX_TOKENS,
+    MAX_LABEL_CHARS,
     ApiError,
     ParsedRequest,
     StopFilter,
@@ -41,6 +44,7 @@ from .protocol import (
 )
 
 DISCONNECT_POLL_S = 0.5
+log = logging.getLogger("prefixlab.serve")
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Backend:
     stats: Callable[[], dict]
     load_error: Callable[[], str | None] = lambda: None
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS
+    info: Callable[[], dict] = dict  # what /health adds once loaded (the KV budget)
     friendliness: Friendliness = field(init=False)
     ttft: metrics.TtftHistogram = field(default_factory=metrics.TtftHistogram)
 
@@ -80,10 +85,14 @@ def model_id(model) -> str:
     return os.path.basename(model.path)
 
 
-def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool = False) -> FastAPI:
-    """The server's ASGI app; `api_keys` empty: no authentication."""
+def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool = False, *,
+               host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The server's ASGI app; `api_keys` empty: no authentication. It answers Host names of this
+    machine and `host` (plus `allowed_hosts`; "*": any) and bodies up to `max_body_bytes`."""
     app = FastAPI(title="PrefixLab", docs_url=None, redoc_url=None, openapi_url=None)
     keys = {k: tenant_of(k) for k in (api_keys or [])}
+    app.add_middleware(Guard, allowed_hosts=local_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes)
     if cors:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
@@ -129,7 +138,7 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
         if backend.model() is None:
             error = backend.load_error()
             return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", **backend.info()}
 
     @app.get("/metrics")
     async def prometheus():
@@ -146,23 +155,22 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
 
     @app.get("/v1/prefixlab/friendliness")
     async def friendliness(request: Request):
-        tenant(request)
-        return backend.friendliness.to_dict()
+        # with API keys each tenant sees its own clients only (their prompts' text is in here)
+        return backend.friendliness.to_dict(tenant(request) if keys else None)
 
     async def complete(request: Request, chat: bool) -> Response:
         arrival = time.perf_counter()
         ns_tenant = tenant(request)
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
-        req = parse_chat(body) if chat else parse_completion(body)
+        raw = await request.body()
+        # decoding, checking and tokenizing a large body take long: off the event loop, so
+        # /health and the other clients' streams go on meanwhile
+        req = await asyncio.to_thread(_parse, raw, chat)
         model = loaded_model()
         remote = request.client.host if request.client else "?"
-        client = f"http {remote} model={req.model or '-'} user={req.user or '-'}"
+        client = f"http {remote} model={req.model[:MAX_LABEL_CHARS] or '-'} user={req.user or '-'}"
         call = _Call(backend.broker, asyncio.get_running_loop())
         namespace = namespace_of(ns_tenant, req.cache_salt)
-        kwargs = _submit_kwargs(req, model, namespace, backend.default_max_tokens)
+        kwargs = await asyncio.to_thread(_submit_kwargs, req, model, namespace, backend.default_max_tokens)
         call.submit(Job(kwargs, call.sink, client=client, arrival=arrival))
         first = await call.next()
         if isinstance(first, Refused):
@@ -183,6 +191,17 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
         return await complete(request, chat=False)
 
     return app
+
+
+def _parse(raw: bytes, chat: bool) -> ParsedRequest:
+    """A checked request from the raw body; ApiError (400) for bad JSON, too deep or not."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", None, "invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    return parse_chat(body) if chat else parse_completion(body)
 
 
 def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens: int | None) -> dict:
@@ -274,6 +293,8 @@ async def _stream(call: _Call, answer: _Answer):
                 yield sse(error_body(event.status, event.message))
                 return
     finally:
+        if not call.done:
+            log.warning("prefixlab serve: %s: the client disconnected mid-stream; request cancelled", rid)
         call.cancel()  # the client went away (or we stopped): its pages go back
 
 
@@ -285,6 +306,7 @@ async def _whole(request: Request, call: _Call, answer: _Answer) -> Response:
                 event = await asyncio.wait_for(call.next(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await request.is_disconnected():
+                    log.warning("prefixlab serve: %s: the client disconnected; request cancelled", answer.rid)
                     return Response(status_code=499)
                 continue
             if isinstance(event, TokenEvent):
