@@ -39,12 +39,15 @@ def still_serves(server) -> None:
     assert r.usage.completion_tokens == 2
 
 
+CHAT, HI = "/v1/chat/completions", '"messages": [{"role": "user", "content": "hi"}]'
+
+
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\ud800y"}]}', "messages[0].content"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+    (CHAT, '{"messages": [{"role": "user", "content": "x\\ud800y"}]}', "messages[0].content"),
+    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
      "messages[0].content[0].text"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}', "stop[0]"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "user": "a\\ud800"}', "user"),
+    (CHAT, '{' + HI + ', "stop": ["\\ud800"]}', "stop[0]"),
+    (CHAT, '{' + HI + ', "user": "a\\ud800"}', "user"),
     ("/v1/completions", '{"prompt": "x\\ud800y", "max_tokens": 2}', "prompt"),
 ])
 def test_an_unpaired_surrogate_is_a_400_naming_the_field(server, path, body, param):

@@ -51,7 +51,8 @@ class JsonErrorsH11(H11Protocol):
     rather than plain text (what clients' error handling parses)."""
 
     def send_400_response(self, msg: str) -> None:
-        body = json.dumps(error_body(400, f"malformed HTTP request: {msg}", None, "bad_http_request")).encode()
+        error = error_body(400, f"malformed HTTP request: {msg}", None, "bad_http_request")
+        body = json.dumps(error).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
         for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
