@@ -239,12 +239,6 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         request_columns = [(f, "TTFT (from admission)" if f == "ttft_s" else head,
                             fmt, "time from admission to the first token" if f == "ttft_s" else tip)
                            for f, head, fmt, tip in REQUEST_COLUMNS]
-    requests = bounded_rows(report.requests, lambda r: {"id": r.id, "cells": _cells(r, REQUEST_COLUMNS),
-                                                        "text": r.text, "hit": r.n_cached > 0})
-    chains = bounded_rows(report.chains, lambda c: {"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)})
-    timeline_cols = list(report.timeline[0].to_dict()) if report.timeline else []
-    timeline = bounded_rows(report.timeline, lambda r: {
-        "cells": [Cell(k, format_cell(v), fmt_any(v)) for k, v in r.to_dict().items()]})
     from ui.colors import LIGHT, STATE_LABELS, state_color  # the GUI's palette, light as on paper
     page_counts = [(STATE_LABELS[st], report.pages.count(st), state_color(st, LIGHT).name(), key)
                    for st, key in ((PAGE_PRIVATE, "private"), (PAGE_SHARED, "shared"),
@@ -252,13 +246,25 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
     return {
         "report": report, "cards": cards, "totals": totals, "fmt_any": fmt_any,
         "model_rows": model_rows, "settings_rows": settings_rows, "machine_rows": machine_rows,
-        "version_rows": version_rows, "request_columns": request_columns, "requests": requests,
+        "version_rows": version_rows, "request_columns": request_columns, **_tables(report),
         "ttft_note": (f"TTFT counts from {report.ttft_from}" + ("" if report.ttft_from == "arrival" else
                       " (a version 1 report)") + "; queue wait from submit to admission."),
-        "chain_columns": CHAIN_COLUMNS, "chains": chains, "timeline_columns": timeline_cols,
-        "timeline": timeline, "timeline_steps": len(report.timeline), "charts": charts,
+        "chain_columns": CHAIN_COLUMNS, "charts": charts,
         "page_map": page_map, "page_counts": page_counts,
         "sha_short": m.sha256[:12],
+    }
+
+
+def _tables(report: Report) -> dict:
+    """The requests, chains and timeline tables, long ones summarised (`bounded_rows`)."""
+    return {
+        "requests": bounded_rows(report.requests, lambda r: {
+            "id": r.id, "cells": _cells(r, REQUEST_COLUMNS), "text": r.text, "hit": r.n_cached > 0}),
+        "chains": bounded_rows(report.chains, lambda c: {"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)}),
+        "timeline_columns": list(report.timeline[0].to_dict()) if report.timeline else [],
+        "timeline": bounded_rows(report.timeline, lambda r: {
+            "cells": [Cell(k, format_cell(v), fmt_any(v)) for k, v in r.to_dict().items()]}),
+        "timeline_steps": len(report.timeline),
     }
 
 

@@ -96,6 +96,13 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
     if cors:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    _answer_errors_as_objects(app)
+    _add_routes(app, backend, keys)
+    return app
+
+
+def _answer_errors_as_objects(app: FastAPI) -> None:
+    """Every error an OpenAI error object: ours, Starlette's (404, 405), validation, the rest."""
 
     @app.exception_handler(ApiError)
     async def api_error(_request, e: ApiError):
@@ -113,6 +120,10 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
     @app.exception_handler(Exception)
     async def internal_error(_request, e: Exception):
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
+
+
+def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
+    """The endpoints; `keys` maps each API key to its tenant (empty: no authentication)."""
 
     def tenant(request: Request) -> str:
         if not keys:
@@ -189,8 +200,6 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await complete(request, chat=False)
-
-    return app
 
 
 def _parse(raw: bytes, chat: bool) -> ParsedRequest:
