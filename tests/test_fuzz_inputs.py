@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.replay.trace import TraceError, open_trace
-from app.report import build_report, load_report, report_to_dict, snapshot_from_report
+from app.report import load_report, report_to_dict, snapshot_from_report
 from app.serve.kv_events import BadFrame, decode_batch
 from app.serve.protocol import ApiError
 from app.serve.runner import Server
 from app.serve.server import _parse
-from engine.scheduler import Scheduler
+from tests.test_report_hardening import small_report
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 LIVE = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -121,11 +121,7 @@ def test_fuzz_trace_lines_read_or_name_the_line(tmp_path_factory, rows, fmt):
 
 @pytest.fixture(scope="module")
 def report_dict(tiny_model):
-    sch = Scheduler(tiny_model)
-    for user in ("one", "two"):
-        sch.submit(system="sys", user=user, max_new_tokens=3)
-    sch.run_until_done()
-    return report_to_dict(build_report(sch, tiny_model, "sys", None))
+    return report_to_dict(small_report(tiny_model))
 
 
 def _leaves(value, path=()):

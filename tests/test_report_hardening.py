@@ -19,13 +19,19 @@ pytestmark = pytest.mark.model
 N_BIG = 100_000
 
 
+def small_report(model):
+    """The report of a real two-request run."""
+    system = "You answer for a hardware store. Be brief."
+    sch = Scheduler(model)
+    for q in ("What is a torx screw?", "Do you sell rakes?"):
+        sch.submit(system=system, user=q, max_new_tokens=4)
+    sch.run_until_done()
+    return build_report(sch, model, system, None)
+
+
 @pytest.fixture(scope="module")
 def report(real_model):
-    sch = Scheduler(real_model)
-    for q in ("What is a torx screw?", "Do you sell rakes?"):
-        sch.submit(system="You answer for a hardware store. Be brief.", user=q, max_new_tokens=4)
-    sch.run_until_done()
-    return build_report(sch, real_model, "You answer for a hardware store. Be brief.", None)
+    return small_report(real_model)
 
 
 def broken(report, tmp_path, change) -> str:
