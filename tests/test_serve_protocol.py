@@ -66,3 +66,7 @@ def test_text_is_checked_where_it_enters():
     assert e.value.param == "messages[1].content"
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "user": "u" * 10_000})
     assert len(req.user) <= 64
+    for field, value in (("cache_salt", "s" * 300), ("stop", ["x" * 300])):
+        with pytest.raises(ApiError) as e:
+            parse_chat({"messages": [{"role": "user", "content": "hi"}], field: value})
+        assert e.value.param == field

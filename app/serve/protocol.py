@@ -20,6 +20,10 @@ MAX_STOPS = 4
 # request may fill at admission, so a server on one may want a smaller default.
 DEFAULT_MAX_TOKENS: int | None = None
 MAX_LABEL_CHARS = 64  # a client label (`user`) is kept per client: a 2 MB one must not be
+# A salt names a namespace that every cached page of it carries, and a stop string is matched
+# against every piece: both refused past these lengths rather than kept or scanned
+MAX_SALT_CHARS = 256
+MAX_STOP_CHARS = 256
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -124,6 +128,9 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
     req.model = _typed(body, "model", str, "a string", "")
     req.user = _typed(body, "user", str, "a string", "")[:MAX_LABEL_CHARS]
     req.cache_salt = _typed(body, "cache_salt", str, "a string", "")
+    if len(req.cache_salt) > MAX_SALT_CHARS:
+        raise _bad(f"'cache_salt' is {len(req.cache_salt)} characters, at most {MAX_SALT_CHARS}",
+                   "cache_salt")
     req.ignore_eos = _typed(body, "ignore_eos", bool, "true or false", False)  # vLLM's extension
     req.stream = _typed(body, "stream", bool, "true or false", False)
     options = _typed(body, "stream_options", dict, "an object", {})
@@ -159,6 +166,8 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
             raise _bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
         if len(stop) > MAX_STOPS:
             raise _bad(f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", "stop")
+        if max(map(len, stop)) > MAX_STOP_CHARS:
+            raise _bad(f"a 'stop' string is at most {MAX_STOP_CHARS} characters", "stop")
         req.stop = [check_text(s, f"stop[{i}]") for i, s in enumerate(stop)]
     return req
 
