@@ -12,9 +12,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .broker import RequestBroker
 from .budget import page_bytes
-from .engine_loop import EngineLoop
+from .engine_loop import EngineThread
 from .guard import DEFAULT_MAX_BODY_BYTES
 from .protocol import DEFAULT_MAX_TOKENS, error_body
 from .server import Backend, create_app
@@ -116,14 +115,14 @@ def kv_budget_info(scheduler) -> dict:
 
 
 class Server:
-    """`prefixlab serve` as an object: an EngineLoop over `factory()` behind the HTTP app."""
+    """`prefixlab serve` as an object: the engine loop on its thread over `factory()`, behind the HTTP app."""
 
     def __init__(self, factory, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
                  cors: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  allowed_hosts: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.engine = EngineLoop(factory, RequestBroker())
-        self.backend = Backend(self.engine.broker, model=self._model, stats=self._stats,
-                               load_error=lambda: self.engine.load_error,
+        self.engine = EngineThread(factory)
+        self.backend = Backend(self.engine.loop, model=self._model, stats=self._stats,
+                               load_error=lambda: self.engine.load_error, state=self.engine.state,
                                default_max_tokens=default_max_tokens, info=self._info)
         app = create_app(self.backend, api_keys, cors, host=host, allowed_hosts=allowed_hosts,
                          max_body_bytes=max_body_bytes)
