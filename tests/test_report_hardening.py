@@ -13,6 +13,7 @@ import pytest
 
 from app.report import build_report, load_report, report_to_dict
 from app.report.render import TABLE_HEAD_ROWS, TABLE_TAIL_ROWS, export_report
+from engine.loop import EngineLoop
 from engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.model
@@ -23,9 +24,10 @@ def small_report(model):
     """The report of a real two-request run."""
     system = "You answer for a hardware store. Be brief."
     sch = Scheduler(model)
+    loop = EngineLoop(sch)
     for q in ("What is a torx screw?", "Do you sell rakes?"):
-        sch.submit(system=system, user=q, max_new_tokens=4)
-    sch.run_until_done()
+        loop.submit_now(system=system, user=q, max_new_tokens=4)
+    loop.run_until_done()
     return build_report(sch, model, system, None)
 
 
