@@ -7,6 +7,7 @@ recently used pages within the budget; running requests' own pages come on top o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -46,6 +47,14 @@ def page_bytes(model, page_rows: int, itemsize: int = 4) -> int:
 def budget_pages(budget_bytes: int, model, page_rows: int) -> int:
     """Cache pages that fit the budget (at least 1; 0 for no budget)."""
     return max(1, budget_bytes // page_bytes(model, page_rows)) if budget_bytes > 0 else 0
+
+
+def with_budget(settings, model, budget_bytes: int):
+    """`settings` with the budget as its cache budget, unless it has one (or `budget_bytes` is 0).
+    The app can start bounded the same way: with_budget(settings, model, parse_budget("10%"))."""
+    if settings.cache_pages or not budget_bytes:
+        return settings
+    return dataclasses.replace(settings, cache_pages=budget_pages(budget_bytes, model, settings.page_rows))
 
 
 def describe(budget_bytes: int, pages: int, spec: str) -> str:

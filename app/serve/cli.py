@@ -7,7 +7,7 @@ import sys
 
 from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
 from ..stop_signals import StopOnSignals
-from .budget import DEFAULT_KV_BUDGET, budget_pages, describe, parse_budget
+from .budget import DEFAULT_KV_BUDGET, describe, parse_budget, with_budget
 from .guard import DEFAULT_MAX_BODY_BYTES
 from .kv_events_publisher import add_kv_events_args, publisher_from_args
 from .protocol import DEFAULT_MAX_TOKENS
@@ -44,16 +44,10 @@ def scheduler_factory(model_path: str | None, settings, prepare=None, kv_budget:
     runs before the first request (e.g. a KV-event publisher attaching to its cache). Without
     a cache budget in `settings`, `kv_budget` bytes become one (pages of this model)."""
     def build():
-        import dataclasses
-
         from engine import load_model
         from engine.scheduler import Scheduler
         model = load_model(model_path)
-        chosen = settings
-        if not settings.cache_pages and kv_budget:
-            pages = budget_pages(kv_budget, model, settings.page_rows)
-            chosen = dataclasses.replace(settings, cache_pages=pages)
-        scheduler = Scheduler(model, chosen)
+        scheduler = Scheduler(model, with_budget(settings, model, kv_budget))
         if prepare is not None:
             prepare(scheduler)
         return scheduler
