@@ -15,7 +15,7 @@ installed (no target; not in --quick), and w8 ("Performance": whole `prefixlab r
 of the W8 workload: the first token, then the wall time idle and with one and two busy
 processes; not in --quick), and soak ("Hardening": 1,000 distinct chats against `prefixlab
 serve` with its default settings: peak RSS against its stated KV budget, the last 100 requests'
-latency over the first 100's; --quick: 60 requests; not in --quick unless --only names it).
+latency over the first 100's; --quick: 60 requests; only when --only names it).
 --peer llama-cpp adds the peer section ("Performance"): llama-cpp-python on the same GGUF,
 prefill, decode, eight streams and the W8 workload, as ratios with the issue's targets
 (its llama.cpp tok/s are the llama_cpp_* figures, which the llama_cpp section then reuses).
@@ -37,7 +37,7 @@ ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 # left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run;
 # w8: a minute of whole processes, with busy ones)
 QUICK_SKIPS = ("blas", "serve", "llama_cpp", "w8", "peer", "soak")
-OPT_IN = ("peer",)       # run only when asked for (--peer, or --only naming it)
+OPT_IN = ("peer", "soak")  # run only when asked for (--peer, or --only naming it; soak: ~30 min)
 
 
 def add_parser(sub) -> None:
