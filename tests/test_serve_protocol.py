@@ -70,3 +70,18 @@ def test_text_is_checked_where_it_enters():
         with pytest.raises(ApiError) as e:
             parse_chat({"messages": [{"role": "user", "content": "hi"}], field: value})
         assert e.value.param == field
+
+
+def test_friendliness_keeps_a_bounded_number_of_clients_per_tenant():
+    from app.serve.friendliness import MAX_CLIENTS, OTHERS, Friendliness
+    from engine.loop import Job
+    from engine.metrics import RequestRecord
+    from engine.scheduler import FinishEvent
+
+    f = Friendliness()
+    for i in range(MAX_CLIENTS + 50):
+        record = RequestRecord(id=i, preview="", conversation_id=None, namespace="", n_prompt=4)
+        f.observe(Job({}, client=f"http 127.0.0.1 user=u{i}", tag="key-a"), FinishEvent(i, "stop", record))
+    clients = f.to_dict("key-a")["clients"]
+    assert len(clients) == MAX_CLIENTS + 1 and clients[0] == {**clients[0], "client": OTHERS, "requests": 50}
+    assert f.to_dict("key-b")["clients"] == []

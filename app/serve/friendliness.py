@@ -75,7 +75,7 @@ class Friendliness:
         departure = explain(tokenizer, job.prompt, job.probe) if tokenizer and job.prompt else None
         if departure is not None and r.n_cached > departure.position:
             departure = None  # a stream prefilling the same prefix made it a hit after the probe
-        tenant = job.submit_kwargs.get("namespace", "").partition("/")[0]
+        tenant = job.tag if isinstance(job.tag, str) else ""  # the server tags its jobs with the tenant
         with self._lock:
             c = self._stats_of(tenant, job.client or "unknown")
             c.requests += 1
@@ -96,8 +96,7 @@ class Friendliness:
         return self._clients.setdefault(key, ClientStats())
 
     def to_dict(self, tenant: str | None = None) -> dict:
-        """Every client's numbers, most requests first; with `tenant`, that tenant's clients only
-        (a served request's tenant is the first part of its namespace)."""
+        """Every client's numbers, most requests first; with `tenant`, that tenant's clients only."""
         with self._lock:
             clients = sorted(((c, stats) for (t, c), stats in self._clients.items()
                               if tenant is None or t == tenant), key=lambda kv: -kv[1].requests)

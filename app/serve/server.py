@@ -190,7 +190,8 @@ def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
         call = _Call(backend.loop, asyncio.get_running_loop())
         namespace = namespace_of(ns_tenant, req.cache_salt)
         kwargs = await asyncio.to_thread(_submit_kwargs, req, model, namespace, backend.default_max_tokens)
-        call.submit(Job(kwargs, call.sink, client=client, arrival=arrival))
+        # the tag is the caller's tenant: views of served traffic show each tenant its own
+        call.submit(Job(kwargs, call.sink, client=client, arrival=arrival, tag=ns_tenant))
         first = await call.next()
         if isinstance(first, Refused):
             raise ApiError(first.status, first.message, None,
