@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+
+# A penalty outside this range makes a logit overflow float32 (1e-40 turns 20 into inf and then
+# the probabilities NaN); llama.cpp's useful range is about 1-2, so this refuses nothing real.
+REPEAT_PENALTY_RANGE = (1e-3, 1e3)
+_F32 = np.finfo(np.float32)
 
 
 @dataclass
@@ -20,12 +26,16 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
+        """ValueError for a setting that is out of range or not a finite number."""
+        low, high = REPEAT_PENALTY_RANGE
         checks = [
+            (all(math.isfinite(v) for v in (self.temperature, self.top_p, self.min_p, self.repeat_penalty)),
+             "temperature, top_p, min_p and repeat_penalty must be finite numbers"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0 (0: off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
-            (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
+            (low <= self.repeat_penalty <= high, f"repeat_penalty must be in [{low:g}, {high:g}]"),
             (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
         ]
         for ok, message in checks:
@@ -73,6 +83,9 @@ class Sampler:
         p = self.params
         recent = (history or [])[-p.repeat_last_n:] if p.repeat_last_n else []
         logits = apply_repeat_penalty(np.asarray(logits, dtype=np.float32), recent, p.repeat_penalty)
+        # finite logits keep every probability finite (inf - inf is the NaN numpy refuses to draw
+        # from); a NaN logit (a broken model) becomes the least likely token, never the chosen one
+        logits = np.nan_to_num(logits, nan=_F32.min, posinf=_F32.max, neginf=_F32.min)
         if p.temperature <= 0:
             return int(np.argmax(logits))
         ids, vals = filter_candidates(logits, p)

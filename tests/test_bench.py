@@ -52,8 +52,8 @@ def quick_run(tmp_path_factory):
 
 # cheap unit tests -----------------------------------------------------------------------------
 def test_parse_only_sections_and_aliases():
-    assert bench.parse_only(None) == [s for s in bench.SECTIONS if s != "peer"]  # peer: opt-in
-    assert bench.parse_only("peer") == ["peer"]
+    assert bench.parse_only(None) == [s for s in bench.SECTIONS if s not in ("peer", "soak")]  # opt-in
+    assert bench.parse_only("peer") == ["peer"] and bench.parse_only("soak") == ["soak"]
     assert "blas" not in bench.parse_only(None, quick=True)
     assert bench.parse_only("cache, prefill") == ["prefill", "cache"]
     assert bench.parse_only("engine") == ["prefill", "decode", "batch", "load"]

@@ -119,3 +119,21 @@ def test_bad_settings_raise_naming_the_setting(setting, value):
         Sampler(SamplingParams(**{setting: value}))
     with pytest.raises(ValueError, match=setting):
         SamplingParams(**{setting: value}).validate()
+
+
+@pytest.mark.parametrize("bad", [dict(repeat_penalty=1e-40), dict(repeat_penalty=1e40),
+                                 dict(temperature=float("nan")), dict(top_p=float("inf"))])
+def test_settings_that_would_make_probabilities_non_finite_are_refused(bad):
+    with pytest.raises(ValueError, match="bad sampling setting"):
+        SamplingParams(**bad).validate()
+
+
+def test_sampling_never_draws_from_nan_probabilities():
+    """Logits that overflowed (inf) or broke (NaN) still give a finite distribution: a token, no error."""
+    logits = np.array([np.inf, 3.0, np.nan, np.inf, -np.inf, 1.0], dtype=np.float32)
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0))
+    drawn = {s.sample(logits) for _ in range(50)}
+    assert drawn <= {0, 1, 3, 5} and drawn & {0, 3}
+    # the strongest legal penalty on a large logit stays finite as well
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1e-3, seed=0)
+    assert Sampler(p).sample(np.array([30.0, 29.0, -5.0], dtype=np.float32), history=[0, 1]) in (0, 1, 2)

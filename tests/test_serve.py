@@ -92,7 +92,7 @@ def test_whole_conversation_resent_each_turn_hits_the_last_answer(client):
 
 
 def test_answer_names_the_loaded_model_and_reports_timings(server, client):
-    r = httpx.post(server.url + "/v1/chat/completions", json={
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": "gpt-4o", "messages": chat(W8.system, "Hello"), "max_tokens": 3, "temperature": 0})
     body = r.json()
     assert r.status_code == 200 and body["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -164,7 +164,8 @@ BAD = [
 @pytest.mark.parametrize("what,body,status", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_an_openai_error_and_the_next_request_is_served(server, client, what, body, status):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"content-type": "application/json"}, **kw)
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"content-type": "application/json"},
+                   timeout=60, **kw)
     assert r.status_code == status, (what, r.text)
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]

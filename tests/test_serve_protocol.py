@@ -43,3 +43,45 @@ def test_openai_defaults_and_llama_cpp_extensions():
     s = req.sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (1.0, 1.0, 40, 0.0, 3)
     assert parse_completion({"prompt": [[1, 2, 3]]}).prompt_ids == [1, 2, 3]
+
+
+def test_kv_budget_sizes_and_host_names():
+    from app.serve.budget import parse_budget
+    from app.serve.guard import host_name, local_hosts
+
+    assert parse_budget("10%", ram=1000) == 100 and parse_budget("0") == 0
+    assert parse_budget("2GiB") == 2 * 2**30 and parse_budget("500MB") == 500_000_000
+    with pytest.raises(ValueError, match="--kv-budget"):
+        parse_budget("lots")
+    assert [host_name(h) for h in ("[::1]:8000", "Example.COM:80", "::1", "localhost")] == \
+        ["::1", "example.com", "::1", "localhost"]
+    assert {"localhost", "127.0.0.1", "::1", "10.0.0.5", "box.lan"} <= local_hosts("10.0.0.5", ["box.lan"])
+    assert local_hosts("127.0.0.1", ["*"]) is None
+
+
+def test_text_is_checked_where_it_enters():
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [{"role": "system", "content": "ok"},
+                                 {"role": "user", "content": "a\ud800"}]})
+    assert e.value.param == "messages[1].content"
+    req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "user": "u" * 10_000})
+    assert len(req.user) <= 64
+    for field, value in (("cache_salt", "s" * 300), ("stop", ["x" * 300])):
+        with pytest.raises(ApiError) as e:
+            parse_chat({"messages": [{"role": "user", "content": "hi"}], field: value})
+        assert e.value.param == field
+
+
+def test_friendliness_keeps_a_bounded_number_of_clients_per_tenant():
+    from app.serve.friendliness import MAX_CLIENTS, OTHERS, Friendliness
+    from engine.loop import Job
+    from engine.metrics import RequestRecord
+    from engine.scheduler import FinishEvent
+
+    f = Friendliness()
+    for i in range(MAX_CLIENTS + 50):
+        record = RequestRecord(id=i, preview="", conversation_id=None, namespace="", n_prompt=4)
+        f.observe(Job({}, client=f"http 127.0.0.1 user=u{i}", tag="key-a"), FinishEvent(i, "stop", record))
+    clients = f.to_dict("key-a")["clients"]
+    assert len(clients) == MAX_CLIENTS + 1 and clients[0] == {**clients[0], "client": OTHERS, "requests": 50}
+    assert f.to_dict("key-b")["clients"] == []

@@ -202,6 +202,8 @@ def test_the_prefixlab_serve_command_serves_until_interrupted(sig, background):
             return httpx.get(url + "/health").status_code == 200
 
         wait_until(healthy, 120, "prefixlab serve to start", interval=0.1, ignore=(httpx.ConnectError,))
+        health = httpx.get(url + "/health").json()
+        assert health["kv_budget_bytes"] > 0 and health["cache_budget_pages"] > 0  # bounded by default
         r = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0).chat.completions.create(
             model="gpt-4o", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert r.usage.completion_tokens == 2
@@ -216,3 +218,19 @@ def test_the_prefixlab_serve_command_serves_until_interrupted(sig, background):
     assert proc.returncode == 0, out
     assert f"ready; point clients at OPENAI_BASE_URL=http://127.0.0.1:{port}/v1" in out
     assert "prefixlab serve: stopping" in out
+    assert "KV budget" in out and "of RAM" in out
+
+
+def test_friendliness_shows_each_tenant_only_its_own_prompts(served):
+    srv, _ = served
+    secret = "Alice's secret launch code is PINEAPPLE-7741. Summarise it."
+    r = client_for(srv, KEYS[0]).chat.completions.create(
+        model="m", max_tokens=1, user="alice-app", messages=[{"role": "user", "content": secret}])
+    assert r.usage.completion_tokens == 1
+    wait_idle(srv)
+    seen = {}
+    for key in KEYS:
+        got = httpx.get(srv.url + "/v1/prefixlab/friendliness", headers={"authorization": f"Bearer {key}"})
+        seen[key] = got.text
+    assert "alice-app" in seen[KEYS[0]]
+    assert "alice-app" not in seen[KEYS[1]] and "PINEAPPLE" not in seen[KEYS[1]]

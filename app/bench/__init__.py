@@ -13,7 +13,9 @@ decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --qu
 llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is
 installed (no target; not in --quick), and w8 ("Performance": whole `prefixlab run` processes
 of the W8 workload: the first token, then the wall time idle and with one and two busy
-processes; not in --quick).
+processes; not in --quick), and soak ("Hardening": 1,000 distinct chats against `prefixlab
+serve` with its default settings: peak RSS against its stated KV budget, the last 100 requests'
+latency over the first 100's; --quick: 60 requests; only when --only names it).
 --peer llama-cpp adds the peer section ("Performance"): llama-cpp-python on the same GGUF,
 prefill, decode, eight streams and the W8 workload, as ratios with the issue's targets
 (its llama.cpp tok/s are the llama_cpp_* figures, which the llama_cpp section then reuses).
@@ -32,12 +34,12 @@ import sys
 import time
 
 SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
-            "blas", "llama_cpp", "w8", "peer", "tiers")
+            "blas", "llama_cpp", "w8", "peer", "tiers", "soak")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 # left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run;
 # w8: a minute of whole processes, with busy ones)
-QUICK_SKIPS = ("blas", "serve", "llama_cpp", "w8", "peer")
-OPT_IN = ("peer",)       # run only when asked for (--peer, or --only naming it)
+QUICK_SKIPS = ("blas", "serve", "llama_cpp", "w8", "peer", "soak")
+OPT_IN = ("peer", "soak")  # run only when asked for (--peer, or --only naming it; soak: ~30 min)
 
 
 def add_parser(sub) -> None:
@@ -183,6 +185,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("kv_events", lambda: kv_events_figures(quick))
         if "serve" in sections:
             section("serve", lambda: bench_serve.serve_figures(path, quick, m.tokenizer.eos_ids))
+        if "soak" in sections:
+            from .soak import soak_figures
+            section("soak", lambda: soak_figures(path, quick))
         if "replay" in sections:
             from . import replay as bench_replay
             section("replay", lambda: bench_replay.replay_figures(quick))

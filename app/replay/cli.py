@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 
@@ -134,9 +135,21 @@ def _tokenizer(args):
 def _write_json(path: str, obj: dict) -> None:
     from ..report.files import ReportWriteError, write_bytes
     try:
-        write_bytes(path, json.dumps(obj, indent=1).encode())
+        # strict JSON: a figure that is not finite (no requests, no time) is null, never Infinity
+        write_bytes(path, json.dumps(finite_or_null(obj), indent=1, allow_nan=False).encode())
     except ReportWriteError as e:
         raise TraceError(f"cannot write {path}: {e.reason}") from None
+
+
+def finite_or_null(value):
+    """`value` with every NaN or infinite float replaced by None, for strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
 
 
 def table(results: list[ReplayResult]) -> str:

@@ -11,6 +11,7 @@ every iteration, so a 2 GB trace costs one line of memory at a time.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -116,10 +117,12 @@ class TraceSource:
                                     for m in messages])
         except Exception as e:  # a template error names the message; say which line it came from
             raise at.error(f"cannot render the chat messages: {e}") from None
-        out = obj.get("max_completion_tokens", obj.get("max_tokens")) or 0
+        # checked here, so a bad one names this file and line (not the tokenized copy's)
+        limit = next((n for n in ("max_completion_tokens", "max_tokens") if obj.get(n) is not None), None)
+        out = at.int_field(obj, limit, 0) if limit else 0
         arrival = at.number(obj, "timestamp") / 1000.0 if "timestamp" in obj else float(at.line - 1)
         client = " ".join(f"{k}={obj[k]}" for k in ("model", "user") if isinstance(obj.get(k), str))
-        return TraceRequest(arrival_s=arrival, input_length=len(prompt), output_length=int(out),
+        return TraceRequest(arrival_s=arrival, input_length=len(prompt), output_length=out,
                             client=client, prompt=prompt)
 
 
@@ -149,14 +152,14 @@ class _Where:
 
     def number(self, obj: dict, name: str) -> float:
         v = self._get(obj, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
-            raise self.error(f"'{name}' must be a number >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise self.error(f"'{name}' must be a number >= 0 and finite, got {_shown(v)}")
         return float(v)
 
     def int_field(self, obj: dict, name: str, low: int, default: int | None = None) -> int:
         v = obj.get(name, default) if default is not None else self._get(obj, name)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self.error(f"'{name}' must be an integer, got {v!r}")
+            raise self.error(f"'{name}' must be an integer, got {_shown(v)}")
         if v < low:
             what = "negative" if v < 0 else "too small"
             raise self.error(f"'{name}' is {what}: {v} (it must be >= {low})")
@@ -165,7 +168,7 @@ class _Where:
     def string(self, obj: dict, name: str) -> str:
         v = obj.get(name, "")
         if not isinstance(v, str):
-            raise self.error(f"'{name}' must be a string, got {v!r}")
+            raise self.error(f"'{name}' must be a string, got {_shown(v)}")
         return v
 
     def tokens(self, obj: dict, name: str) -> list[int]:
@@ -184,6 +187,12 @@ class _Where:
             raise self.error(f"{len(v)} hash_ids do not fit input_length {input_length}: "
                              f"{need} blocks of {block} tokens expected")
         return v
+
+
+def _shown(value) -> str:
+    """A bad value as an error message shows it: short (a line may hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _objects(path: str, skip_header: bool) -> Iterator[tuple[int, dict]]:
@@ -218,6 +227,8 @@ def _objects(path: str, skip_header: bool) -> Iterator[tuple[int, dict]]:
 def _parse(line: str, at: _Where) -> dict:
     try:
         obj = json.loads(line)
+    except RecursionError:
+        raise at.error("not a trace line: JSON nested too deeply") from None
     except ValueError as e:
         raise at.error(f"not valid JSON ({e.args[0].split(':')[0]})") from None
     if not isinstance(obj, dict):

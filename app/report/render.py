@@ -137,6 +137,23 @@ CHAIN_COLUMNS = [
 ]
 
 
+# A report's long tables show their first and last rows only: 100,000 requests took minutes and
+# gigabytes as HTML; every row stays in the JSON and CSV exports.
+TABLE_HEAD_ROWS = 200
+TABLE_TAIL_ROWS = 50
+
+
+def bounded_rows(items: list, make) -> list[dict]:
+    """`make(item)` for the first and last rows, with one `{"gap": n}` row for the n left out
+    between them (every row dict has a `gap`, 0 for a real row)."""
+    n = len(items)
+    if n <= TABLE_HEAD_ROWS + TABLE_TAIL_ROWS:
+        return [{"gap": 0, **make(x)} for x in items]
+    head = [{"gap": 0, **make(x)} for x in items[:TABLE_HEAD_ROWS]]
+    tail = [{"gap": 0, **make(x)} for x in items[n - TABLE_TAIL_ROWS:]]
+    return [*head, {"gap": n - TABLE_HEAD_ROWS - TABLE_TAIL_ROWS}, *tail]
+
+
 def _cells(obj, columns) -> list[Cell]:
     out = []
     for col in columns:
@@ -226,12 +243,6 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         request_columns = [(f, "TTFT (from admission)" if f == "ttft_s" else head,
                             fmt, "time from admission to the first token" if f == "ttft_s" else tip)
                            for f, head, fmt, tip in REQUEST_COLUMNS]
-    requests = [{"id": r.id, "cells": _cells(r, REQUEST_COLUMNS), "text": r.text,
-                 "hit": r.n_cached > 0} for r in report.requests]
-    chains = [{"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)} for c in report.chains]
-    timeline_cols = list(report.timeline[0].to_dict()) if report.timeline else []
-    timeline = [[Cell(k, format_cell(v), fmt_any(v)) for k, v in r.to_dict().items()]
-                for r in report.timeline]
     from ui.colors import LIGHT, STATE_LABELS, state_color  # the GUI's palette, light as on paper
     page_counts = [(STATE_LABELS[st], report.pages.count(st), state_color(st, LIGHT).name(), key)
                    for st, key in ((PAGE_PRIVATE, "private"), (PAGE_SHARED, "shared"),
@@ -239,12 +250,25 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
     return {
         "report": report, "cards": cards, "totals": totals, "fmt_any": fmt_any,
         "model_rows": model_rows, "settings_rows": settings_rows, "machine_rows": machine_rows,
-        "version_rows": version_rows, "request_columns": request_columns, "requests": requests,
+        "version_rows": version_rows, "request_columns": request_columns, **_tables(report),
         "ttft_note": (f"TTFT counts from {report.ttft_from}" + ("" if report.ttft_from == "arrival" else
                       " (a version 1 report)") + "; queue wait from submit to admission."),
-        "chain_columns": CHAIN_COLUMNS, "chains": chains, "timeline_columns": timeline_cols,
-        "timeline": timeline, "charts": charts, "page_map": page_map, "page_counts": page_counts,
+        "chain_columns": CHAIN_COLUMNS, "charts": charts,
+        "page_map": page_map, "page_counts": page_counts,
         "sha_short": m.sha256[:12],
+    }
+
+
+def _tables(report: Report) -> dict:
+    """The requests, chains and timeline tables, long ones summarised (`bounded_rows`)."""
+    return {
+        "requests": bounded_rows(report.requests, lambda r: {
+            "id": r.id, "cells": _cells(r, REQUEST_COLUMNS), "text": r.text, "hit": r.n_cached > 0}),
+        "chains": bounded_rows(report.chains, lambda c: {"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)}),
+        "timeline_columns": list(report.timeline[0].to_dict()) if report.timeline else [],
+        "timeline": bounded_rows(report.timeline, lambda r: {
+            "cells": [Cell(k, format_cell(v), fmt_any(v)) for k, v in r.to_dict().items()]}),
+        "timeline_steps": len(report.timeline),
     }
 
 

@@ -8,6 +8,8 @@ import sys
 from ..cache_persist import persist_from_args
 from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
 from ..stop_signals import StopOnSignals
+from .budget import DEFAULT_KV_BUDGET, describe, parse_budget, with_budget
+from .guard import DEFAULT_MAX_BODY_BYTES
 from .kv_events_publisher import add_kv_events_args, publisher_from_args
 from .protocol import DEFAULT_MAX_TOKENS
 
@@ -22,6 +24,14 @@ def add_parser(sub) -> None:
                    help="require this bearer key (repeat for several tenants; each key is its own "
                         "cache namespace); also read from PREFIXLAB_API_KEY")
     p.add_argument("--cors", action="store_true", help="allow cross-origin requests from any web page")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header names NAME (repeat; '*': any). Default: "
+                        "this machine's names and the --host address (keeps DNS rebinding out)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help="largest request body; a larger one gets 413 (default %(default)s, 8 MiB)")
+    p.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, metavar="SIZE",
+                   help="memory the prefix cache may keep: a share of RAM (10%%) or a size (2GiB, 500MB); "
+                        "0: none. --cache-pages, when given, wins (default %(default)s of RAM)")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help="answer limit of a request that sets no max_tokens (default: the context, "
                         "as OpenAI's; a bounded --pool-pages reserves every page of it at admission)")
@@ -30,13 +40,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def scheduler_factory(model_path: str | None, settings, prepare=None):
+def scheduler_factory(model_path: str | None, settings, prepare=None, kv_budget: int = 0):
     """Load the model and build its scheduler on the engine thread; `prepare(scheduler)` then
-    runs before the first request (e.g. a KV-event publisher attaching to its cache)."""
+    runs before the first request (e.g. a KV-event publisher attaching to its cache). Without
+    a cache budget in `settings`, `kv_budget` bytes become one (pages of this model)."""
     def build():
         from engine import load_model
         from engine.scheduler import Scheduler
-        scheduler = Scheduler(load_model(model_path), settings)
+        model = load_model(model_path)
+        scheduler = Scheduler(model, with_budget(settings, model, kv_budget))
         if prepare is not None:
             prepare(scheduler)
         return scheduler
@@ -51,6 +63,9 @@ def run(args) -> int:
         settings = scheduler_settings_from_args(args)
         if args.default_max_tokens is not None and args.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+        if args.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+        kv_budget = 0 if settings.cache_pages else parse_budget(args.kv_budget)
         publisher = publisher_from_args(args)  # binds now: a taken port fails before the model loads
     except ValueError as e:
         raise SystemExit(f"prefixlab serve: {e}") from None
@@ -62,9 +77,10 @@ def run(args) -> int:
             publisher.attach(scheduler.cache)
         persisted.extend(filter(None, [persist_from_args(args, scheduler)]))
     try:
-        server = Server(scheduler_factory(getattr(args, "model", None), settings, prepare), args.host,
-                        args.port, api_keys=keys, cors=args.cors,
-                        default_max_tokens=args.default_max_tokens).start()
+        server = Server(scheduler_factory(getattr(args, "model", None), settings, prepare, kv_budget),
+                        args.host, args.port, api_keys=keys, cors=args.cors,
+                        default_max_tokens=args.default_max_tokens, allowed_hosts=args.allowed_hosts,
+                        max_body_bytes=args.max_body_bytes).start()
     except ServeError as e:
         _close(publisher)
         raise SystemExit(f"prefixlab serve: {e}") from None
@@ -80,6 +96,9 @@ def run(args) -> int:
                     return 0
             if server.engine.load_error:
                 raise SystemExit(f"prefixlab serve: cannot load model: {server.engine.load_error}")
+            info = server.backend.info()
+            budget = describe(info["kv_budget_bytes"], info["cache_budget_pages"], args.kv_budget)
+            print(f"prefixlab serve: {budget}", flush=True)
             print(f"prefixlab serve: ready; point clients at OPENAI_BASE_URL={server.url}/v1", flush=True)
             while server.http.is_alive() and not stop.wait(0.5):
                 pass

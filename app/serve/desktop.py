@@ -36,7 +36,7 @@ class DesktopServer:
         self.backend = Backend(w.loop, model=lambda: w.model if w.scheduler is not None else None,
                                stats=lambda: latest_row(w.scheduler))
         try:
-            self.http = HttpThread(create_app(self.backend, api_keys, cors), host, port).start()
+            self.http = HttpThread(create_app(self.backend, api_keys, cors, host=host), host, port).start()
         except Exception:
             self.stop()  # a taken HTTP port: the publisher must not keep its port either
             raise

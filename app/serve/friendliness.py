@@ -17,6 +17,8 @@ from engine.metrics import hit_rate
 from ..probe import departure
 
 TOP_POSITIONS = 5
+MAX_CLIENTS = 200  # per tenant; later new clients are counted together, so memory stays bounded
+OTHERS = "(other clients)"
 
 
 @dataclass
@@ -65,7 +67,7 @@ class Friendliness:
     def __init__(self, tokenizer_of=lambda: None):
         self.tokenizer_of = tokenizer_of  # the loaded model's tokenizer, or None
         self._lock = threading.Lock()
-        self._clients: dict[str, ClientStats] = {}
+        self._clients: dict[tuple[str, str], ClientStats] = {}  # (tenant, client label) -> stats
 
     def observe(self, job, finish) -> None:
         """Engine-loop observer: one finished served request (engine thread)."""
@@ -74,8 +76,9 @@ class Friendliness:
         departure = explain(tokenizer, job.prompt, job.probe) if tokenizer and job.prompt else None
         if departure is not None and r.n_cached > departure.position:
             departure = None  # a stream prefilling the same prefix made it a hit after the probe
+        tenant = job.tag if isinstance(job.tag, str) else ""  # the server tags its jobs with the tenant
         with self._lock:
-            c = self._clients.setdefault(job.client or "unknown", ClientStats())
+            c = self._stats_of(tenant, job.client or "unknown")
             c.requests += 1
             c.hits += r.n_cached > 0
             c.prompt_tokens += r.n_prompt
@@ -87,8 +90,15 @@ class Friendliness:
                 c.misses[departure.position] += 1
                 c.examples[departure.position] = departure
 
-    def to_dict(self) -> dict:
-        """Every client's numbers, most requests first."""
+    def _stats_of(self, tenant: str, client: str) -> ClientStats:
+        key = (tenant, client)
+        if key not in self._clients and sum(t == tenant for t, _ in self._clients) >= MAX_CLIENTS:
+            key = (tenant, OTHERS)
+        return self._clients.setdefault(key, ClientStats())
+
+    def to_dict(self, tenant: str | None = None) -> dict:
+        """Every client's numbers, most requests first; with `tenant`, that tenant's clients only."""
         with self._lock:
-            clients = sorted(self._clients.items(), key=lambda kv: -kv[1].requests)
+            clients = sorted(((c, stats) for (t, c), stats in self._clients.items()
+                              if tenant is None or t == tenant), key=lambda kv: -kv[1].requests)
             return {"clients": [{"client": name, **stats.to_dict()} for name, stats in clients]}

@@ -12,12 +12,18 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine import SamplingParams
+from engine.sampler import REPEAT_PENALTY_RANGE
 
 MAX_STOPS = 4
 # The answer limit of a request that sets none: None is OpenAI's (the context). The default
 # unbounded pool grows page by page as an answer does; a bounded pool reserves every page a
 # request may fill at admission, so a server on one may want a smaller default.
 DEFAULT_MAX_TOKENS: int | None = None
+MAX_LABEL_CHARS = 64  # a client label (`user`) is kept per client: a 2 MB one must not be
+# A salt names a namespace that every cached page of it carries, and a stop string is matched
+# against every piece: both refused past these lengths rather than kept or scanned
+MAX_SALT_CHARS = 256
+MAX_STOP_CHARS = 256
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -25,7 +31,8 @@ class ApiError(Exception):
     """An error the client gets as an OpenAI error object with this HTTP status."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+             405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+             500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -65,6 +72,17 @@ def _bad(message: str, param: str) -> ApiError:
     return ApiError(400, message, param, "invalid_value")
 
 
+def check_text(value: str, param: str) -> str:
+    """`value` if it is encodable text; a 400 naming `param` for an unpaired surrogate (JSON's
+    "\\ud800" decodes to one, and no tokenizer or UTF-8 writer can take it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(f"'{param}' holds an unpaired surrogate (\\u{ord(value[e.start]):04x} at character "
+                   f"{e.start}): not valid Unicode text", param) from None
+    return value
+
+
 def _typed(body: dict, name: str, types, what: str, default=None):
     value = body.get(name, default)
     if value is None:
@@ -74,7 +92,7 @@ def _typed(body: dict, name: str, types, what: str, default=None):
         raise _bad(f"'{name}' must be {what}, got {value!r}", name)
     if not isinstance(value, types):
         raise _bad(f"'{name}' must be {what}, got {type(value).__name__} {value!r:.60}", name)
-    return value
+    return check_text(value, name) if isinstance(value, str) else value
 
 
 def _number(body: dict, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
@@ -108,8 +126,11 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
     _refuse_unsupported(body)
     req = ParsedRequest(chat=chat)
     req.model = _typed(body, "model", str, "a string", "")
-    req.user = _typed(body, "user", str, "a string", "")
+    req.user = _typed(body, "user", str, "a string", "")[:MAX_LABEL_CHARS]
     req.cache_salt = _typed(body, "cache_salt", str, "a string", "")
+    if len(req.cache_salt) > MAX_SALT_CHARS:
+        raise _bad(f"'cache_salt' is {len(req.cache_salt)} characters, at most {MAX_SALT_CHARS}",
+                   "cache_salt")
     req.ignore_eos = _typed(body, "ignore_eos", bool, "true or false", False)  # vLLM's extension
     req.stream = _typed(body, "stream", bool, "true or false", False)
     options = _typed(body, "stream_options", dict, "an object", {})
@@ -120,13 +141,17 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
     # llama.cpp's extensions; OpenAI's own semantics (no top-k, no min-p) unless a client asks
     top_k = _typed(body, "top_k", int, "an integer", 0)
     min_p = _number(body, "min_p", 0.0, 1.0, 0.0)
-    repeat_penalty = _number(body, "repeat_penalty", 0.0, 10.0, 1.0, low_open=True)
+    repeat_penalty = _number(body, "repeat_penalty", REPEAT_PENALTY_RANGE[0], 10.0, 1.0)
     if top_k < 0:
         raise _bad(f"'top_k' must be >= 0, got {top_k}", "top_k")
     if min_p >= 1.0:
         raise _bad("'min_p' must be below 1", "min_p")
     req.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                   repeat_penalty=repeat_penalty, seed=seed)
+    try:
+        req.sampling.validate()  # the engine's own ranges: values that would make probabilities NaN
+    except ValueError as e:
+        raise _bad(str(e), None) from None
     for name in ("max_completion_tokens", "max_tokens"):
         value = _typed(body, name, int, "an integer", None)
         if value is not None:
@@ -141,21 +166,23 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
             raise _bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
         if len(stop) > MAX_STOPS:
             raise _bad(f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", "stop")
-        req.stop = stop
+        if max(map(len, stop)) > MAX_STOP_CHARS:
+            raise _bad(f"a 'stop' string is at most {MAX_STOP_CHARS} characters", "stop")
+        req.stop = [check_text(s, f"stop[{i}]") for i, s in enumerate(stop)]
     return req
 
 
 def _content(message: dict, i: int) -> str:
     content = message.get("content")
     if isinstance(content, str):
-        return content
+        return check_text(content, f"messages[{i}].content")
     if isinstance(content, list):  # content parts: text only
         texts = []
         for part in content:
             text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
             if not isinstance(text, str):
                 raise _bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            texts.append(text)
+            texts.append(check_text(text, f"messages[{i}].content[{len(texts)}].text"))
         return "".join(texts)
     if content is None and message.get("role") == "assistant":
         return ""
@@ -193,7 +220,7 @@ def parse_completion(body) -> ParsedRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        req.prompt_text = prompt
+        req.prompt_text = check_text(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in prompt):
         req.prompt_ids = list(prompt)

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import errno
+import json
 import socket
 import threading
 import time
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .budget import page_bytes
 from .engine_loop import EngineThread
-from .protocol import DEFAULT_MAX_TOKENS
+from .guard import DEFAULT_MAX_BODY_BYTES
+from .protocol import DEFAULT_MAX_TOKENS, error_body
 from .server import Backend, create_app
 
 START_TIMEOUT_S = 30.0
@@ -40,13 +45,29 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class JsonErrorsH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, its own 400 for a malformed request an OpenAI error object
+    rather than plain text (what clients' error handling parses)."""
+
+    def send_400_response(self, msg: str) -> None:
+        error = error_body(400, f"malformed HTTP request: {msg}", None, "bad_http_request")
+        body = json.dumps(error).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
 class HttpThread:
     """uvicorn serving an ASGI app on a daemon thread; `stop()` closes connections and joins."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8000):
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                http=JsonErrorsH11)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="prefixlab-http", daemon=True)
@@ -83,20 +104,36 @@ def latest_row(scheduler) -> dict:
     return rows[-1].to_dict() if rows else {}
 
 
+def kv_budget_info(scheduler) -> dict:
+    """The cache's budget as /health shows it: pages, and bytes of this model's pages (0: none)."""
+    if scheduler is None:
+        return {}
+    pages = scheduler.settings.cache_pages if scheduler.settings.cache_enabled else 0
+    itemsize = scheduler.pool.k.dtype.itemsize if hasattr(scheduler.pool, "k") else 4
+    one = page_bytes(scheduler.model, scheduler.settings.page_rows, itemsize)
+    return {"kv_budget_bytes": pages * one, "cache_budget_pages": pages, "kv_page_bytes": one}
+
+
 class Server:
     """`prefixlab serve` as an object: the engine loop on its thread over `factory()`, behind the HTTP app."""
 
     def __init__(self, factory, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
-                 cors: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
+                 cors: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                 allowed_hosts: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine = EngineThread(factory)
         self.backend = Backend(self.engine.loop, model=self._model, stats=self._stats,
                                load_error=lambda: self.engine.load_error, state=self.engine.state,
-                               default_max_tokens=default_max_tokens)
-        self.http = HttpThread(create_app(self.backend, api_keys, cors), host, port)
+                               default_max_tokens=default_max_tokens, info=self._info)
+        app = create_app(self.backend, api_keys, cors, host=host, allowed_hosts=allowed_hosts,
+                         max_body_bytes=max_body_bytes)
+        self.http = HttpThread(app, host, port)
 
     def _model(self):
         s = self.engine.scheduler
         return s.model if s is not None else None
+
+    def _info(self) -> dict:
+        return kv_budget_info(self.engine.scheduler)
 
     def _stats(self) -> dict:
         return latest_row(self.engine.scheduler)

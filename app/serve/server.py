@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -26,8 +27,10 @@ from engine.scheduler import FinishEvent, TokenEvent
 
 from . import metrics
 from .friendliness import Friendliness
+from .guard import DEFAULT_MAX_BODY_BYTES, Guard, local_hosts
 from .protocol import (
     DEFAULT_MAX_TOKENS,
+    MAX_LABEL_CHARS,
     ApiError,
     ParsedRequest,
     StopFilter,
@@ -41,6 +44,7 @@ from .protocol import (
 )
 
 DISCONNECT_POLL_S = 0.5
+log = logging.getLogger("prefixlab.serve")
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Backend:
     load_error: Callable[[], str | None] = lambda: None
     state: Callable[[], str] = lambda: "serving"   # the engine thread's: loading/failed/serving/dead
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS
+    info: Callable[[], dict] = dict  # what /health adds once loaded (the KV budget)
     friendliness: Friendliness = field(init=False)
     ttft: metrics.TtftHistogram = field(default_factory=metrics.TtftHistogram)
 
@@ -86,8 +91,24 @@ def model_id(model) -> str:
     return os.path.basename(model.path)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI error object: validation is 400 (not FastAPI's 422), never a traceback."""
+def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool = False, *,
+               host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The server's ASGI app; `api_keys` empty: no authentication. It answers Host names of this
+    machine and `host` (plus `allowed_hosts`; "*": any) and bodies up to `max_body_bytes`."""
+    app = FastAPI(title="PrefixLab", docs_url=None, redoc_url=None, openapi_url=None)
+    keys = {k: tenant_of(k) for k in (api_keys or [])}
+    app.add_middleware(Guard, allowed_hosts=local_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes)
+    if cors:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    _answer_errors_as_objects(app)
+    _add_routes(app, backend, keys)
+    return app
+
+
+def _answer_errors_as_objects(app: FastAPI) -> None:
+    """Every error an OpenAI error object: ours, Starlette's (404, 405), validation, the rest."""
 
     @app.exception_handler(ApiError)
     async def api_error(_request, e: ApiError):
@@ -107,9 +128,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
 
 
-def _tenant_checker(api_keys: list[str]) -> Callable[[Request], str]:
-    """A request's tenant from its bearer key (401 when keys are set and it has none of them)."""
-    keys = {k: tenant_of(k) for k in api_keys}
+def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
+    """The endpoints; `keys` maps each API key to its tenant (empty: no authentication)."""
 
     def tenant(request: Request) -> str:
         if not keys:
@@ -121,18 +141,6 @@ def _tenant_checker(api_keys: list[str]) -> Callable[[Request], str]:
                 return name
         raise ApiError(401, "invalid API key: send 'Authorization: Bearer <key>'" if given else
                        "missing API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key")
-
-    return tenant
-
-
-def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool = False) -> FastAPI:
-    """The server's ASGI app; `api_keys` empty: no authentication."""
-    app = FastAPI(title="PrefixLab", docs_url=None, redoc_url=None, openapi_url=None)
-    tenant = _tenant_checker(api_keys or [])
-    if cors:
-        from fastapi.middleware.cors import CORSMiddleware
-        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
-    _add_error_handlers(app)
 
     def loaded_model():
         model = backend.model()
@@ -149,7 +157,7 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
             return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
         if backend.state() == "dead":
             return JSONResponse({"status": "error", "error": "the engine loop stopped"}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", **backend.info()}
 
     @app.get("/metrics")
     async def prometheus():
@@ -166,24 +174,24 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
 
     @app.get("/v1/prefixlab/friendliness")
     async def friendliness(request: Request):
-        tenant(request)
-        return backend.friendliness.to_dict()
+        # with API keys each tenant sees its own clients only (their prompts' text is in here)
+        return backend.friendliness.to_dict(tenant(request) if keys else None)
 
     async def complete(request: Request, chat: bool) -> Response:
         arrival = time.perf_counter()
         ns_tenant = tenant(request)
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
-        req = parse_chat(body) if chat else parse_completion(body)
+        raw = await request.body()
+        # decoding, checking and tokenizing a large body take long: off the event loop, so
+        # /health and the other clients' streams go on meanwhile
+        req = await asyncio.to_thread(_parse, raw, chat)
         model = loaded_model()
         remote = request.client.host if request.client else "?"
-        client = f"http {remote} model={req.model or '-'} user={req.user or '-'}"
+        client = f"http {remote} model={req.model[:MAX_LABEL_CHARS] or '-'} user={req.user or '-'}"
         call = _Call(backend.loop, asyncio.get_running_loop())
         namespace = namespace_of(ns_tenant, req.cache_salt)
-        kwargs = _submit_kwargs(req, model, namespace, backend.default_max_tokens)
-        call.submit(Job(kwargs, call.sink, client=client, arrival=arrival))
+        kwargs = await asyncio.to_thread(_submit_kwargs, req, model, namespace, backend.default_max_tokens)
+        # the tag is the caller's tenant: views of served traffic show each tenant its own
+        call.submit(Job(kwargs, call.sink, client=client, arrival=arrival, tag=ns_tenant))
         first = await call.next()
         if isinstance(first, Refused):
             raise ApiError(first.status, first.message, None,
@@ -202,7 +210,16 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
     async def completions(request: Request):
         return await complete(request, chat=False)
 
-    return app
+
+def _parse(raw: bytes, chat: bool) -> ParsedRequest:
+    """A checked request from the raw body; ApiError (400) for bad JSON, too deep or not."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", None, "invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    return parse_chat(body) if chat else parse_completion(body)
 
 
 def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens: int | None) -> dict:
@@ -294,6 +311,8 @@ async def _stream(call: _Call, answer: _Answer):
                 yield sse(error_body(event.status, event.message))
                 return
     finally:
+        if not call.done:
+            log.warning("prefixlab serve: %s: the client disconnected mid-stream; request cancelled", rid)
         call.cancel()  # the client went away (or we stopped): its pages go back
 
 
@@ -305,6 +324,7 @@ async def _whole(request: Request, call: _Call, answer: _Answer) -> Response:
                 event = await asyncio.wait_for(call.next(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await request.is_disconnected():
+                    log.warning("prefixlab serve: %s: the client disconnected; request cancelled", answer.rid)
                     return Response(status_code=499)
                 continue
             if isinstance(event, TokenEvent):

@@ -1,0 +1,66 @@
+"""The server's default KV memory budget: a share of this machine's RAM, as prefix-cache pages.
+
+Without one, a long-running server keeps every prefix it ever saw and its pool only grows
+(300 distinct chats took it from 0.7 to 1.9 GB). With one the cache evicts its least
+recently used pages within the budget; running requests' own pages come on top of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+DEFAULT_KV_BUDGET = "10%"  # of physical RAM
+_SIZE = re.compile(r"^\s*(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>%|[kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def physical_ram() -> int:
+    """This machine's RAM in bytes (0 when the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def parse_budget(text: str, ram: int | None = None) -> int:
+    """Bytes of a budget such as "10%" (of RAM), "2GiB", "1.5G", "500MB" or "0" (no budget)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"--kv-budget: expected a size such as 10%, 2GiB or 500MB, got {text!r}")
+    n, unit = float(m.group("n")), (m.group("unit") or "").lower()
+    if unit == "%":
+        if n > 100:
+            raise ValueError(f"--kv-budget: {text!r} is more than all of the RAM")
+        return int((physical_ram() if ram is None else ram) * n / 100)
+    scale = _UNITS[unit[:1]] * ((1024 / 1000) ** "bkmgt".index(unit[:1]) if "i" in unit else 1)
+    return int(n * scale)
+
+
+def page_bytes(model, page_rows: int, itemsize: int = 4) -> int:
+    """Bytes of one KV page: K and V of `page_rows` positions in every layer."""
+    c = model.config
+    return 2 * c.n_layers * page_rows * c.n_kv_heads * c.head_dim * itemsize
+
+
+def budget_pages(budget_bytes: int, model, page_rows: int) -> int:
+    """Cache pages that fit the budget (at least 1; 0 for no budget)."""
+    return max(1, budget_bytes // page_bytes(model, page_rows)) if budget_bytes > 0 else 0
+
+
+def with_budget(settings, model, budget_bytes: int):
+    """`settings` with the budget as its cache budget, unless it has one (or `budget_bytes` is 0).
+    The app can start bounded the same way: with_budget(settings, model, parse_budget("10%"))."""
+    if settings.cache_pages or not budget_bytes:
+        return settings
+    return dataclasses.replace(settings, cache_pages=budget_pages(budget_bytes, model, settings.page_rows))
+
+
+def describe(budget_bytes: int, pages: int, spec: str) -> str:
+    """The startup line's words: size, where it came from, pages."""
+    if not budget_bytes:
+        return "KV budget: none (the prefix cache keeps every prefix; --kv-budget to bound it)"
+    share = f"{spec} of RAM" if spec.strip().endswith("%") else "--kv-budget"
+    return (f"KV budget {budget_bytes / 2**30:.2f} GiB ({share}): the prefix cache keeps at most {pages} "
+            f"pages and evicts the least recently used beyond them; running requests' pages come on top")

@@ -1,0 +1,162 @@
+"""`prefixlab serve` against hostile input: one bad request is refused alone, the server stays up.
+
+Surrogates, NaN-making penalties, deep JSON, huge bodies, non-JSON posts and foreign Host
+headers each get a clean OpenAI error object; requests running beside them finish.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve_helpers import pages_held_by_sessions, scheduler_on, start_server, wait_idle
+
+pytestmark = pytest.mark.model
+HEALTH_GENEROUS_S = 5.0  # only "not stalled for the whole upload"; speed is the bench's job
+
+
+@pytest.fixture(scope="module")
+def server(real_model):
+    srv = start_server(scheduler_on(real_model, max_streams=4), allowed_hosts=["prefixlab.test"])
+    yield srv
+    srv.stop()
+
+
+def post(server, path: str, raw: bytes, **headers) -> httpx.Response:
+    headers = {"content-type": "application/json", **headers}
+    return httpx.post(server.url + path, content=raw, headers=headers, timeout=120)
+
+
+def still_serves(server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    r = client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert r.usage.completion_tokens == 2
+
+
+CHAT, HI = "/v1/chat/completions", '"messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, '{"messages": [{"role": "user", "content": "x\\ud800y"}]}', "messages[0].content"),
+    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    (CHAT, '{' + HI + ', "stop": ["\\ud800"]}', "stop[0]"),
+    (CHAT, '{' + HI + ', "user": "a\\ud800"}', "user"),
+    ("/v1/completions", '{"prompt": "x\\ud800y", "max_tokens": 2}', "prompt"),
+])
+def test_an_unpaired_surrogate_is_a_400_naming_the_field(server, path, body, param):
+    r = post(server, path, body.encode())
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "surrogate" in error["message"]
+    still_serves(server)
+
+
+def test_a_nan_making_penalty_is_refused_while_a_running_request_finishes(server):
+    body = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+            "max_tokens": 40, "temperature": 1.0, "seed": 1, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+        bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "again and again and again"}], "max_tokens": 20,
+            "temperature": 1.0, "repeat_penalty": 1e-40})
+        rest = list(lines)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "repeat_penalty"
+    chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert not any("error" in c for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 40
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+
+
+def test_json_nested_a_thousand_deep_is_a_400(server):
+    deep = b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    r = post(server, "/v1/chat/completions", deep)
+    assert r.status_code == 400 and "Traceback" not in r.text
+    assert "nested too deeply" in r.json()["error"]["message"]
+    still_serves(server)
+
+
+def test_a_20_mb_body_is_413_while_health_answers(server):
+    prompt = "word " * (4 * 1024 * 1024)
+    raw = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+    assert len(raw) > 20_000_000
+    result, health_s = {}, []
+    upload = threading.Thread(target=lambda: result.setdefault("r", post(server, "/v1/completions", raw)))
+    upload.start()
+    while upload.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        health_s.append(time.perf_counter() - t0)
+    upload.join()
+    r = result["r"]
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert max(health_s) < HEALTH_GENEROUS_S, health_s
+    still_serves(server)
+
+
+def test_only_json_bodies_are_accepted(server):
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", ""):
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": kind})
+        assert r.status_code == 415, kind
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert post(server, "/v1/chat/completions", body, **{"content-type": "application/json; charset=utf-8"}
+                ).status_code == 200
+
+
+def test_a_foreign_host_is_refused_and_allowed_hosts_widen_the_list(server):
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    evil = post(server, "/v1/chat/completions", body, host="evil.example:8000")
+    assert evil.status_code == 400 and evil.json()["error"]["code"] == "invalid_host"
+    assert httpx.get(server.url + "/health", headers={"host": "rebound.example"}).status_code == 400
+    for host in (f"localhost:{server.http.port}", f"127.0.0.1:{server.http.port}", "prefixlab.test"):
+        assert httpx.get(server.url + "/health", headers={"host": host}).status_code == 200, host
+
+
+def test_no_cors_unless_asked(server):
+    preflight = httpx.options(server.url + "/v1/chat/completions", headers={
+        "origin": "https://evil.example", "access-control-request-method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+def test_a_malformed_http_request_gets_an_error_object(server):
+    with socket.create_connection(("127.0.0.1", server.http.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nBad Header Line\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(4096):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert json.loads(body)["error"]["code"] == "bad_http_request"
+
+
+def test_client_labels_are_bounded(server):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "user": "u" * 200_000})
+    assert r.status_code == 200
+    wait_idle(server)
+    labels = [c["client"] for c in server.backend.friendliness.to_dict()["clients"]]
+    assert labels and max(len(label) for label in labels) < 200
+
+
+def test_a_client_that_hangs_up_is_one_log_line(server, caplog):
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 200,
+            "stream": True}
+    with caplog.at_level("WARNING", logger="prefixlab.serve"):
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            next(line for line in r.iter_lines() if '"content": "' in line and '"content": ""' not in line)
+        wait_idle(server)
+        deadline = time.monotonic() + 30
+        while not any("disconnected" in m for m in caplog.messages) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    lines = [m for m in caplog.messages if "disconnected" in m]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert pages_held_by_sessions(server) == 0
