@@ -37,6 +37,8 @@ def add_parser(sub) -> None:
                    help="write the trace's Mooncake form (block hashes, no tokens) to OUT and stop")
     add_model_arg(p)  # an OpenAI log is tokenized with this model's chat template
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from .cluster_cli import add_cluster_args
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -76,8 +78,11 @@ def _bad(msg: str) -> argparse.ArgumentTypeError:
 
 
 def run(args) -> int:
+    from .cluster_cli import cluster_mode, run_cluster, synthesize_command
     from .record import convert_to_prefixlab, redact_trace
     from .sweep import configurations, run_sweep
+    if args.synthesize is not None:
+        return synthesize_command(args)
     try:
         source = open_trace(args.trace, args.format, args.block_size, _tokenizer(args))
         with tempfile.TemporaryDirectory(prefix="prefixlab-replay-") as tmp:
@@ -91,6 +96,8 @@ def run(args) -> int:
             if source.hashed and args.page_rows != [None]:
                 raise TraceError("--page-rows applies to token traces; a hash-id trace replays at "
                                  "its --block-size")
+            if cluster_mode(args):
+                return run_cluster(args, source)
             configs = configurations(args.page_rows, args.budget, args.policy)
             results = run_sweep(source, configs, workers=args.workers, dask_scheduler=args.dask_scheduler,
                                 progress=not args.quiet and len(configs) > 1)

@@ -1,0 +1,114 @@
+"""Cluster charts of a trace replay: hit ratio and p99 TTFT against replicas, one line per router.
+
+Plain data in: rows as `prefixlab replay --replicas ... --json` writes them
+(replicas, router, budget, policy, token_hit_ratio, ttft_p99_s).
+"""
+
+from __future__ import annotations
+
+import pyqtgraph as pg
+from PySide6.QtCore import QEvent, Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+from .colors import LIGHT, Theme, theme_for
+
+# Okabe-Ito hues, one per router (colour-blind safe).
+ROUTER_COLORS = {"round-robin": "#999999", "prefix-hash": "#e69f00", "random": "#56b4e9",
+                 "least-loaded": "#3d85c6", "cache-aware": "#1fa774", "kv-cost": "#d55e00"}
+_SPARE = ("#cc5fa0", "#8e6bd8")
+
+
+def router_color(router: str, index: int = 0) -> QColor:
+    return QColor(ROUTER_COLORS.get(router, _SPARE[index % len(_SPARE)]))
+
+
+def cluster_lines(rows: list[dict]) -> dict[tuple, tuple[list[int], list[float], list[float]]]:
+    """(router, budget, policy) -> (replica counts, hit ratios, p99 TTFTs), sorted by replicas."""
+    lines: dict[tuple, list[tuple[int, float, float]]] = {}
+    for r in rows:
+        lines.setdefault((r["router"], r["budget"], r["policy"]), []).append(
+            (r["replicas"], r["token_hit_ratio"], r["ttft_p99_s"]))
+    out = {}
+    for key, pts in lines.items():
+        pts.sort()
+        out[key] = ([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts])
+    return out
+
+
+class ClusterChart(QWidget):
+    """Two plots against replicas (log 2): token hit ratio, and simulated p99 TTFT."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.hit = pg.PlotWidget(self)
+        self.ttft = pg.PlotWidget(self)
+        for pw, title, y in ((self.hit, "Token hit ratio vs replicas", "token hit ratio (%)"),
+                             (self.ttft, "Simulated TTFT p99 vs replicas (queueing included)", "TTFT p99 (s, log)")):
+            pw.setMenuEnabled(False)
+            item = pw.getPlotItem()
+            item.setTitle(title)
+            item.setLabel("bottom", "replicas")
+            item.setLabel("left", y)
+            item.getAxis("left").enableAutoSIPrefix(False)
+            item.showGrid(x=True, y=True, alpha=0.25)
+            item.legend = pg.LegendItem(frame=False, labelTextSize="8.5pt", horSpacing=12)
+            item.layout.addItem(item.legend, 4, 1, alignment=Qt.AlignmentFlag.AlignHCenter)
+            layout.addWidget(pw)
+        self.ttft.getPlotItem().setLogMode(x=False, y=True)  # TTFTs span orders of magnitude
+        self.rows: list[dict] = []
+        self.apply_theme(theme_for(self))
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt's name
+        if event.type() == QEvent.Type.PaletteChange:
+            self.apply_theme(theme_for(self))
+        super().changeEvent(event)
+
+    def set_rows(self, rows: list[dict]) -> None:
+        """Draw these cluster rows."""
+        self.rows = list(rows)
+        self._draw()
+
+    def apply_theme(self, theme: Theme = LIGHT) -> None:
+        self.theme = theme
+        for pw in (self.hit, self.ttft):
+            pw.setBackground(theme.background)
+            item = pw.getPlotItem()
+            for name in ("left", "bottom"):
+                axis = item.getAxis(name)
+                axis.setPen(pg.mkPen(theme.grid))
+                axis.setTextPen(pg.mkPen(theme.muted))
+            item.titleLabel.setAttr("color", theme.foreground)
+            item.legend.setLabelTextColor(theme.foreground)
+        self._draw()
+
+    def _draw(self) -> None:
+        for pw in (self.hit, self.ttft):
+            pw.getPlotItem().clear()
+            pw.getPlotItem().legend.clear()
+        lines = cluster_lines(self.rows)
+        settings = {(b, p) for _, b, p in lines}
+        routers = sorted({k[0] for k in lines})
+        styles = [Qt.PenStyle.SolidLine, Qt.PenStyle.DashLine, Qt.PenStyle.DotLine]
+        setting_style = {s: styles[i % len(styles)] for i, s in enumerate(sorted(settings, key=str))}
+        for (router, budget, policy), (ns, hits, p99) in sorted(lines.items(), key=str):
+            name = router if len(settings) == 1 else f"{router}, {_budget(budget)} pages, {policy}"
+            pen = pg.mkPen(router_color(router, routers.index(router)), width=2.2,
+                           style=setting_style[(budget, policy)])
+            for pw, ys in ((self.hit, [100 * h for h in hits]), (self.ttft, p99)):
+                pw.plot(ns, ys, pen=pen, symbol="o", symbolSize=6, symbolBrush=pen.color(), symbolPen=None,
+                        name=name)
+        ticks = [(n, str(n)) for n in sorted({r["replicas"] for r in self.rows})]
+        for pw in (self.hit, self.ttft):
+            item = pw.getPlotItem()
+            item.getAxis("bottom").setTicks([ticks] if ticks else None)
+            item.legend.setColumnCount(max(1, min(3, len(item.legend.items))))
+            item.vb.enableAutoRange(x=True, y=True)
+        top = max((r["token_hit_ratio"] for r in self.rows), default=0.0)
+        self.hit.getPlotItem().vb.setYRange(0, 100 * max(0.05, top), padding=0.05)
+
+
+def _budget(budget: int | None) -> str:
+    return "inf" if budget is None else f"{budget:,}"
