@@ -46,7 +46,8 @@ class ClusterChart(QWidget):
         self.hit = pg.PlotWidget(self)
         self.ttft = pg.PlotWidget(self)
         for pw, title, y in ((self.hit, "Token hit ratio vs replicas", "token hit ratio (%)"),
-                             (self.ttft, "Simulated TTFT p99 vs replicas (queueing included)", "TTFT p99 (s, log)")):
+                             (self.ttft, "Simulated TTFT p99 vs replicas (queueing included)",
+                              "TTFT p99 (s, log)")):
             pw.setMenuEnabled(False)
             item = pw.getPlotItem()
             item.setTitle(title)

@@ -96,7 +96,8 @@ class _Replica:
     """One replica: its cache (a single-cache replay), its slots, its prefill queue, its load."""
 
     def __init__(self, config: ClusterConfig, rows: int, hashed: bool):
-        self.sim = _Replay(ReplayConfig(config.page_rows, config.budget, config.policy), rows=rows, hashed=hashed)
+        cache = ReplayConfig(config.page_rows, config.budget, config.policy)
+        self.sim = _Replay(cache, rows=rows, hashed=hashed)
         self.slots = [0.0] * config.service.slots       # when each slot is free (a heap)
         self.prefill_free = 0.0
         self.running: list[tuple[float, int, int]] = []  # (finish, work tokens, kv blocks) heap
@@ -194,7 +195,8 @@ def _first_key(sim: _Replay, r: TraceRequest) -> int:
     return sim.cache.page_key(None, r.prompt[:sim.rows], r.namespace)
 
 
-def _result(config: ClusterConfig, rows: int, reps: list[_Replica], ttft: array, seconds: float) -> ClusterResult:
+def _result(config: ClusterConfig, rows: int, reps: list[_Replica], ttft: array,
+            seconds: float) -> ClusterResult:
     res = ClusterResult(replicas=config.replicas, router=config.router, budget=config.budget,
                         policy=config.policy, page_rows=rows, service=asdict(config.service), seconds=seconds)
     for rep in reps:

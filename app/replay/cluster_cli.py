@@ -50,7 +50,7 @@ def _replica_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected replica counts separated by commas, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected counts separated by commas, got {text!r}") from None
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"a cluster needs at least 1 replica, got {text!r}")
     return values
@@ -144,5 +144,6 @@ def cluster_table(results: list[ClusterResult]) -> str:
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
 
     def line(cells) -> str:
-        return "  ".join(c.ljust(w) if i in (1, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i in (1, 3) else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join(line(cells) for cells in [head, *body])

@@ -84,4 +84,5 @@ def measure(model_path: str, slots: int = SchedulerSettings.max_streams) -> Serv
     step = (time.perf_counter() - t0) / DECODE_STEPS
     for s in sessions:
         s.release()
-    return ServiceModel(prefill_rate=round(PREFILL_TOKENS / best, 1), decode_rate=round(1 / step, 2), slots=slots)
+    return ServiceModel(prefill_rate=round(PREFILL_TOKENS / best, 1), decode_rate=round(1 / step, 2),
+                        slots=slots)

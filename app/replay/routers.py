@@ -69,7 +69,8 @@ def make_router(name: str, replicas: int, knobs: RouterKnobs = RouterKnobs()) ->
         return lambda v: _argmin(v.load)
     if name == "cache-aware":
         return lambda v: _cache_aware(v, knobs)
-    return lambda v: _argmin([knobs.overlap_weight * (v.blocks - c) + d for c, d in zip(v.cached, v.decoding)])
+    w = knobs.overlap_weight  # Dynamo: overlap_weight x blocks to prefill + blocks being decoded
+    return lambda v: _argmin([w * (v.blocks - c) + d for c, d in zip(v.cached, v.decoding)])
 
 
 def _argmin(values) -> int:

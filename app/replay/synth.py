@@ -38,7 +38,8 @@ def synthesize_rows(n: int, seed: int = 0, prefixes: int | None = None, zipf: fl
         short = rng.integers(0, block, size=m)       # the last block's missing tokens
         outs = rng.integers(16, 513, size=m)
         gaps = rng.exponential(1.0 / rate, size=m)
-        for p, o, s, out, gap in zip(picks.tolist(), own.tolist(), short.tolist(), outs.tolist(), gaps.tolist()):
+        cols = (picks.tolist(), own.tolist(), short.tolist(), outs.tolist(), gaps.tolist())
+        for p, o, s, out, gap in zip(*cols):
             t += gap
             shared = list(range(int(starts[p]), int(starts[p + 1])))
             ids = shared + list(range(next_id, next_id + o))
