@@ -7,9 +7,9 @@ Plain data in: rows as `prefixlab replay --replicas ... --json` writes them
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt
+from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QVBoxLayout, QWidget
+from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QVBoxLayout, QWidget
 
 from .colors import LIGHT, Theme, theme_for
 
@@ -113,3 +113,51 @@ class ClusterChart(QWidget):
 
 def _budget(budget: int | None) -> str:
     return "inf" if budget is None else f"{budget:,}"
+
+
+class ClusterControls(QWidget):
+    """The What-if tab's cluster knobs: replica counts, pages per replica, routers, a Run button."""
+
+    run_requested = Signal(str, str, list)  # replicas text, budgets text, router names
+
+    def __init__(self, parent: QWidget | None = None, routers=tuple(ROUTER_COLORS)):
+        super().__init__(parent)
+        self.replicas = QLineEdit("1,2,4,8")
+        self.replicas.setPlaceholderText("replicas: 1,2,4,8")
+        self.budgets = QLineEdit("3000")
+        self.budgets.setPlaceholderText("pages per replica")
+        self.routers = {name: QCheckBox(name) for name in routers}
+        for box in self.routers.values():
+            box.setChecked(True)
+        self.run_button = QPushButton("Run cluster")
+        rows = QVBoxLayout(self)
+        rows.setContentsMargins(0, 0, 0, 0)
+        row, checks = QHBoxLayout(), QHBoxLayout()
+        for label, edit in (("replicas", self.replicas), ("pages each", self.budgets)):
+            row.addWidget(QLabel(label))
+            edit.setMaximumWidth(110)
+            row.addWidget(edit)
+        row.addStretch(1)
+        row.addWidget(self.run_button)
+        for box in self.routers.values():
+            checks.addWidget(box)
+        checks.addStretch(1)
+        rows.addLayout(row)
+        rows.addLayout(checks)
+        self.run_button.clicked.connect(self._run)
+
+    def _run(self) -> None:
+        chosen = [name for name, box in self.routers.items() if box.isChecked()]
+        self.run_requested.emit(self.replicas.text(), self.budgets.text(), chosen)
+
+
+CLUSTER_COLUMNS = ("replicas", "router", "budget", "hit ratio", "per replica", "imbalance",
+                   "TTFT p50", "TTFT p99")
+
+
+def cluster_cells(r: dict) -> tuple[str, ...]:
+    """One table row of a cluster result."""
+    per = [p["token_hit_ratio"] for p in r["per_replica"]]
+    return (str(r["replicas"]), r["router"], _budget(r["budget"]), f"{r['token_hit_ratio']:.2%}",
+            f"{min(per):.1%}-{max(per):.1%}", f"{r['load_imbalance']:.2f}",
+            f"{r['ttft_p50_s']:,.2f} s", f"{r['ttft_p99_s']:,.2f} s")
