@@ -165,3 +165,20 @@ def test_cli_bad_cluster_input(synthetic, tmp_path, capsys):
     bad.write_text("\n".join(lines[:3] + ["{not json"] + lines[3:]) + "\n")
     with pytest.raises(SystemExit, match=r"bad\.jsonl, line 4: not valid JSON"):
         main(["replay", str(bad), "--replicas", "2", *RATES, "--quiet", "--workers", "1"])
+
+
+def test_default_rates_are_measured_once_and_printed(synthetic, tiny_gguf_path, capsys):
+    """Without --prefill-rate/--decode-rate/--slots, the replay measures the engine once (here a tiny
+    model), prints the rates with the results, and reads them back the next time."""
+    argv = ["replay", synthetic, "--replicas", "2", "--router", "least-loaded", "--model", tiny_gguf_path,
+            "--workers", "1", "--quiet"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert "(measured now with" in first
+    assert main(argv) == 0
+    second = capsys.readouterr().out
+    assert "engine-rates.json)" in second
+    rates = [line for line in first.splitlines() if line.startswith("service model per replica")]
+    assert rates and rates[0].split(" (")[0] == next(
+        line for line in second.splitlines() if line.startswith("service model")).split(" (")[0]
+    assert ", 8 slots" in rates[0]
