@@ -32,6 +32,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "w8_first_token_s": (1.0, "<="), "w8_one_busy_ratio": (1.6, "<="), "w8_two_busy_ratio": (4.0, "<="),
     "replay_one_config_s": (5.0, "<="), "replay_10k_blocks_s": (5.0, "<="),
     "replay_sweep_core_share": (0.75, ">="),
+    "cluster_dask_matches_pool": (1.0, ">="), "cluster_1m_peak_rss_gb": (1.0, "<="),
 }
 PEER_TARGETS = ("peer_prefill_ratio", "peer_decode_ratio", "peer_batch8_ratio", "peer_w8_wall_ratio")
 W8_TARGETS = ("w8_first_token_s", "w8_one_busy_ratio", "w8_two_busy_ratio")
