@@ -7,11 +7,12 @@ Plain data in: rows as `prefixlab replay --replicas ... --json` writes them
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QVBoxLayout, QWidget
 
-from .colors import LIGHT, Theme, theme_for
+from .colors import theme_for
+from .whatif import PlotStack
 
 # Okabe-Ito hues, one per router (colour-blind safe).
 ROUTER_COLORS = {"round-robin": "#999999", "prefix-hash": "#e69f00", "random": "#56b4e9",
@@ -36,59 +37,24 @@ def cluster_lines(rows: list[dict]) -> dict[tuple, tuple[list[int], list[float],
     return out
 
 
-class ClusterChart(QWidget):
-    """Two plots against replicas (log 2): token hit ratio, and simulated p99 TTFT."""
+class ClusterChart(PlotStack):
+    """Two plots against replicas: token hit ratio, and simulated p99 TTFT (log)."""
 
     def __init__(self, parent: QWidget | None = None):
-        super().__init__(parent)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        self.hit = pg.PlotWidget(self)
-        self.ttft = pg.PlotWidget(self)
-        for pw, title, y in ((self.hit, "Token hit ratio vs replicas", "token hit ratio (%)"),
-                             (self.ttft, "Simulated TTFT p99 vs replicas (queueing included)",
-                              "TTFT p99 (s, log)")):
-            pw.setMenuEnabled(False)
-            item = pw.getPlotItem()
-            item.setTitle(title)
-            item.setLabel("bottom", "replicas")
-            item.setLabel("left", y)
-            item.getAxis("left").enableAutoSIPrefix(False)
-            item.showGrid(x=True, y=True, alpha=0.25)
-            item.legend = pg.LegendItem(frame=False, labelTextSize="8.5pt", horSpacing=12)
-            item.layout.addItem(item.legend, 4, 1, alignment=Qt.AlignmentFlag.AlignHCenter)
-            layout.addWidget(pw)
+        super().__init__((("Token hit ratio vs replicas", "replicas", "token hit ratio (%)"),
+                          ("Simulated TTFT p99 vs replicas (queueing included)", "replicas",
+                           "TTFT p99 (s, log)")), parent)
+        self.hit, self.ttft = self.plots
         self.ttft.getPlotItem().setLogMode(x=False, y=True)  # TTFTs span orders of magnitude
-        self.rows: list[dict] = []
         self.apply_theme(theme_for(self))
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt's name
-        if event.type() == QEvent.Type.PaletteChange:
-            self.apply_theme(theme_for(self))
-        super().changeEvent(event)
 
     def set_rows(self, rows: list[dict]) -> None:
         """Draw these cluster rows."""
         self.rows = list(rows)
         self._draw()
 
-    def apply_theme(self, theme: Theme = LIGHT) -> None:
-        self.theme = theme
-        for pw in (self.hit, self.ttft):
-            pw.setBackground(theme.background)
-            item = pw.getPlotItem()
-            for name in ("left", "bottom"):
-                axis = item.getAxis(name)
-                axis.setPen(pg.mkPen(theme.grid))
-                axis.setTextPen(pg.mkPen(theme.muted))
-            item.titleLabel.setAttr("color", theme.foreground)
-            item.legend.setLabelTextColor(theme.foreground)
-        self._draw()
-
     def _draw(self) -> None:
-        for pw in (self.hit, self.ttft):
-            pw.getPlotItem().clear()
-            pw.getPlotItem().legend.clear()
+        self._clear()
         lines = cluster_lines(self.rows)
         settings = {(b, p) for _, b, p in lines}
         routers = sorted({k[0] for k in lines})
