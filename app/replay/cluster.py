@@ -145,8 +145,12 @@ class _Replica:
         return first - t
 
 
-def replay_cluster(source: TraceSource, config: ClusterConfig) -> ClusterResult:
-    """Run the whole trace over `config.replicas` replicas behind `config.router`."""
+PROGRESS_EVERY = 10_000  # requests between progress calls
+
+
+def replay_cluster(source: TraceSource, config: ClusterConfig, progress=None) -> ClusterResult:
+    """Run the whole trace over `config.replicas` replicas behind `config.router`;
+    `progress(requests done)` is called every PROGRESS_EVERY requests."""
     t0 = time.perf_counter()
     config.service.validate()
     rows, hashed = _page_rows(source, config.page_rows)
@@ -166,6 +170,8 @@ def replay_cluster(source: TraceSource, config: ClusterConfig) -> ClusterResult:
                         cached=[rep.cached_blocks(r) for rep in reps] if needs_cache else [],
                         load=[rep.load for rep in reps], decoding=[rep.decoding for rep in reps])
             ttft.append(reps[route(view)].serve(r, clock, config.service))
+            if progress is not None and (i + 1) % PROGRESS_EVERY == 0:
+                progress(i + 1)
     finally:
         if was_enabled:
             gc.enable()

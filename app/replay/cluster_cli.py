@@ -114,8 +114,11 @@ def run_cluster(args, source) -> int:
     knobs = RouterKnobs(args.seed, args.balance_abs, args.balance_rel, args.overlap_weight)
     configs = cluster_configs(args.replicas or [1], args.router or list(ROUTERS), args.budget, args.policy,
                               args.page_rows, service, knobs)
-    results = run_sweep(source, configs, workers=args.workers, dask_scheduler=args.dask_scheduler,
-                        progress=not args.quiet and len(configs) > 1, fn=replay_cluster)
+    if len(configs) == 1 and not args.dask_scheduler:  # one long replay: count its requests instead
+        results = [_one_with_progress(source, configs[0], quiet=args.quiet)]
+    else:
+        results = run_sweep(source, configs, workers=args.workers, dask_scheduler=args.dask_scheduler,
+                            progress=not args.quiet and len(configs) > 1, fn=replay_cluster)
     print(f"service model per replica: prefill {service.prefill_rate:,.1f} tok/s, decode "
           f"{service.decode_rate:,.2f} tok/s per request, {service.slots} slots ({where})")
     print(cluster_table(results))
@@ -129,6 +132,14 @@ def run_cluster(args, source) -> int:
         write_cluster_plot(args.plot, rows)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _one_with_progress(source, config: ClusterConfig, quiet: bool) -> ClusterResult:
+    if quiet:
+        return replay_cluster(source, config)
+    from tqdm import tqdm
+    with tqdm(unit="req", desc="replay", leave=False) as bar:
+        return replay_cluster(source, config, progress=lambda done: bar.update(done - bar.n))
 
 
 def cluster_table(results: list[ClusterResult]) -> str:
