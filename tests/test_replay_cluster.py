@@ -182,3 +182,24 @@ def test_default_rates_are_measured_once_and_printed(synthetic, tiny_gguf_path, 
     assert rates and rates[0].split(" (")[0] == next(
         line for line in second.splitlines() if line.startswith("service model")).split(" (")[0]
     assert ", 8 slots" in rates[0]
+
+
+def test_token_trace_prefix_hash_keeps_each_system_prompt_on_one_replica(tmp_path):
+    """A token trace: prefix-hash routes by the first page's chained key, so every request of one of
+    four system prompts lands where its prefix is cached and 3 replicas hit like one big cache."""
+    from app.replay.results import ReplayConfig
+    from app.replay.simulate import replay
+    from app.replay.trace import TraceHeader, TraceRequest, write_trace
+    reqs = []
+    for i in range(30):
+        system = [t + 1000 * (i % 4) for t in range(100, 148)]
+        reqs.append(TraceRequest(arrival_s=float(i), input_length=54, output_length=4,
+                                 prompt=system + [i, i + 1, i + 2, 7, 8, 9]))
+    path = str(tmp_path / "tokens.jsonl")
+    write_trace(path, TraceHeader(page_rows=8, source="test"), reqs)
+    src = open_trace(path)
+    one = replay(src, ReplayConfig())
+    hashed = replay_cluster(src, ClusterConfig(3, "prefix-hash", SERVICE))
+    spread = replay_cluster(src, ClusterConfig(3, "round-robin", SERVICE))
+    assert hashed.tokens_saved == one.tokens_saved == 26 * 48  # four misses: each prompt's first
+    assert spread.tokens_saved < hashed.tokens_saved
