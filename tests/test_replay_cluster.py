@@ -203,3 +203,8 @@ def test_token_trace_prefix_hash_keeps_each_system_prompt_on_one_replica(tmp_pat
     spread = replay_cluster(src, ClusterConfig(3, "round-robin", SERVICE))
     assert hashed.tokens_saved == one.tokens_saved == 26 * 48  # four misses: each prompt's first
     assert spread.tokens_saved < hashed.tokens_saved
+
+
+def test_no_model_to_measure_rates_says_what_to_give(synthetic, tmp_path):
+    with pytest.raises(SystemExit, match="give --prefill-rate, --decode-rate and --slots"):
+        main(["replay", synthetic, "--replicas", "2", "--model", str(tmp_path / "missing.gguf"), "--quiet"])

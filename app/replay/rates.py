@@ -37,7 +37,11 @@ def _machine_key(model_path: str) -> str:
 def default_service(model_path: str | None = None, log=None) -> tuple[ServiceModel, str]:
     """(the measured service model, where it came from); measures and stores it the first time."""
     import engine as dl
-    path = dl.resolve_model(model_path)
+    try:
+        path = dl.resolve_model(model_path)
+    except Exception as e:  # noqa: BLE001 - no bundled model: the rates must be given
+        raise RuntimeError(f"no model to measure this machine's engine rates ({e}); give "
+                           f"--prefill-rate, --decode-rate and --slots") from None
     key, store = _machine_key(path), _store()
     known: dict = {}
     try:
@@ -50,7 +54,11 @@ def default_service(model_path: str | None = None, log=None) -> tuple[ServiceMod
         known = {}  # no store yet, or an unreadable one: measure again
     if log:
         log("measuring this machine's engine rates once (prefill and batch decode) ...")
-    service = measure(path)
+    try:
+        service = measure(path)
+    except Exception as e:  # noqa: BLE001 - any load failure: say what to give instead
+        raise RuntimeError(f"cannot measure this machine's engine rates with {path} ({e}); give "
+                           f"--prefill-rate, --decode-rate and --slots") from None
     when = time.strftime("%Y-%m-%d", time.gmtime())
     try:
         os.makedirs(os.path.dirname(store), exist_ok=True)
