@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--policy", type=_policy_list, default=[DEFAULT_POLICY], metavar="NAME,...",
                    help=f"eviction policies: {', '.join(POLICIES)} (default: {DEFAULT_POLICY})")
     p.add_argument("--json", metavar="OUT.json", help="write one row per configuration here")
-    p.add_argument("--plot", metavar="OUT.png", help="write hit ratio vs capacity per policy as a PNG here")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="write hit ratio vs capacity per policy as a PNG here (with --replicas: hit "
+                        "ratio and p99 TTFT vs replicas per router)")
     p.add_argument("--workers", type=_positive, metavar="N",
                    help="parallel processes (default: one per core)")
     p.add_argument("--dask-scheduler", metavar="ADDRESS",
