@@ -76,25 +76,23 @@ class WhatIfController(QObject):
 
     def run(self, page_rows: str, budgets: str, policies: list) -> None:
         """Sweep the loaded trace at the knobs the panel shows."""
-        if self.plan is None or self.busy:
-            return
-        try:
-            knobs = whatif.knobs_from_text(page_rows, budgets, list(policies))
-        except ValueError as e:
-            self.panel.show_error(str(e))
-            return
-        self._start(self._sweep_job, self.plan.source, knobs)
+        self._sweep(self._sweep_job, whatif.knobs_from_text, page_rows, budgets, list(policies))
 
     def run_cluster(self, replicas: str, budgets: str, routers: list) -> None:
         """Replay the loaded trace over clusters of replicas behind routers (docs/design.md §13)."""
+        parse = whatif_cluster.cluster_knobs_from_text
+        self._sweep(self._cluster_job, parse, replicas, budgets, list(routers))
+
+    def _sweep(self, job, parse, *fields) -> None:
+        """Parse the panel's fields into knobs (or show why not) and run `job` on them."""
         if self.plan is None or self.busy:
             return
         try:
-            knobs = whatif_cluster.cluster_knobs_from_text(replicas, budgets, list(routers))
+            knobs = parse(*fields)
         except ValueError as e:
             self.panel.show_error(str(e))
             return
-        self._start(self._cluster_job, self.plan.source, knobs)
+        self._start(job, self.plan.source, knobs)
 
     def close(self) -> None:
         self._tmp.cleanup()

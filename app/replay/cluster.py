@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .results import DEFAULT_POLICY, ReplayConfig
+from .results import DEFAULT_POLICY, ReplayConfig, TokenHits
 from .routers import CACHE_ROUTERS, RouterKnobs, View, make_router
 from .simulate import _Replay
 from .trace import TraceRequest, TraceSource
@@ -65,7 +65,7 @@ class ClusterConfig:
 
 
 @dataclass
-class ClusterResult:
+class ClusterResult(TokenHits):
     """What one (replicas, router, budget, policy) measured over the whole trace."""
 
     replicas: int
@@ -83,13 +83,6 @@ class ClusterResult:
     per_replica: list[dict] = field(default_factory=list)  # requests, input/saved tokens, hit ratio, work
     service: dict = field(default_factory=dict)
     seconds: float = 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        return self.tokens_saved / self.input_tokens if self.input_tokens else 0.0
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "token_hit_ratio": self.token_hit_ratio}
 
 
 class _Replica:

@@ -18,8 +18,22 @@ class ReplayConfig:
     policy: str = DEFAULT_POLICY
 
 
+class TokenHits:
+    """A result's token hit ratio (tokens_saved / input_tokens), also in its JSON."""
+
+    tokens_saved: int
+    input_tokens: int
+
+    @property
+    def token_hit_ratio(self) -> float:
+        return self.tokens_saved / self.input_tokens if self.input_tokens else 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "token_hit_ratio": self.token_hit_ratio}
+
+
 @dataclass
-class ReplayResult:
+class ReplayResult(TokenHits):
     """The hit figures of one configuration over a whole trace."""
 
     page_rows: int
@@ -34,13 +48,6 @@ class ReplayResult:
     cached_pages: int = 0          # pages cached at the end (infinite capacity: the working set)
     seconds: float = 0.0           # wall time of this replay
     over_time: list[dict] = field(default_factory=list)  # {t, requests, token_hit_ratio} per window
-
-    @property
-    def token_hit_ratio(self) -> float:
-        return self.tokens_saved / self.input_tokens if self.input_tokens else 0.0
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "token_hit_ratio": self.token_hit_ratio}
 
 
 class OverTime:
