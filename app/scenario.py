@@ -57,3 +57,12 @@ def bundled_scenarios() -> list[Scenario]:
     """The scenarios shipped in resources/scenarios, by file name."""
     return [load_scenario(os.path.join(SCENARIO_DIR, f))
             for f in sorted(os.listdir(SCENARIO_DIR)) if f.endswith(".json")]
+
+
+def sample_tokens(m, n: int) -> list[int]:
+    """n real-text token ids of model `m` (the eight-questions system prompt, repeated): the
+    bench's and the replay's measuring prompt."""
+    import engine as dl
+    text = load_scenario(os.path.join(SCENARIO_DIR, "eight_questions.json")).system
+    ids = dl.encode(m, text)
+    return (ids * (n // len(ids) + 1))[:n]

@@ -11,6 +11,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSIONED = ("numpy", "gguf", "tokenizers", "jinja2", "pyqtgraph")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def dist_version(*names: str) -> str | None:
     """The installed version of the first of these distributions that is installed, else None."""
     for name in names:

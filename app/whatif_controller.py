@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from .replay import whatif
+from .replay import whatif, whatif_cluster
 from .replay.trace import TraceError, open_trace
 
 
@@ -26,26 +26,30 @@ class WhatIfController(QObject):
 
     _planned = Signal(object, str)        # Plan, description
     _swept = Signal(list)
+    _cluster_swept = Signal(list)
     _progress = Signal(int, int)
     _failed = Signal(str)
 
     def __init__(self, panel, ask_trace_path: Callable[[], str],
                  request_session_trace: Callable[[str], None] | None = None,
-                 workers: int | None = None, parent: QObject | None = None):
+                 workers: int | None = None, parent: QObject | None = None, service=None):
         super().__init__(parent)
         self.panel = panel
         self.ask_trace_path = ask_trace_path
         self.request_session_trace = request_session_trace
         self.workers = workers
+        self.service = service  # the cluster's ServiceModel; None: this machine's measured rates
         self.plan: whatif.Plan | None = None
         self.busy = False
         self._tmp = tempfile.TemporaryDirectory(prefix="prefixlab-whatif-")
         panel.load_requested.connect(self.load_trace)
         panel.session_requested.connect(self.take_session)
         panel.run_requested.connect(self.run)
+        panel.cluster_requested.connect(self.run_cluster)
         panel.session_button.setEnabled(request_session_trace is not None)
         self._planned.connect(self._on_planned)
         self._swept.connect(self._on_swept)
+        self._cluster_swept.connect(self._on_cluster_swept)
         self._progress.connect(panel.set_progress)
         self._failed.connect(self._on_failed)
 
@@ -72,14 +76,23 @@ class WhatIfController(QObject):
 
     def run(self, page_rows: str, budgets: str, policies: list) -> None:
         """Sweep the loaded trace at the knobs the panel shows."""
+        self._sweep(self._sweep_job, whatif.knobs_from_text, page_rows, budgets, list(policies))
+
+    def run_cluster(self, replicas: str, budgets: str, routers: list) -> None:
+        """Replay the loaded trace over clusters of replicas behind routers (docs/design.md §13)."""
+        parse = whatif_cluster.cluster_knobs_from_text
+        self._sweep(self._cluster_job, parse, replicas, budgets, list(routers))
+
+    def _sweep(self, job, parse, *fields) -> None:
+        """Parse the panel's fields into knobs (or show why not) and run `job` on them."""
         if self.plan is None or self.busy:
             return
         try:
-            knobs = whatif.knobs_from_text(page_rows, budgets, list(policies))
+            knobs = parse(*fields)
         except ValueError as e:
             self.panel.show_error(str(e))
             return
-        self._start(self._sweep_job, self.plan.source, knobs)
+        self._start(job, self.plan.source, knobs)
 
     def close(self) -> None:
         self._tmp.cleanup()
@@ -107,6 +120,14 @@ class WhatIfController(QObject):
         self._swept.emit(whatif.run(source, knobs, workers=self.workers,
                                     progress=lambda done, total: self._progress.emit(done, total)))
 
+    def _cluster_job(self, source, knobs) -> None:
+        if self.service is None:
+            from .replay.rates import default_service
+            self.service = default_service()[0]  # measured once per machine, then read back
+        self._cluster_swept.emit(whatif_cluster.run_cluster(
+            source, knobs, self.service, workers=self.workers,
+            progress=lambda done, total: self._progress.emit(done, total)))
+
     # results (UI thread) ---------------------------------------------------------------
     def _on_planned(self, plan, description: str) -> None:
         self.plan = plan
@@ -118,6 +139,10 @@ class WhatIfController(QObject):
     def _on_swept(self, rows: list) -> None:
         self._set_busy(False)
         self.panel.set_rows(rows)
+
+    def _on_cluster_swept(self, rows: list) -> None:
+        self._set_busy(False)
+        self.panel.set_cluster_rows(rows)
 
     def _on_failed(self, message: str) -> None:
         self._set_busy(False)

@@ -28,6 +28,8 @@ SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_
          "queue_wait_mean_s", "queue_wait_max_s",
          "plain_queue_wait_mean_s", "sched_wall_spec_s", "spec_speedup_one_stream"]
 REPLAY = ["replay_one_config_s", "replay_10k_blocks_s", "replay_sweep_wall_s", "replay_sweep_core_share"]
+CLUSTER = ["cluster_sweep_dask_s", "cluster_sweep_pool_s", "cluster_dask_matches_pool",
+           "cluster_1m_peak_rss_gb"]
 QUEUE_WAITS = {"queue_wait_mean_s", "queue_wait_max_s", "plain_queue_wait_mean_s"}
 
 
@@ -97,7 +99,7 @@ def test_quick_bench_has_every_figure_finite_and_positive(quick_run):
     assert quick_run["errors"] == {}
     assert quick_run["quick"] is True
     figs = quick_run["figures"]
-    for name in ENGINE + CACHE + SCHED + REPLAY:
+    for name in ENGINE + CACHE + SCHED + REPLAY + CLUSTER:
         assert name in figs, f"missing figure {name}"
         v = figs[name]["value"]
         assert isinstance(v, float) and math.isfinite(v), f"{name} = {v!r}"
@@ -129,6 +131,8 @@ def test_quick_bench_ratios_come_from_the_same_run(quick_run):
     assert close(f["ttft_hit_miss_ratio"], f["ttft_alone_hit_s"] / f["ttft_alone_miss_s"])
     assert sd["ttft_alone"]["hit_cached_tokens"] > 0  # the hit really reused the system prompt
     assert close(f["peak_rss_gb"], max(f["peak_rss_warm_gb"], f["peak_rss_cold_gb"]))
+    assert f["cluster_dask_matches_pool"] == 1.0  # the Dask cluster's numbers equal the pool's
+    assert d["cluster"]["big"]["requests"] > 0
 
 
 @pytest.mark.model

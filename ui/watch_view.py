@@ -171,6 +171,7 @@ class WatchView(QWidget):
 
     connect_requested = Signal(list, list, str)   # endpoints, replay endpoints, topic
     disconnect_requested = Signal()
+    prompt_requested = Signal(str)                # a prompt to score as a precise router would
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -191,6 +192,12 @@ class WatchView(QWidget):
         row.addWidget(self.topic, 1)
         row.addWidget(self.connect_button)
         form.addRow("Topic", row)
+        self.prompt = QLineEdit()
+        self.prompt.setPlaceholderText("token ids (1 2 3 ...) or text: where would a precise router send it?")
+        self.prompt.returnPressed.connect(lambda: self.prompt_requested.emit(self.prompt.text()))
+        form.addRow("Route a prompt", self.prompt)
+        self.router = QLabel()
+        self.router.setWordWrap(True)
         self.panes_box = QSplitter(Qt.Orientation.Horizontal)
         self.panes: list[EnginePane] = []
         self.cross = QLabel()
@@ -200,6 +207,7 @@ class WatchView(QWidget):
         lay.addWidget(self.status)
         lay.addWidget(self.panes_box, 1)
         lay.addWidget(self.cross)
+        lay.addWidget(self.router)
         self.connected = False
 
     def set_fields(self, endpoints: list[str], replays: list[str], topic: str) -> None:
@@ -235,6 +243,7 @@ class WatchView(QWidget):
         self.prepare(len(snap.engines))
         for pane, view in zip(self.panes, snap.engines):
             pane.set_engine(view)
+        self.set_router(getattr(snap, "router", None))
         x = snap.cross_engine
         if len(snap.engines) < 2:
             self.cross.setText("")
@@ -245,6 +254,19 @@ class WatchView(QWidget):
             deepest = x["deepest"][0]
             self.cross.setText(f"Across engines: {x['shared_blocks']:,} blocks cached on several engines "
                                f"({by}); the deepest shared prefix is {deepest['depth_blocks']} blocks.")
+
+    def set_router(self, scores: dict | None) -> None:
+        """Show a precise router's scores for the prompt (app/watch/router_score.py's dict)."""
+        if not scores or not scores["engines"]:
+            self.router.setText("")
+            return
+        parts = [f"engine {e['engine']}: {e['score']:.0%} ({e['matched_blocks']}/{e['prompt_blocks']} blocks)"
+                 for e in scores["engines"]]
+        best = next(e for e in scores["engines"] if e["engine"] == scores["pick"])
+        why = ("no engine holds its first block: a router falls back to load" if best["score"] == 0
+               else f"it picks engine {best['engine']}")
+        self.router.setText(f"Precise prefix-cache router, prompt of {scores['tokens']} tokens: "
+                            f"{'; '.join(parts)}. {why[0].upper()}{why[1:]}.")
 
     def clear(self) -> None:
         """Remove every engine pane."""

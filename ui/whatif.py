@@ -47,22 +47,23 @@ def curves(rows: list[dict]) -> tuple[dict[tuple[int, str], Curve], dict[int, fl
     return out, bound
 
 
-class WhatIfChart(QWidget):
-    """Two plots: hit ratio vs capacity (log pages) per policy, and hit ratio over the trace."""
+class PlotStack(QWidget):
+    """Plots one above the other, each with its legend under its x axis, following the app's theme;
+    a subclass draws them in `_draw`."""
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, specs, parent: QWidget | None = None):
+        """`specs`: (title, x label, y label) per plot; they become `self.plots`."""
         super().__init__(parent)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        self.capacity = pg.PlotWidget(self)
-        self.over_time = pg.PlotWidget(self)
-        for pw, title, x in ((self.capacity, "Token hit ratio vs cache capacity", "capacity (pages, log)"),
-                             (self.over_time, "Token hit ratio over the trace", "arrival (s)")):
+        self.plots: list[pg.PlotWidget] = []
+        for title, x, y in specs:
+            pw = pg.PlotWidget(self)
             pw.setMenuEnabled(False)
             item = pw.getPlotItem()
             item.setTitle(title)
             item.setLabel("bottom", x)
-            item.setLabel("left", "token hit ratio (%)")
+            item.setLabel("left", y)
             item.getAxis("left").enableAutoSIPrefix(False)
             item.getAxis("bottom").enableAutoSIPrefix(False)
             item.showGrid(x=True, y=True, alpha=0.25)
@@ -70,15 +71,48 @@ class WhatIfChart(QWidget):
             item.legend = pg.LegendItem(frame=False, labelTextSize="8.5pt", horSpacing=12)
             item.layout.addItem(item.legend, 4, 1, alignment=Qt.AlignmentFlag.AlignHCenter)
             layout.addWidget(pw)
-        self.capacity.getPlotItem().setLogMode(x=True, y=False)
+            self.plots.append(pw)
         self.rows: list[dict] = []
-        self.over_time_budget: int | None = None
-        self.apply_theme(theme_for(self))
+        self.theme = LIGHT
 
     def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt's name
         if event.type() == QEvent.Type.PaletteChange:  # the app's theme changed
             self.apply_theme(theme_for(self))
         super().changeEvent(event)
+
+    def apply_theme(self, theme: Theme = LIGHT) -> None:
+        self.theme = theme
+        for pw in self.plots:
+            pw.setBackground(theme.background)
+            item = pw.getPlotItem()
+            for name in ("left", "bottom"):
+                axis = item.getAxis(name)
+                axis.setPen(pg.mkPen(theme.grid))
+                axis.setTextPen(pg.mkPen(theme.muted))
+            item.titleLabel.setAttr("color", theme.foreground)
+            item.legend.setLabelTextColor(theme.foreground)
+        self._draw()
+
+    def _clear(self) -> None:
+        for pw in self.plots:
+            pw.getPlotItem().clear()
+            pw.getPlotItem().legend.clear()
+
+    def _draw(self) -> None:
+        raise NotImplementedError
+
+
+class WhatIfChart(PlotStack):
+    """Two plots: hit ratio vs capacity (log pages) per policy, and hit ratio over the trace."""
+
+    def __init__(self, parent: QWidget | None = None):
+        y = "token hit ratio (%)"
+        super().__init__((("Token hit ratio vs cache capacity", "capacity (pages, log)", y),
+                          ("Token hit ratio over the trace", "arrival (s)", y)), parent)
+        self.capacity, self.over_time = self.plots
+        self.capacity.getPlotItem().setLogMode(x=True, y=False)
+        self.over_time_budget: int | None = None
+        self.apply_theme(theme_for(self))
 
     def set_rows(self, rows: list[dict], over_time_budget: int | None = None) -> None:
         """Draw these replay rows; the lower plot shows each policy at `over_time_budget`
@@ -90,23 +124,8 @@ class WhatIfChart(QWidget):
         self.over_time_budget = over_time_budget
         self._draw()
 
-    def apply_theme(self, theme: Theme = LIGHT) -> None:
-        self.theme = theme
-        for pw in (self.capacity, self.over_time):
-            pw.setBackground(theme.background)
-            item = pw.getPlotItem()
-            for name in ("left", "bottom"):
-                axis = item.getAxis(name)
-                axis.setPen(pg.mkPen(theme.grid))
-                axis.setTextPen(pg.mkPen(theme.muted))
-            item.titleLabel.setAttr("color", theme.foreground)
-            item.legend.setLabelTextColor(theme.foreground)
-        self._draw()
-
     def _draw(self) -> None:
-        for pw in (self.capacity, self.over_time):
-            pw.getPlotItem().clear()
-            pw.getPlotItem().legend.clear()
+        self._clear()
         lines, bound = curves(self.rows)
         several_sizes = len({r["page_rows"] for r in self.rows}) > 1
         policies = sorted({pol for _, pol in lines})

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from .whatif import POLICY_COLORS, WhatIfChart
+from .whatif_cluster import CLUSTER_COLUMNS, ClusterChart, ClusterControls, cluster_cells
 
 COLUMNS = ("page size", "budget", "policy", "token hit ratio", "tokens saved", "hits", "evicted")
 
@@ -37,6 +38,7 @@ class WhatIfPanel(QWidget):
     load_requested = Signal()           # "Load trace…": the controller opens a file dialog
     session_requested = Signal()        # "This session": replay what the app just ran
     run_requested = Signal(str, str, list)  # page sizes text, budgets text, policy names
+    cluster_requested = Signal(str, str, list)  # replicas text, budgets text, router names
 
     def __init__(self, parent: QWidget | None = None, policies=tuple(POLICY_COLORS)):
         super().__init__(parent)
@@ -57,6 +59,9 @@ class WhatIfPanel(QWidget):
         self.error.setWordWrap(True)
         self.error.setVisible(False)
         self.chart = WhatIfChart(self)
+        self.cluster = ClusterControls(self)  # replicas behind routers (docs/design.md §13)
+        self.cluster_chart = ClusterChart(self)
+        self.cluster_chart.setVisible(False)
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
         self.table.verticalHeader().setVisible(False)
@@ -76,16 +81,19 @@ class WhatIfPanel(QWidget):
         checks.addWidget(self.progress)
         checks.addWidget(self.run_button)
         form.addRow("Eviction policies", checks)
+        form.addRow("Cluster", self.cluster)
         layout = QVBoxLayout(self)
         layout.addLayout(top)
         layout.addLayout(form)
         layout.addWidget(self.error)
         layout.addWidget(self.chart, 1)
+        layout.addWidget(self.cluster_chart, 1)
         layout.addWidget(self.table)
 
         self.load_button.clicked.connect(self.load_requested)
         self.session_button.clicked.connect(self.session_requested)
         self.run_button.clicked.connect(self._run)
+        self.cluster.run_requested.connect(self.cluster_requested)
         self.set_trace(None)
 
     # what the controller tells it ------------------------------------------------------
@@ -95,6 +103,7 @@ class WhatIfPanel(QWidget):
         self.trace_label.setText(description or "No trace loaded: load one, or take this session's")
         self._has_trace = description is not None
         self.run_button.setEnabled(self._has_trace)
+        self.cluster.run_button.setEnabled(self._has_trace)
         self.page_rows.setEnabled(page_size_applies)
 
     def set_knobs(self, page_rows: list[int | None], budgets: list[int | None], policies: list[str]) -> None:
@@ -105,6 +114,7 @@ class WhatIfPanel(QWidget):
 
     def set_busy(self, busy: bool) -> None:
         self.run_button.setEnabled(not busy and self._has_trace)
+        self.cluster.run_button.setEnabled(not busy and self._has_trace)
         self.load_button.setEnabled(not busy)
         self.session_button.setEnabled(not busy)
         self.progress.setVisible(busy)
@@ -123,11 +133,27 @@ class WhatIfPanel(QWidget):
         """Draw the sweep's rows (as `prefixlab replay --json` writes them) and list them."""
         self.show_error(None)
         self.chart.set_rows(rows)
+        self._show_table(COLUMNS, [(str(r["page_rows"]), _budget_text(r["budget"]), r["policy"],
+                                    f"{r['token_hit_ratio']:.2%}", f"{r['tokens_saved']:,}",
+                                    f"{r['hits']:,} / {r['requests']:,}", f"{r['evicted']:,}") for r in rows])
+        self._show_chart(self.chart)
+
+    def set_cluster_rows(self, rows: list[dict]) -> None:
+        """Draw a cluster sweep's rows (as `prefixlab replay --replicas ... --json` writes them)."""
+        self.show_error(None)
+        self.cluster_chart.set_rows(rows)
+        self._show_table(CLUSTER_COLUMNS, [cluster_cells(r) for r in rows])
+        self._show_chart(self.cluster_chart)
+
+    def _show_chart(self, chart: QWidget) -> None:
+        self.chart.setVisible(chart is self.chart)
+        self.cluster_chart.setVisible(chart is self.cluster_chart)
+
+    def _show_table(self, columns, rows) -> None:
+        self.table.setColumnCount(len(columns))
+        self.table.setHorizontalHeaderLabels(columns)
         self.table.setRowCount(len(rows))
-        for i, r in enumerate(rows):
-            cells = (str(r["page_rows"]), _budget_text(r["budget"]), r["policy"],
-                     f"{r['token_hit_ratio']:.2%}", f"{r['tokens_saved']:,}",
-                     f"{r['hits']:,} / {r['requests']:,}", f"{r['evicted']:,}")
+        for i, cells in enumerate(rows):
             for j, text in enumerate(cells):
                 self.table.setItem(i, j, QTableWidgetItem(text))
         self.table.resizeColumnsToContents()

@@ -8,7 +8,9 @@ Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" =
 cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
 the watcher's block events per second), serve ("OpenAI server": 8 streaming clients against
 `prefixlab serve` and llama-cpp-python's server; not in --quick), replay ("Trace replay": the
-shipped Mooncake trace, one configuration and a sweep across cores), blas: a diagnostic of
+shipped Mooncake trace, one configuration and a sweep across cores), cluster ("Clusters": that
+trace over 1-8 replicas x six routers in a pool and on a Dask LocalCluster, and a
+million-request synthetic trace's peak memory), blas: a diagnostic of
 decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick), and
 llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is
 installed (no target; not in --quick), and w8 ("Performance": whole `prefixlab run` processes
@@ -34,7 +36,7 @@ import sys
 import time
 
 SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
-            "blas", "llama_cpp", "w8", "peer", "tiers", "soak")
+            "cluster", "blas", "llama_cpp", "w8", "peer", "tiers", "soak")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 # left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run;
 # w8: a minute of whole processes, with busy ones)
@@ -191,6 +193,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
         if "replay" in sections:
             from . import replay as bench_replay
             section("replay", lambda: bench_replay.replay_figures(quick))
+        if "cluster" in sections:
+            from .cluster import cluster_figures
+            section("cluster", lambda: cluster_figures(quick))
         if "w8" in sections:
             from .w8 import w8_figures
             section("w8", lambda: w8_figures(path, quick))

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import subprocess
 
 import numpy as np
 
-from ..system_info import blas_runtime, dist_version, machine, versions
+from ..system_info import blas_runtime, cpu_model, dist_version, machine, versions
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,6 +33,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "replay_sweep_core_share": (0.75, ">="),
     # a page-map snapshot of 16,384 pages against 1,024: linear in pages is ~16x, quadratic 256x
     "snapshot_16k_1k_ratio": (20.0, "<="),
+    "cluster_dask_matches_pool": (1.0, ">="), "cluster_1m_peak_rss_gb": (1.0, "<="),
 }
 PEER_TARGETS = ("peer_prefill_ratio", "peer_decode_ratio", "peer_batch8_ratio", "peer_w8_wall_ratio")
 W8_TARGETS = ("w8_first_token_s", "w8_one_busy_ratio", "w8_two_busy_ratio")
@@ -60,17 +60,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _mem_total_gb() -> float | None:
@@ -105,7 +94,7 @@ def machine_info() -> dict:
         affinity = os.cpu_count()
     return {
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": affinity,
         "mem_total_gb": _mem_total_gb(),

@@ -23,6 +23,7 @@ import numpy as np
 import engine as dl
 from engine.threads import blas_threads as engine_blas_threads
 
+from ..scenario import sample_tokens
 from .common import child_env, figure, ratio, target
 
 ISSUE = "Engine core"
@@ -92,14 +93,6 @@ def bandwidth_probe():
     return a.nbytes, read
 
 
-def bench_prompt(m, n: int) -> list[int]:
-    """n real-text token ids (the eight-questions system prompt, repeated)."""
-    from ..scenario import SCENARIO_DIR, load_scenario
-    text = load_scenario(os.path.join(SCENARIO_DIR, "eight_questions.json")).system
-    ids = dl.encode(m, text)
-    return (ids * (n // len(ids) + 1))[:n]
-
-
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -110,7 +103,7 @@ def _timed(fn) -> float:
 def prefill_figures(m, quick: bool) -> tuple[dict, dict]:
     n = 32 if quick else 256
     reps = 2 if quick else 4
-    prompt = bench_prompt(m, n)
+    prompt = sample_tokens(m, n)
     pool = dl.create_kv_pool(m)
     ref = GemmReference(m, n, n_sets=1 if quick else 8)
 
@@ -156,7 +149,7 @@ def decode_figures(m, quick: bool, batch_streams: int = 8, run_batch: bool = Tru
     ctx = 32 if quick else 128
     rounds, chunk, b_chunk = (2, 2, 1) if quick else (4, 8, 4)
     pool = dl.create_kv_pool(m)
-    prompt = bench_prompt(m, ctx + batch_streams)
+    prompt = sample_tokens(m, ctx + batch_streams)
     base = dl.create_session(m, pool)
     token = _argmax_rows(dl.eval(m, base, prompt[:ctx]))[0]
     sessions, cache, tokens = [], None, []
@@ -265,7 +258,7 @@ def _child(path: str, prompt_tokens: int, new_tokens: int) -> dict:
     after_load = rss_mb()
     pool = dl.create_kv_pool(m)
     s = dl.create_session(m, pool)
-    prompt = bench_prompt(m, prompt_tokens)
+    prompt = sample_tokens(m, prompt_tokens)
     logits = dl.eval(m, s, prompt)
     for _ in range(new_tokens):
         logits = dl.eval(m, s, [int(np.argmax(logits))])

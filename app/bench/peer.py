@@ -19,9 +19,9 @@ import numpy as np
 
 import engine as dl
 
+from ..scenario import sample_tokens
 from . import llama_cpp
 from .common import child_env, figure, ratio, target
-from .engine import bench_prompt
 from .w8 import W8_FILE, load_w8, ours_cmd, timed_child
 
 ISSUE = "Performance"
@@ -42,7 +42,7 @@ class _OurDecode:
 
     def __init__(self, m, ctx: int, streams: int):
         self.m = m
-        prompt = bench_prompt(m, ctx + streams)
+        prompt = sample_tokens(m, ctx + streams)
         self.pool = dl.create_kv_pool(m)
         self.one = dl.create_session(m, self.pool)
         self.token = int(np.argmax(dl.eval(m, self.one, prompt[:ctx])))
@@ -97,7 +97,7 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
                     "reason": "llama_cpp is not importable (pip install llama-cpp-python)"}
     n_prefill, ctx, n_dec, n_batch_steps, reps = (32, 32, 2, 1, 1) if quick else (256, 128, 16, 4, 3)
     streams = 8
-    prompt = bench_prompt(m, n_prefill)
+    prompt = sample_tokens(m, n_prefill)
     llm = llama_cpp.load(m.path, PEER_THREADS)
     ours = _OurDecode(m, ctx, streams)
     _our_prefill(m, prompt)                                   # warm-up: pages, first touch

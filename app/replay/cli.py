@@ -32,7 +32,9 @@ def add_parser(sub) -> None:
                    help="a disk tier of D pages under the budget: evicted pages move there and hit "
                         "again (two-tier curves; default: none)")
     p.add_argument("--json", metavar="OUT.json", help="write one row per configuration here")
-    p.add_argument("--plot", metavar="OUT.png", help="write hit ratio vs capacity per policy as a PNG here")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="write hit ratio vs capacity per policy as a PNG here (with --replicas: hit "
+                        "ratio and p99 TTFT vs replicas per router)")
     p.add_argument("--workers", type=_positive, metavar="N",
                    help="parallel processes (default: one per core)")
     p.add_argument("--dask-scheduler", metavar="ADDRESS",
@@ -41,6 +43,8 @@ def add_parser(sub) -> None:
                    help="write the trace's Mooncake form (block hashes, no tokens) to OUT and stop")
     add_model_arg(p)  # an OpenAI log is tokenized with this model's chat template
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from .cluster_cli import add_cluster_args
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -80,8 +84,11 @@ def _bad(msg: str) -> argparse.ArgumentTypeError:
 
 
 def run(args) -> int:
+    from .cluster_cli import cluster_mode, run_cluster, synthesize_command
     from .record import convert_to_prefixlab, redact_trace
     from .sweep import configurations, run_sweep
+    if args.synthesize is not None:
+        return synthesize_command(args)
     try:
         source = open_trace(args.trace, args.format, args.block_size, _tokenizer(args))
         with tempfile.TemporaryDirectory(prefix="prefixlab-replay-") as tmp:
@@ -95,6 +102,8 @@ def run(args) -> int:
             if source.hashed and args.page_rows != [None]:
                 raise TraceError("--page-rows applies to token traces; a hash-id trace replays at "
                                  "its --block-size")
+            if cluster_mode(args):
+                return run_cluster(args, source)
             configs = configurations(args.page_rows, args.budget, args.policy, args.disk_budget)
             results = run_sweep(source, configs, workers=args.workers, dask_scheduler=args.dask_scheduler,
                                 progress=not args.quiet and len(configs) > 1)

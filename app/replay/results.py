@@ -20,8 +20,23 @@ class ReplayConfig:
     disk_budget: int | None = None  # a disk tier of this many pages under the budget (None: none)
 
 
+class TokenHits:
+    """A result's token hit ratio (tokens_saved / input_tokens), also in its JSON."""
+
+    tokens_saved: int
+    input_tokens: int
+
+    @property
+    def token_hit_ratio(self) -> float:
+        """The trace's hit rate, saved / (saved + computed), in replay's words (docs/design.md §10)."""
+        return hit_rate(self.tokens_saved, self.input_tokens - self.tokens_saved)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "token_hit_ratio": self.token_hit_ratio}
+
+
 @dataclass
-class ReplayResult:
+class ReplayResult(TokenHits):
     """The hit figures of one configuration over a whole trace."""
 
     page_rows: int
@@ -38,14 +53,6 @@ class ReplayResult:
     over_time: list[dict] = field(default_factory=list)  # {t, requests, token_hit_ratio} per window
     disk_budget: int | None = None
     blocks_from_disk: int = 0      # of blocks_hit, those loaded back from the disk tier
-
-    @property
-    def token_hit_ratio(self) -> float:
-        """The trace's hit rate, saved / (saved + computed), in replay's words (docs/design.md §10)."""
-        return hit_rate(self.tokens_saved, self.input_tokens - self.tokens_saved)
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "token_hit_ratio": self.token_hit_ratio}
 
 
 class OverTime:

@@ -29,44 +29,46 @@ def configurations(page_rows: Iterable[int | None] = (None,), budgets: Iterable[
 
 
 def run_sweep(source: TraceSource, configs: list[ReplayConfig], workers: int | None = None,
-              dask_scheduler: str | None = None, progress: bool | Progress = False) -> list[ReplayResult]:
+              dask_scheduler: str | None = None, progress: bool | Progress = False,
+              fn: Callable = replay) -> list[ReplayResult]:
     """Replay every configuration; results in the order of `configs`.
 
     One configuration (or `workers=1`) runs in this process; more run in a pool of
     `workers` processes (default: one per core), or on the Dask cluster at
     `dask_scheduler`. `progress` True shows a tqdm bar; a callable gets (done, total).
+    `fn(source, config)` runs one configuration (a module-level function: it is pickled).
     """
     if source.tokenize is not None:
         raise ValueError("convert an OpenAI log to a prefixlab trace first (see app.replay.record)")
     report = _progress(progress, len(configs))
     try:
         if dask_scheduler:
-            return _on_dask(source, configs, dask_scheduler, report)
+            return _on_dask(source, configs, dask_scheduler, report, fn)
         workers = workers or os.cpu_count() or 1
         if workers == 1 or len(configs) == 1:
             out = []
             for c in configs:
-                out.append(replay(source, c))
+                out.append(fn(source, c))
                 report(len(out))
             return out
-        return _in_processes(source, configs, workers, report)
+        return _in_processes(source, configs, workers, report, fn)
     finally:
         report(None)
 
 
-def _in_processes(source, configs, workers, report) -> list[ReplayResult]:
+def _in_processes(source, configs, workers, report, fn) -> list[ReplayResult]:
     # spawn: a fresh interpreter per worker, never a fork of a process that runs Qt.
     ctx = multiprocessing.get_context("spawn")
     results: list[ReplayResult | None] = [None] * len(configs)
     with ProcessPoolExecutor(max_workers=min(workers, len(configs)), mp_context=ctx) as pool:
-        futures = {pool.submit(replay, source, c): i for i, c in enumerate(configs)}
+        futures = {pool.submit(fn, source, c): i for i, c in enumerate(configs)}
         for done, fut in enumerate(as_completed(futures), 1):
             results[futures[fut]] = fut.result()
             report(done)
     return results
 
 
-def _on_dask(source, configs, address, report) -> list[ReplayResult]:
+def _on_dask(source, configs, address, report, fn) -> list[ReplayResult]:
     try:
         from dask.distributed import Client
         from dask.distributed import as_completed as dask_completed
@@ -77,7 +79,7 @@ def _on_dask(source, configs, address, report) -> list[ReplayResult]:
     except OSError as e:
         raise RuntimeError(f"cannot reach the Dask scheduler at {address}: {e}") from None
     try:
-        futures = client.map(replay, [source] * len(configs), configs, pure=False)
+        futures = client.map(fn, [source] * len(configs), configs, pure=False)
         index = {f.key: i for i, f in enumerate(futures)}
         results: list[ReplayResult | None] = [None] * len(configs)
         for done, fut in enumerate(dask_completed(futures), 1):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from PySide6.QtCore import QTimer
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMainWindow, QWidget
@@ -18,7 +20,7 @@ REFRESH_MS = 250  # the session builds snapshots off the UI thread; this only pi
 class WatchWindow(QMainWindow):
     """Watch serving engines' KV events; File → Watch a server opens one."""
 
-    def __init__(self, parent: QWidget | None = None, store=None):
+    def __init__(self, parent: QWidget | None = None, store=None, tokenize=None):
         super().__init__(parent)
         self.setWindowTitle("PrefixLab: watch a server")
         self.resize(1200, 760)
@@ -29,6 +31,8 @@ class WatchWindow(QMainWindow):
                              str(self.store.value("watch/topic", "")))
         self.view.connect_requested.connect(self.start_watching)
         self.view.disconnect_requested.connect(self.stop_watching)
+        self.view.prompt_requested.connect(self.route_prompt)
+        self.tokenize = tokenize  # text -> token ids; None: the bundled model's tokenizer, loaded once
         self.session: WatchSession | None = None
         self._shown = None
         self.timer = QTimer(self)
@@ -74,6 +78,25 @@ class WatchWindow(QMainWindow):
             self.view.set_snapshot(snap)
             live = sum(e.summary["live_blocks"] for e in snap.engines)
             self.view.status.setText(f"Watching {len(snap.engines)} engine(s): {live:,} live blocks.")
+
+    def route_prompt(self, text: str) -> None:
+        """Score a prompt (token ids, or text to tokenize off the UI thread) on every engine."""
+        words = text.replace(",", " ").split()
+        if not words or all(w.isdigit() for w in words):
+            self._set_prompt([int(w) for w in words])
+            return
+        threading.Thread(target=self._tokenize, args=(text,), daemon=True, name="watch-tokenize").start()
+
+    def _tokenize(self, text: str) -> None:
+        if self.tokenize is None:
+            import engine as dl
+            tok = dl.load_model().tokenizer  # the model `prefixlab serve` runs by default
+            self.tokenize = tok.encode
+        self._set_prompt(self.tokenize(text))
+
+    def _set_prompt(self, tokens: list[int]) -> None:
+        if self.session is not None:
+            self.session.set_prompt(tokens)
 
     def stop_watching(self, status: str = "Not connected.") -> None:
         """Stop the session (its sockets close) and say why in the status line."""

@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .router_score import router_scores
 from .state import cross_engine
 from .subscriber import Watcher
 
@@ -33,6 +34,7 @@ class WatchSnapshot:
     taken_at: float
     engines: list[EngineView] = field(default_factory=list)
     cross_engine: dict = field(default_factory=dict)
+    router: dict | None = None         # router_scores() for the prompt set with set_prompt, if any
 
 
 class WatchSession:
@@ -44,6 +46,7 @@ class WatchSession:
         self.snapshot_every = snapshot_every
         self.latest: WatchSnapshot | None = None
         self.error: str | None = None
+        self.prompt: list[int] | None = None  # token ids a precise router would place (set_prompt)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-watch", daemon=True)
 
@@ -65,7 +68,13 @@ class WatchSession:
         with self.watcher.lock:
             states = self.watcher.states
             views = [EngineView(s.summary(), list(s.history), s.chains(), s.block_cells()) for s in states]
-            return WatchSnapshot(time.time(), views, cross_engine(states))
+            prompt = self.prompt
+            router = router_scores(states, prompt) if prompt else None
+            return WatchSnapshot(time.time(), views, cross_engine(states), router)
+
+    def set_prompt(self, tokens: list[int] | None) -> None:
+        """Score this prompt on every engine in the next snapshots (None: stop)."""
+        self.prompt = list(tokens) if tokens else None
 
     def stop(self) -> None:
         """Stop the thread and close the sockets."""

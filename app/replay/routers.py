@@ -1,0 +1,86 @@
+"""Routers in front of a cluster's replicas (docs/design.md §13): which replica serves a request.
+
+A router sees, per replica, the prefix it has cached for this request (`cached`:
+blocks a precise prefix-cache lookup would attach) and its load (`load`:
+outstanding tokens of work; `decoding`: KV blocks of the requests it is running),
+and returns a replica index. Ties go to the lowest index, so every router is
+deterministic given its inputs (random: given its seed).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ROUTERS = ("round-robin", "prefix-hash", "random", "least-loaded", "cache-aware", "kv-cost")
+# Routers whose choice needs each replica's cached prefix (a lookup per replica per request).
+CACHE_ROUTERS = ("cache-aware", "kv-cost")
+
+
+@dataclass(frozen=True)
+class RouterKnobs:
+    """The load-aware routers' constants: SGLang's balance thresholds, Dynamo's overlap weight."""
+
+    seed: int = 0
+    balance_abs: int = 32_768     # tokens: cache-aware balances when the gap exceeds this ...
+    balance_rel: float = 1.5      # ... and the busiest carries this many times the idlest's load
+    overlap_weight: float = 1.0   # kv-cost: weight of the blocks a replica would have to prefill
+
+
+@dataclass
+class View:
+    """What a router sees of the replicas when a request arrives."""
+
+    index: int                    # the request's position in the trace (0-based)
+    first_key: int                # the key of the request's first block (prefix-hash)
+    blocks: int                   # the request's prompt blocks
+    cached: list[int]             # per replica: blocks it would attach (CACHE_ROUTERS only)
+    load: list[float]             # per replica: outstanding tokens of work
+    decoding: list[int]           # per replica: KV blocks of the requests it is running
+
+
+Router = Callable[[View], int]
+
+
+def check_routers(names) -> list[str]:
+    """The names, or ValueError naming the first unknown one."""
+    names = list(names)
+    bad = [n for n in names if n not in ROUTERS]
+    if bad or not names:
+        raise ValueError(f"unknown router {bad[0] if bad else ''!r}; one of {', '.join(ROUTERS)}")
+    return names
+
+
+def make_router(name: str, replicas: int, knobs: RouterKnobs = RouterKnobs()) -> Router:
+    """A fresh router (its own state: the random one's generator) for `replicas` replicas."""
+    check_routers([name])
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    n = replicas
+    if name == "round-robin":
+        return lambda v: v.index % n
+    if name == "prefix-hash":  # like OpenAI's: a hash of the prompt's first tokens
+        return lambda v: v.first_key % n
+    if name == "random":
+        rng = random.Random(knobs.seed)
+        return lambda v: rng.randrange(n)
+    if name == "least-loaded":
+        return lambda v: _argmin(v.load)
+    if name == "cache-aware":
+        return lambda v: _cache_aware(v, knobs)
+    w = knobs.overlap_weight  # Dynamo: overlap_weight x blocks to prefill + blocks being decoded
+    return lambda v: _argmin([w * (v.blocks - c) + d for c, d in zip(v.cached, v.decoding)])
+
+
+def _argmin(values) -> int:
+    return min(range(len(values)), key=values.__getitem__)
+
+
+def _cache_aware(v: View, knobs: RouterKnobs) -> int:
+    """SGLang's router: the longest cached prefix (ties: the least loaded), unless the load is
+    out of balance by both thresholds, then the least loaded."""
+    hi, lo = max(v.load), min(v.load)
+    if hi - lo > knobs.balance_abs and hi > lo * knobs.balance_rel:
+        return _argmin(v.load)
+    return min(range(len(v.cached)), key=lambda i: (-v.cached[i], v.load[i], i))
