@@ -1,0 +1,79 @@
+"""The advice for a trace: per rule set the simulation, then the divergence groups and the what-if
+(docs/design.md §14); plain data, the JSON `prefixlab advise --json` writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from .divergence import find_divergences, group
+from .prompts import build_prompt
+from .rules import RuleSet
+from .simulate import simulate, totals
+from .traffic import Request
+from .whatif import describe, fixed_traffic
+
+SCHEMA = "prefixlab.advice/1"
+
+
+class Tokenizers:
+    """Tokenizers by rule-set name ("model": the loaded one), and each request's prompt under each."""
+
+    def __init__(self, model_tokenizer, load: Callable[[str], object] | None = None):
+        self._toks = {"model": model_tokenizer}
+        self._load = load
+
+    def get(self, name: str):
+        if name not in self._toks:
+            if self._load is None:
+                raise ValueError(f"no tokenizer {name!r} (only the loaded model's)")
+            self._toks[name] = self._load(name)
+        return self._toks[name]
+
+    def prompts(self, name: str, requests: list[Request]) -> list:
+        tok = self.get(name)
+        out = []
+        for r in requests:
+            try:
+                out.append(build_prompt(tok, r))
+            except Exception as e:  # a template error: say which line it came from
+                raise ValueError(f"line {r.line}: cannot render the chat messages: {e}") from None
+        return out
+
+
+def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:
+    outcomes = simulate(rules, requests, prompts)
+    rows = []
+    for req, o in zip(requests, outcomes):
+        row = {"line": req.line, "arrival_s": req.arrival_s, "prompt_tokens": o.prompt_tokens,
+               "common_prefix_tokens": o.common_prefix_tokens, "cached_tokens": o.cached_tokens,
+               "written_tokens": o.written_tokens, "output_tokens": o.output_tokens,
+               "cost_without": round(o.cost_without, 8), "cost_with": round(o.cost_with, 8)}
+        if req.upstream_cached_tokens is not None:
+            row["upstream_cached_tokens"] = req.upstream_cached_tokens
+        rows.append(row)
+    return {"rules": rules.to_json(), "totals": totals(outcomes), "requests": rows}
+
+
+def advise(trace: str, requests: list[Request], rule_sets: list[RuleSet], toks: Tokenizers) -> dict:
+    """Everything the advisor says about `requests` (arrival order) under `rule_sets`."""
+    prompts = {name: toks.prompts(name, requests) for name in {"model", *(r.tokenizer for r in rule_sets)}}
+    results = [_per_rules(r, requests, prompts[r.tokenizer]) for r in rule_sets]
+    divergences = find_divergences(requests, prompts["model"])
+    groups = group(divergences)
+    out = {"schema": SCHEMA, "trace": os.path.abspath(trace) if trace else "",
+           "requests": len(requests), "rule_sets": results, "groups": groups,
+           "divergences": [{"line": d.line, "matched_line": d.matched_line, "token": d.token,
+                            "message": d.message, "role": d.role, "field": d.field, "start": d.start,
+                            "end": d.end, "kind": d.kind} for d in divergences if d is not None],
+           "what_if": None}
+    if groups:
+        fixed = fixed_traffic(requests, groups[0])
+        after = {}
+        for r in rule_sets:
+            after[r.name] = totals(simulate(r, fixed, toks.prompts(r.tokenizer, fixed)))
+        out["what_if"] = {"group": groups[0]["summary"], "fix": describe(groups[0]),
+                          "rule_sets": [{"name": res["rules"]["name"], "before": res["totals"],
+                                         "after": after[res["rules"]["name"]]} for res in results]}
+    return out
