@@ -86,7 +86,9 @@ def _reordered(a: str, b: str) -> bool:
     if x == y:
         return True
     if isinstance(x, list) and isinstance(y, list):
-        return sorted(json.dumps(v, sort_keys=True) for v in x) == sorted(json.dumps(v, sort_keys=True) for v in y)
+        def canon(items):
+            return sorted(json.dumps(v, sort_keys=True) for v in items)
+        return canon(x) == canon(y)
     return False
 
 

@@ -46,8 +46,9 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 def render_html(advice: dict) -> str:
     """The whole page: totals per rule set, the divergence groups (the differing text marked), the what-if."""
-    parts = [f"<!doctype html><meta charset='utf-8'><title>Prompt-caching advice</title><style>{_STYLE}</style>",
-             f"<h1>Prompt-caching advice</h1><p>{escape(advice['trace'])}: {advice['requests']:,} requests</p>",
+    parts = ["<!doctype html><meta charset='utf-8'><title>Prompt-caching advice</title>",
+             f"<style>{_STYLE}</style><h1>Prompt-caching advice</h1>",
+             f"<p>{escape(advice['trace'])}: {advice['requests']:,} requests</p>",
              "<h2>Per provider</h2>", _table(TOTALS_HEAD, totals_rows(advice))]
     parts.append("<p class='note'>" + "<br>".join(
         f"{escape(rs['rules']['name'])}: as of {escape(rs['rules']['as_of'])}, "
@@ -55,7 +56,7 @@ def render_html(advice: dict) -> str:
         for rs in advice["rule_sets"]) + "</p>")
     parts.append("<h2>Where prompts diverge</h2>")
     if not advice["groups"]:
-        parts.append("<p>No request departs from an earlier one: every prompt extends or repeats another.</p>")
+        parts.append("<p>No request departs from an earlier one: each extends or repeats another.</p>")
     for g in advice["groups"][:10]:
         ex = g["example"]
         parts.append(f"<p><b>{escape(g['summary'])}</b><br><code>…{escape(ex['before'])}"

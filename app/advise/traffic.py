@@ -50,7 +50,8 @@ def reported_usage(obj: dict | None) -> tuple[int | None, int | None]:
         return None, None
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
     timings = obj.get("timings") if isinstance(obj.get("timings"), dict) else {}
-    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+    details = usage.get("prompt_tokens_details")
+    details = details if isinstance(details, dict) else {}
     cached = details.get("cached_tokens", usage.get("cache_read_input_tokens", timings.get("cache_n")))
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     if prompt is None and "prompt_n" in timings and "cache_n" in timings:
@@ -83,7 +84,8 @@ def read_lines(path: str) -> Iterator[tuple[int, dict]]:
             except UnicodeDecodeError:
                 raise TraceError(f"{path}, line {lineno}: not UTF-8 text (traces are JSONL)") from None
             except ValueError as e:
-                raise TraceError(f"{path}, line {lineno}: not valid JSON ({e.args[0].split(':')[0]})") from None
+                why = e.args[0].split(':')[0]
+                raise TraceError(f"{path}, line {lineno}: not valid JSON ({why})") from None
             if not isinstance(obj, dict):
                 raise TraceError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
             yield lineno, obj
@@ -94,7 +96,8 @@ def _parts(content, where: str) -> tuple[str, list[int]]:
     if content is None or isinstance(content, str):
         return content or "", []
     if not isinstance(content, list):
-        raise TraceError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
+        raise TraceError(f"{where}: content must be a string or a list of parts, "
+                         f"got {type(content).__name__}")
     text, marks = "", []
     for part in content:
         if isinstance(part, dict) and isinstance(part.get("text"), str):
