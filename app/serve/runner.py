@@ -44,10 +44,11 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpThread:
     """uvicorn serving an ASGI app on a daemon thread; `stop()` closes connections and joins."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, **config):
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                **config)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="prefixlab-http", daemon=True)
