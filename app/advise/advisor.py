@@ -53,7 +53,10 @@ def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:
         if req.upstream_cached_tokens is not None:
             row["upstream_cached_tokens"] = req.upstream_cached_tokens
         rows.append(row)
-    return {"rules": rules.to_json(), "totals": totals(outcomes), "requests": rows}
+    out = {"rules": rules.to_json(), "totals": totals(outcomes), "requests": rows}
+    if rules.breakpoints and not any(p.marks for p in prompts):
+        out["note"] = "no request has a cache_control mark: these rules cache nothing without one"
+    return out
 
 
 def advise(trace: str, requests: list[Request], rule_sets: list[RuleSet], toks: Tokenizers) -> dict:

@@ -65,7 +65,8 @@ def run(args) -> int:
 def summary(advice: dict) -> str:
     """The text the command prints: totals per rule set, the largest groups, the what-if."""
     from .html import TOTALS_HEAD, WHATIF_HEAD, totals_rows, whatif_rows
-    lines = [_table(TOTALS_HEAD, totals_rows(advice)), ""]
+    lines = [_table(TOTALS_HEAD, totals_rows(advice))]
+    lines += [f"{rs['rules']['name']}: {rs['note']}" for rs in advice["rule_sets"] if rs.get("note")] + [""]
     groups = advice["groups"]
     lines += [g["summary"] + f" (e.g. {g['example']['text']!r})" for g in groups[:5]] or \
         ["No request departs from an earlier one."]

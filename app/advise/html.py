@@ -53,6 +53,7 @@ def render_html(advice: dict) -> str:
     parts.append("<p class='note'>" + "<br>".join(
         f"{escape(rs['rules']['name'])}: as of {escape(rs['rules']['as_of'])}, "
         f"<a href='{escape(rs['rules']['source'])}'>{escape(rs['rules']['source'])}</a>"
+        + (f" ({escape(rs['note'])})" if rs.get("note") else "")
         for rs in advice["rule_sets"]) + "</p>")
     parts.append("<h2>Where prompts diverge</h2>")
     if not advice["groups"]:
