@@ -1,0 +1,140 @@
+"""The Advisor tab's controller: a trace (or the proxy's live recording) in, the advice off the UI
+thread, plain rows to `ui.advisor_panel.AdvisorPanel` (docs/design.md §14).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, Signal
+
+from .advise.advisor import Tokenizers, advise
+from .advise.html import TOTALS_HEAD, WHATIF_HEAD, totals_rows, whatif_rows
+from .advise.rules import RulesError, resolve_rules
+from .advise.traffic import read_traffic
+from .replay.trace import TraceError
+
+
+def panel_data(advice: dict) -> dict:
+    """The advice as the panel's plain rows."""
+    tips = [f"{rs['rules']['name']}: as of {rs['rules']['as_of']}, {rs['rules']['source']}"
+            + (f"\n{rs['note']}" if rs.get("note") else "") for rs in advice["rule_sets"]]
+    groups = [{"summary": g["summary"], "before": g["example"]["before"], "text": g["example"]["text"]}
+              for g in advice["groups"]]
+    w = advice.get("what_if")
+    return {"totals": (TOTALS_HEAD, totals_rows(advice), tips), "groups": groups,
+            "whatif": (w["fix"] if w else None, WHATIF_HEAD, whatif_rows(advice))}
+
+
+class AdvisorController(QObject):
+    """Load trace -> advice -> panel; the proxy on -> each recorded request -> fresh advice."""
+
+    _advised = Signal(dict, str)
+    _failed = Signal(str)
+    _recorded = Signal()
+
+    def __init__(self, panel, ask_trace_path: Callable[[], str], tokenizer_of: Callable[[], object | None],
+                 parent: QObject | None = None):
+        super().__init__(parent)
+        self.panel, self.ask_trace_path, self.tokenizer_of = panel, ask_trace_path, tokenizer_of
+        self.advice: dict | None = None
+        self.proxy = None
+        self.busy = False
+        self._again: tuple | None = None  # traffic recorded while busy: advise once more after
+        self._tmp = tempfile.TemporaryDirectory(prefix="prefixlab-advisor-")
+        panel.load_requested.connect(self.load_trace)
+        panel.proxy_requested.connect(self.set_proxy)
+        self._advised.connect(self._on_advised)
+        self._failed.connect(self._on_failed)
+        self._recorded.connect(self._on_recorded)
+
+    def load_trace(self, path: str | None = None) -> None:
+        """Advise on a trace file (asking for one when no path is given)."""
+        path = path or self.ask_trace_path()
+        if path:
+            self._start(path, os.path.basename(path))
+
+    def set_proxy(self, on: bool, upstream: str = "", port: int = 8001) -> None:
+        """Start the recording proxy in front of `upstream` (its traffic advised live), or stop it."""
+        from .proxy.cli import Proxy
+        from .serve.runner import ServeError
+        if not on:
+            self._stop_proxy()
+            self.panel.set_proxy(None)
+            return
+        try:
+            record = os.path.join(self._tmp.name, f"proxy-{port}.jsonl")
+            self.proxy = Proxy(upstream, port=port, record=record).start()
+        except (ValueError, ServeError) as e:
+            self.proxy = None
+            self.panel.set_proxy(None)
+            self.panel.show_error(f"cannot start the proxy: {e}")
+            return
+        self.proxy.recorder.observers.append(lambda _rec: self._recorded.emit())  # the HTTP thread
+        self.panel.show_error(None)
+        self._show_proxy()
+
+    def close(self) -> None:
+        self._stop_proxy()
+        self._tmp.cleanup()
+
+    def _stop_proxy(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+            self.proxy = None
+
+    def _show_proxy(self) -> None:
+        p = self.proxy
+        if p is not None:
+            self.panel.set_proxy(f"Proxy on {p.url}/v1 -> {p.upstream}: {p.recorder.count:,} requests "
+                                 f"recorded (point clients at OPENAI_BASE_URL={p.url}/v1)")
+
+    def _on_recorded(self) -> None:
+        self._show_proxy()
+        if self.proxy is not None:
+            self._start(self.proxy.recorder.path, "the proxy's traffic")
+
+    def _start(self, path: str, name: str) -> None:
+        if self.busy:
+            self._again = (path, name)
+            return
+        tok = self.tokenizer_of()
+        if tok is None:
+            self.panel.show_error("load a model first: prompts are tokenized with its chat template")
+            return
+        self.busy = True
+        self.panel.set_busy(True)
+        threading.Thread(target=self._job, args=(path, name, tok), daemon=True, name="advisor").start()
+
+    def _job(self, path: str, name: str, tok) -> None:
+        try:
+            requests = read_traffic(path)
+            advice = advise(path, requests, resolve_rules(None), Tokenizers(tok))
+        except (TraceError, RulesError, ValueError, OSError) as e:
+            self._failed.emit(str(e))
+            return
+        self._advised.emit(advice, f"{name}: {advice['requests']:,} requests")
+
+    def _on_advised(self, advice: dict, description: str) -> None:
+        self.advice = advice
+        data = panel_data(advice)
+        self.panel.show_error(None)
+        self.panel.set_trace(description)
+        self.panel.set_totals(*data["totals"])
+        self.panel.set_groups(data["groups"])
+        self.panel.set_whatif(*data["whatif"])
+        self._done()
+
+    def _on_failed(self, message: str) -> None:
+        self.panel.show_error(message)
+        self._done()
+
+    def _done(self) -> None:
+        self.busy = False
+        self.panel.set_busy(False)
+        again, self._again = self._again, None
+        if again is not None:
+            self._start(*again)

@@ -1,0 +1,74 @@
+"""The Advisor tab: a loaded chat log, and the proxy's traffic advised live, in real widgets."""
+
+from __future__ import annotations
+
+import openai
+
+from app.advisor_controller import AdvisorController
+from tests.serve_helpers import scheduler_on, start_server
+from tests.test_advise import timestamp_log
+from tests.test_proxy import ASK
+from ui.advisor_panel import HIGHLIGHT, AdvisorPanel
+
+WAIT_MS = 60_000
+
+
+def _cells(table, column: int) -> list[str]:
+    return [table.item(i, column).text() for i in range(table.rowCount())]
+
+
+def test_a_loaded_chat_log_shows_totals_groups_and_the_fix(qtbot, real_model, tmp_path):
+    panel = AdvisorPanel()
+    qtbot.addWidget(panel)
+    path = timestamp_log(tmp_path)
+    ctl = AdvisorController(panel, lambda: path, lambda: real_model.tokenizer)
+    try:
+        panel.load_button.click()  # asks for a path: the lambda answers
+        qtbot.waitUntil(lambda: ctl.advice is not None and not ctl.busy, timeout=WAIT_MS)
+        assert _cells(panel.totals, 0) == ["openai", "anthropic", "gemini", "deepseek", "mistral", "prefixlab"]
+        assert _cells(panel.totals, 5)[0] == "0.0%"  # OpenAI's hit ratio
+        assert "as of 2025-06-01" in panel.totals.item(0, 0).toolTip()
+        html = panel.groups.toHtml()
+        assert "11 of 12 requests diverge in message 0 (system) at characters 14-33" in html
+        assert "2026-11-29T10:21:50Z" in html and HIGHLIGHT[1:] in html.lower()
+        assert "move a timestamp or date" in panel.whatif_label.text()
+        after = float(_cells(panel.whatif, 2)[0].rstrip("%"))
+        assert after > 80  # OpenAI's hit ratio once the timestamp moves
+        assert "chat.jsonl: 12 requests" in panel.trace_label.text()
+    finally:
+        ctl.close()
+
+
+def test_the_proxys_traffic_is_advised_live(qtbot, real_model):
+    server = start_server(scheduler_on(real_model, page_rows=16))
+    panel = AdvisorPanel()
+    qtbot.addWidget(panel)
+    ctl = AdvisorController(panel, lambda: "", lambda: real_model.tokenizer)
+    try:
+        panel.upstream.setText(server.url + "/v1")
+        panel.port.setValue(0)  # any free port
+        panel.proxy_button.click()
+        assert ctl.proxy is not None and "0 requests recorded" in panel.proxy_label.text()
+        client = openai.OpenAI(base_url=ctl.proxy.url + "/v1", api_key="unused", max_retries=0)
+        for _ in range(2):
+            client.chat.completions.create(**ASK)
+        qtbot.waitUntil(lambda: "2 requests recorded" in panel.proxy_label.text(), timeout=WAIT_MS)
+        qtbot.waitUntil(lambda: "the proxy's traffic: 2 requests" in panel.trace_label.text(), timeout=WAIT_MS)
+        assert panel.totals.rowCount() == 6
+        panel.proxy_button.click()
+        assert ctl.proxy is None and panel.proxy_button.text() == "Start proxy"
+        panel.upstream.setText("not a url")
+        panel.proxy_button.click()
+        assert "cannot start the proxy: --upstream must be an http:// or https:// URL" in panel.error.text()
+        assert not panel.proxy_button.isChecked()
+    finally:
+        ctl.close()
+        server.stop()
+
+
+def test_the_window_has_an_advisor_tab(open_desktop):
+    d = open_desktop()
+    tabs = d.window.tabs
+    assert "Advisor" in [tabs.tabText(i) for i in range(tabs.count())]
+    d.advisor.load_trace("/nonexistent.jsonl")  # no model loaded yet: said, not raised
+    assert "load a model first" in d.window.advisor.error.text()
