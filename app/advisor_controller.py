@@ -12,21 +12,10 @@ from collections.abc import Callable
 from PySide6.QtCore import QObject, Signal
 
 from .advise.advisor import Tokenizers, advise
-from .advise.html import TOTALS_HEAD, WHATIF_HEAD, totals_rows, whatif_rows
+from .advise.html import view_data
 from .advise.rules import RulesError, resolve_rules
 from .advise.traffic import read_traffic
 from .replay.trace import TraceError
-
-
-def panel_data(advice: dict) -> dict:
-    """The advice as the panel's plain rows."""
-    tips = [f"{rs['rules']['name']}: as of {rs['rules']['as_of']}, {rs['rules']['source']}"
-            + (f"\n{rs['note']}" if rs.get("note") else "") for rs in advice["rule_sets"]]
-    groups = [{"summary": g["summary"], "before": g["example"]["before"], "text": g["example"]["text"]}
-              for g in advice["groups"]]
-    w = advice.get("what_if")
-    return {"totals": (TOTALS_HEAD, totals_rows(advice), tips), "groups": groups,
-            "whatif": (w["fix"] if w else None, WHATIF_HEAD, whatif_rows(advice))}
 
 
 class AdvisorController(QObject):
@@ -120,12 +109,12 @@ class AdvisorController(QObject):
 
     def _on_advised(self, advice: dict, description: str) -> None:
         self.advice = advice
-        data = panel_data(advice)
+        data = view_data(advice)
         self.panel.show_error(None)
         self.panel.set_trace(description)
-        self.panel.set_totals(*data["totals"])
+        self.panel.set_totals(data["totals_head"], data["totals_rows"], data["tips"])
         self.panel.set_groups(data["groups"])
-        self.panel.set_whatif(*data["whatif"])
+        self.panel.set_whatif(data["fix"], data["whatif_head"], data["whatif_rows"])
         self._done()
 
     def _on_failed(self, message: str) -> None:

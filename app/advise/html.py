@@ -38,6 +38,18 @@ def whatif_rows(advice: dict) -> list[list[str]]:
              money(r["before"]["cost_with"]), money(r["after"]["cost_with"])] for r in w["rule_sets"]]
 
 
+def view_data(advice: dict) -> dict:
+    """The advice as plain rows for a view (the Advisor tab, the session report's section)."""
+    tips = [f"{rs['rules']['name']}: as of {rs['rules']['as_of']}, {rs['rules']['source']}"
+            + (f"\n{rs['note']}" if rs.get("note") else "") for rs in advice["rule_sets"]]
+    groups = [{"summary": g["summary"], "before": g["example"]["before"], "text": g["example"]["text"]}
+              for g in advice["groups"]]
+    w = advice.get("what_if")
+    return {"totals_head": TOTALS_HEAD, "totals_rows": totals_rows(advice), "tips": tips, "groups": groups,
+            "fix": w["fix"] if w else None, "whatif_head": WHATIF_HEAD, "whatif_rows": whatif_rows(advice),
+            "trace": advice.get("trace", ""), "requests": advice.get("requests", 0)}
+
+
 def _table(head: list[str], rows: list[list[str]]) -> str:
     cells = "".join(f"<th>{escape(h)}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
