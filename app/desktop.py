@@ -50,6 +50,7 @@ class Desktop(QObject):
         self.advisor = AdvisorController(
             w.advisor, lambda: w.ask_open_path("Open a chat log or a proxy recording", "",
                                                "Traces (*.jsonl);;All (*)"), self._tokenizer, parent=self)
+        c.advice_of = lambda: self.advisor.advice
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
         self._installs = ModelInstalls(self)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import openai
 
 from app.advise.rules import DEFAULT_RULES
@@ -74,3 +76,29 @@ def test_the_window_has_an_advisor_tab(open_desktop):
     assert "Advisor" in [tabs.tabText(i) for i in range(tabs.count())]
     d.advisor.load_trace("/nonexistent.jsonl")  # no model loaded yet: said, not raised
     assert "load a model first" in d.window.advisor.error.text()
+
+
+def test_the_session_report_carries_the_advice(real_model, tmp_path, qtbot):
+    from app.advise.advisor import Tokenizers, advise
+    from app.advise.rules import resolve_rules
+    from app.advise.traffic import read_traffic
+    from app.report import load_report
+    from app.report.render import export_report
+    from engine.scheduler import Scheduler
+    from tests.test_report import SYSTEM, TITLE, build_report
+
+    sch = Scheduler(real_model)
+    sch.submit(system=SYSTEM, user="Do you sell rakes?", max_new_tokens=2)
+    sch.run_until_done()
+    report = build_report(sch, real_model, SYSTEM, None, title=TITLE)
+    path = timestamp_log(tmp_path)
+    report.advice = advise(path, read_traffic(path), resolve_rules("openai"),
+                           Tokenizers(real_model.tokenizer))
+    html, js, pdf = (str(tmp_path / f"r.{ext}") for ext in ("html", "json", "pdf"))
+    for out in (html, js, pdf):
+        export_report(out, report)
+    text = open(html, encoding="utf-8").read()
+    assert "Prompt-caching advice" in text and "11 of 12 requests diverge in message 0 (system)" in text
+    assert 'data-rules="openai"' in text and "What if you move a timestamp or date" in text
+    assert load_report(js).advice["groups"][0]["kind"] == "timestamp"
+    assert os.path.getsize(pdf) > 0
