@@ -179,3 +179,20 @@ def test_bad_trace_lines_are_named(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(SystemExit, match="empty.jsonl: the trace has no requests"):
         main(["advise", str(tmp_path / "empty.jsonl")])
+
+
+def test_a_prefixlab_token_trace_is_advised_on_its_decoded_text(real_model, tmp_path):
+    from app.replay.trace import TraceHeader, TraceRequest, write_trace
+    tok = real_model.tokenizer
+    bodies = [json.loads(line) for line in open(timestamp_log(tmp_path, n=4))]
+    path = str(tmp_path / "session.jsonl")
+    write_trace(path, TraceHeader(page_rows=16, model=real_model.name),
+                [TraceRequest(arrival_s=b["timestamp"] / 1000, input_length=0, output_length=4,
+                              prompt=tok.encode(tok.render_chat(b["messages"]))) for b in bodies])
+    advice = _advice(real_model, path, "openai")
+    top = advice["groups"][0]
+    assert (top["field"], top["kind"], top["count"]) == ("prompt", "timestamp", 3)
+    assert top["example"]["text"] == "2026-11-29T10:16:54Z"
+    (tmp_path / "mooncake.jsonl").write_text('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match="hash-id trace has block hashes, not prompts"):
+        read_traffic(str(tmp_path / "mooncake.jsonl"))

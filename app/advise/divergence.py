@@ -31,6 +31,7 @@ CLASSES = (("timestamp", TIMESTAMP), ("id", HEX_ID), ("number", NUMBER))
 LABELS = {"timestamp": "a timestamp or date", "id": "a UUID or hex id", "number": "a number",
           "whitespace": "whitespace", "reordered": "reordered keys or tools", "other": "other text"}
 CONTEXT_CHARS = 40
+MAX_OTHER = 80  # an "other text" span ends at its line's end or after this many characters
 
 
 @dataclass
@@ -56,11 +57,9 @@ class Divergence:
 
 
 def field_text(req: Request, message: int | None, fld: str) -> str:
-    """The text of one field of a request (a message's content, the tools' JSON, the prompt)."""
+    """The text of one field of a chat request (a message's content, or the tools' JSON)."""
     if fld == "tools":
         return json.dumps(req.tools or [], ensure_ascii=False)
-    if fld == "prompt":
-        return req.prompt_text or ""
     msgs = req.messages or []
     return msgs[message].content if message is not None and message < len(msgs) else ""
 
@@ -100,13 +99,26 @@ def classify(a: str, b: str) -> tuple[str, int, int]:
         return "reordered", p, max(end, p)
     if not a[p:end].strip() and not b[p:len(b) - s].strip():
         return "whitespace", p, end
-    for kind, pattern in CLASSES:
+    for kind, pattern in CLASSES:  # the value the difference starts in (the rest may differ too)
         for m in pattern.finditer(a):
             if m.start() <= p < m.end() or (m.start() <= p == m.end() and end == p):
-                return kind, min(m.start(), p), max(m.end(), end)
+                return kind, m.start(), m.end()
             if m.start() > p:
                 break
-    return "other", p, end
+    line_end = a.find("\n", p)
+    return "other", p, min(end, p + MAX_OTHER, line_end if line_end >= p else len(a))
+
+
+def _counterpart(b: str, kind: str, start: int, aligned_end: int) -> str:
+    """What the matched request has at the span: its own value of the kind, else the text up to
+    the shared tail."""
+    pattern = dict(CLASSES).get(kind)
+    for m in pattern.finditer(b) if pattern else ():
+        if m.start() <= start < m.end():
+            return m.group()
+        if m.start() > start:
+            break
+    return b[start:aligned_end][:MAX_OTHER]
 
 
 def find_divergences(requests: list[Request], prompts: list[Prompt]) -> list[Divergence | None]:
@@ -124,11 +136,14 @@ def find_divergences(requests: list[Request], prompts: list[Prompt]) -> list[Div
         seg, _ = prompt.where(longest)
         oseg, _ = prompts[j].where(longest)
         msg, fld = (seg.message, seg.field) if seg else (None, "prompt")
-        a = field_text(req, msg, fld)
         same_field = oseg is not None and (oseg.message, oseg.field) == (msg, fld)
-        b = field_text(requests[j], msg, fld) if same_field else ""
+        if fld == "prompt":  # a completion's or a token trace's prompt: the text the tokens make
+            a, b = prompt.text, prompts[j].text
+        else:
+            a = field_text(req, msg, fld)
+            b = field_text(requests[j], msg, fld) if same_field else ""
         kind, start, end = classify(a, b)
-        other = b[start:max(start, len(b) - (len(a) - end))]  # the same span, aligned on the shared tail
+        other = _counterpart(b, kind, start, max(start, len(b) - (len(a) - end)))
         out.append(Divergence(req.line, requests[j].line, longest, msg, seg.role if seg else "", fld,
                               start, end, kind, a[start:end], other, a[max(0, start - CONTEXT_CHARS):start]))
     return out

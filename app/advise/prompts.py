@@ -61,6 +61,13 @@ def tools_text(tools: list) -> str:
 
 def build_prompt(tok, req: Request) -> Prompt:
     """`req`'s prompt under `tok` (a TextTokenizer): the chat template, or a completion's text."""
+    if req.tokens is not None:  # token ids only: the text is their decoding, piece by piece
+        pieces = [tok.decode([t]) for t in req.tokens]
+        starts = [0] * len(pieces)
+        for k in range(1, len(pieces)):
+            starts[k] = starts[k - 1] + len(pieces[k - 1])
+        text = "".join(pieces)
+        return Prompt(text, list(req.tokens), starts, [Segment(0, len(text), None, "", "prompt")])
     if req.messages is None:
         text = req.prompt_text or ""
         prefix = tok.prompt_prefix_ids

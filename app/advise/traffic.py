@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..replay.trace import TraceError
+from ..replay.trace import PREFIXLAB_TAG, TraceError, open_trace
 
 MAX_LINE_BYTES = 16 << 20  # a trace line is one request: 16 MiB of JSON is far past any context
 
@@ -37,6 +37,7 @@ class Request:
     tools: list | None = None
     tools_marked: bool = False           # a cache_control mark on a tool (Anthropic)
     prompt_text: str | None = None       # completions
+    tokens: list[int] | None = None      # a prefixlab token trace's prompt (no text to map back to)
     output_tokens: int = 0
     upstream_cached_tokens: int | None = None
     upstream_prompt_tokens: int | None = None
@@ -141,6 +142,9 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
                 key=str(key), output_tokens=out if isinstance(out, int) and out > 0 else 0,
                 upstream_cached_tokens=cached, upstream_prompt_tokens=prompt_tokens,
                 model=str(body.get("model") or ""))
+    if "hash_ids" in obj:
+        raise TraceError(f"{where}: a Mooncake hash-id trace has block hashes, not prompts: the advisor "
+                         f"needs prompts (chat logs, proxy recordings or token traces)")
     if "messages" in body:
         r.messages = _messages(body, where)
         tools = body.get("tools")
@@ -155,9 +159,25 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
     return r
 
 
+def _token_trace(path: str) -> list[Request]:
+    """A prefixlab trace (a session's, or `replay --record`'s): prompts as token ids."""
+    source = open_trace(path, "prefixlab")
+    if source.hashed:
+        raise TraceError(f"{path}: a hash-id trace has block hashes, not tokens: the advisor needs "
+                         f"prompts (chat logs, proxy recordings or token traces)")
+    return [Request(line=i + 2, arrival_s=r.arrival_s, key=r.namespace, tokens=r.prompt,
+                    output_tokens=r.output_length) for i, r in enumerate(source)]
+
+
 def read_traffic(path: str) -> list[Request]:
     """Every request of a trace, in arrival order (ties: file order)."""
-    requests = [parse_request(obj, path, line) for line, obj in read_lines(path)]
+    lines = read_lines(path)
+    first = next(lines, None)
+    if first is not None and first[1].get("format") == PREFIXLAB_TAG:
+        lines.close()
+        requests = _token_trace(path)
+    else:
+        requests = [parse_request(obj, path, line) for line, obj in ([first] if first else []) + list(lines)]
     if not requests:
         raise TraceError(f"{path}: the trace has no requests")
     requests.sort(key=lambda r: (r.arrival_s, r.line))
