@@ -149,3 +149,59 @@ def test_proxy_options_are_checked(tmp_path, capsys):
         main(["proxy", "--upstream", "ftp://example.com"])
     with pytest.raises(SystemExit, match="the folder .* does not exist"):
         main(["proxy", "--upstream", "http://127.0.0.1:9", "--record", str(tmp_path / "no" / "t.jsonl")])
+
+
+def test_the_proxy_command_serves_until_sigterm(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    record = tmp_path / "t.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "proxy", "--upstream", "http://127.0.0.1:9/v1",
+                             "--port", "0", "--record", str(record)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1 -> http://127\.0\.0\.1:9/v1", first).group(1)
+        r = httpx.post(url + "/v1/chat/completions", json=ASK, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 502 and "cannot be reached" in r.json()["error"]["message"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    assert "stopping" in proc.stderr.read()
+    assert json.loads(record.read_text())["status"] == 502 and KEY not in record.read_text()
+
+
+@pytest.mark.skipif(__import__("shutil").which("llama-server") is None,
+                    reason="no llama-server binary on PATH (llama.cpp's server)")
+def test_the_proxy_records_llama_servers_cache_n(real_model, tmp_path):
+    import subprocess
+    import time
+    port = 18000 + os.getpid() % 1000 + 7
+    proc = subprocess.Popen(["llama-server", "-m", real_model.path, "--port", str(port), "-c", "2048"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    upstream = f"http://127.0.0.1:{port}"
+    proxy = None
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            try:
+                if httpx.get(upstream + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        proxy = Proxy(upstream + "/v1", port=0, record=str(tmp_path / "t.jsonl")).start()
+        direct = openai.OpenAI(base_url=upstream + "/v1", api_key=KEY, max_retries=0)
+        via = openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, max_retries=0)
+        direct.chat.completions.create(**ASK)
+        a = direct.chat.completions.with_raw_response.create(**ASK)
+        b = via.chat.completions.with_raw_response.create(**ASK)
+        assert _per_call(b.http_response.content) == _per_call(a.http_response.content)
+        rec = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])
+        assert rec["timings"]["cache_n"] == b.parse().model_extra["timings"]["cache_n"] > 0
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        proc.terminate()
+        proc.wait(10)

@@ -65,11 +65,9 @@ def run(args) -> int:
     where = f"; recording to {args.record}" if args.record else ""
     print(f"prefixlab proxy: {proxy.url}/v1 -> {proxy.upstream}{where}", flush=True)
     print(f"prefixlab proxy: point clients at OPENAI_BASE_URL={proxy.url}/v1", flush=True)
-    with StopOnSignals() as stop:
+    with StopOnSignals() as stop:  # Ctrl+C or SIGTERM: a clean stop
         try:
-            while proxy.http.is_alive() and not stop.wait(0.5):
-                pass
-            if stop.is_set():
+            if proxy.http.serve_until(stop):
                 print("prefixlab proxy: stopping", file=sys.stderr)
         finally:
             proxy.stop()

@@ -78,6 +78,12 @@ class HttpThread:
         """True while uvicorn serves."""
         return self._thread.is_alive()
 
+    def serve_until(self, stop: threading.Event) -> bool:
+        """Block while uvicorn serves; True when `stop` was set (a signal), False when it ended."""
+        while self.is_alive() and not stop.wait(0.5):
+            pass
+        return stop.is_set()
+
 
 def latest_row(scheduler) -> dict:
     """The scheduler's last timeline row as a dict (a list's last item: safe from another thread)."""
