@@ -196,3 +196,41 @@ def test_a_prefixlab_token_trace_is_advised_on_its_decoded_text(real_model, tmp_
     (tmp_path / "mooncake.jsonl").write_text('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n')
     with pytest.raises(TraceError, match="hash-id trace has block hashes, not prompts"):
         read_traffic(str(tmp_path / "mooncake.jsonl"))
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_the_simulation_equals_the_definition_by_brute_force():
+    """Random prompts sharing prefixes, random silences: L is the longest common prefix with a
+    prompt last used at most ttl before (a hit refreshing the prompt it matched), exactly."""
+    import random
+
+    from app.advise.prompts import Prompt
+    from app.advise.rules import Prices, RuleSet
+    from app.advise.simulate import simulate
+    from app.advise.traffic import Request
+    rng = random.Random(7)
+    rules = RuleSet("t", "2026-01-01", "test", min_prefix_tokens=3, granularity_tokens=2, ttl_seconds=10.0,
+                    breakpoints=False, tokenizer="model", prices=Prices(1.0, 0.5, 1.0, 2.0))
+    for _ in range(30):
+        bases = [[rng.randrange(5) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+        tokens = [rng.choice(bases)[:rng.randrange(0, 12)] + [rng.randrange(5)] * rng.randrange(1, 6)
+                  for _ in range(25)]
+        times = [0.0]
+        for _ in tokens[1:]:
+            times.append(times[-1] + rng.choice([0.5, 3.0, 11.0]))
+        got = simulate(rules, [Request(line=i + 1, arrival_s=t) for i, t in enumerate(times)],
+                       [Prompt("", p, []) for p in tokens])
+        last: list[float] = []
+        for i, (p, now) in enumerate(zip(tokens, times)):
+            alive = [j for j in range(i) if now - last[j] <= rules.ttl_seconds]
+            shared = {j: _lcp(p, tokens[j]) for j in alive}
+            best = max(shared.values(), default=0)
+            assert got[i].common_prefix_tokens == best
+            assert got[i].cached_tokens == (0 if best < 3 else best // 2 * 2)
+            if got[i].cached_tokens:  # the hit refreshes the most recently used prompt it matched
+                j = max((j for j in alive if shared[j] == best), key=lambda j: (last[j], j))
+                last[j] = now
+            last.append(now)
