@@ -87,6 +87,9 @@ def test_cached_tokens_follow_from_the_common_prefix_by_each_rules_formula(real_
             hits += row["cached_tokens"] > 0
         assert rs["requests"][0]["cached_tokens"] == 0  # nothing earlier to match
     assert hits >= 4 * 3
+    # what is left to differ is each request's own question: expected, nothing to fix
+    assert advice["groups"] and all(g["expected"] and g["role"] == "user" for g in advice["groups"])
+    assert advice["what_if"] is None
 
 
 def test_a_request_after_more_than_ttl_of_silence_is_cached_zero(real_model, tmp_path):

@@ -71,12 +71,12 @@ def advise(trace: str, requests: list[Request], rule_sets: list[RuleSet], toks: 
                             "message": d.message, "role": d.role, "field": d.field, "start": d.start,
                             "end": d.end, "kind": d.kind} for d in divergences if d is not None],
            "what_if": None}
-    if groups:
-        fixed = fixed_traffic(requests, groups[0])
-        after = {}
-        for r in rule_sets:
-            after[r.name] = totals(simulate(r, fixed, toks.prompts(r.tokenizer, fixed)))
-        out["what_if"] = {"group": groups[0]["summary"], "fix": describe(groups[0]),
+    target = next((g for g in groups if not g["expected"]), None)
+    if target is not None:
+        fixed = fixed_traffic(requests, target)
+        fixed_prompts = {name: toks.prompts(name, fixed) for name in {r.tokenizer for r in rule_sets}}
+        after = {r.name: totals(simulate(r, fixed, fixed_prompts[r.tokenizer])) for r in rule_sets}
+        out["what_if"] = {"group": target["summary"], "fix": describe(target),
                           "rule_sets": [{"name": res["rules"]["name"], "before": res["totals"],
                                          "after": after[res["rules"]["name"]]} for res in results]}
     return out

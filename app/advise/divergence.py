@@ -50,6 +50,7 @@ class Divergence:
     text: str        # this request's text in the span
     other: str       # the matched request's text there
     before: str      # shared text just before the span
+    last_message: bool = False  # in the request's last message (its new question)
 
     @property
     def where(self) -> tuple:
@@ -65,15 +66,18 @@ def field_text(req: Request, message: int | None, fld: str) -> str:
 
 
 def _common(a: str, b: str) -> tuple[int, int]:
-    """Lengths of the common prefix and of the common suffix after it."""
-    p = 0
+    """Lengths of the common prefix and of the common suffix after it (slices compare in C)."""
     n = min(len(a), len(b))
-    while p < n and a[p] == b[p]:
-        p += 1
-    s = 0
-    while s < n - p and a[-1 - s] == b[-1 - s]:
-        s += 1
-    return p, s
+    lo, hi = 0, n
+    while lo < hi:  # the longest k with a[:k] == b[:k]
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
+    p = lo
+    lo, hi = 0, n - p
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[len(a) - mid:] == b[len(b) - mid:] else (lo, mid - 1)
+    return p, lo
 
 
 def _reordered(a: str, b: str) -> bool:
@@ -145,25 +149,31 @@ def find_divergences(requests: list[Request], prompts: list[Prompt]) -> list[Div
         kind, start, end = classify(a, b)
         other = _counterpart(b, kind, start, max(start, len(b) - (len(a) - end)))
         out.append(Divergence(req.line, requests[j].line, longest, msg, seg.role if seg else "", fld,
-                              start, end, kind, a[start:end], other, a[max(0, start - CONTEXT_CHARS):start]))
+                              start, end, kind, a[start:end], other, a[max(0, start - CONTEXT_CHARS):start],
+                              msg is not None and msg == len(req.messages or []) - 1))
     return out
 
 
 def group(divergences: list[Divergence | None]) -> list[dict]:
-    """Divergences grouped by where they happen, largest group first, each with a sentence."""
+    """Divergences grouped by where they happen, each with a sentence: largest first, those in a
+    request's own last message (its new question, expected) after the rest."""
     total = len(divergences)
     groups: dict[tuple, list[Divergence]] = defaultdict(list)
     for d in divergences:
         if d is not None:
             groups[d.where].append(d)
     out = []
-    for (msg, role, fld, start, end, kind), members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+    ranked = sorted(groups.items(), key=lambda kv: (all(d.last_message for d in kv[1]), -len(kv[1])))
+    for (msg, role, fld, start, end, kind), members in ranked:
         ex = members[-1]
         place = f"message {msg} ({role})" if msg is not None else f"the {fld}"
+        # a difference in the request's last message is its new question: expected, not a fault
+        expected = all(d.last_message for d in members)
         span = f"characters {start}-{max(start, end - 1)}"
         out.append({"message": msg, "role": role, "field": fld, "start": start, "end": end, "kind": kind,
                     "label": LABELS[kind], "count": len(members), "lines": [d.line for d in members],
+                    "expected": expected,
                     "example": {"text": ex.text, "other": ex.other, "before": ex.before},
                     "summary": f"{len(members)} of {total} requests diverge in {place} at {span}: "
-                               f"{LABELS[kind]}"})
+                               f"{LABELS[kind]}" + (" (their last message: expected)" if expected else "")})
     return out
