@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 
 from .divergence import find_divergences, group
-from .prompts import build_prompt
+from .prompts import build_prompt, build_prompts
 from .rules import RuleSet
 from .simulate import simulate, totals
 from .traffic import Request
@@ -32,14 +32,17 @@ class Tokenizers:
         return self._toks[name]
 
     def prompts(self, name: str, requests: list[Request]) -> list:
+        """Each request's Prompt under tokenizer `name`."""
         tok = self.get(name)
-        out = []
-        for r in requests:
-            try:
-                out.append(build_prompt(tok, r))
-            except Exception as e:  # a template error: say which line it came from
-                raise ValueError(f"line {r.line}: cannot render the chat messages: {e}") from None
-        return out
+        try:
+            return build_prompts(tok, requests)
+        except Exception:  # a template error: find the line it came from
+            for r in requests:
+                try:
+                    build_prompt(tok, r)
+                except Exception as e:
+                    raise ValueError(f"line {r.line}: cannot render the chat messages: {e}") from None
+            raise
 
 
 def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:

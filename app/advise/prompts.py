@@ -59,22 +59,45 @@ def tools_text(tools: list) -> str:
     return TOOLS_HEAD + json.dumps(tools, ensure_ascii=False) + "\n"
 
 
+BATCH = 256  # texts per encode_batch call (the tokenizer's threads share the work)
+
+
 def build_prompt(tok, req: Request) -> Prompt:
     """`req`'s prompt under `tok` (a TextTokenizer): the chat template, or a completion's text."""
+    return build_prompts(tok, [req])[0]
+
+
+def build_prompts(tok, requests: list[Request]) -> list[Prompt]:
+    """Every request's prompt under `tok`, the texts tokenized in batches."""
+    laid = [_layout(tok, r) for r in requests]
+    todo = [k for k, (prompt, _) in enumerate(laid) if not prompt.tokens]
+    for at in range(0, len(todo), BATCH):
+        chunk = todo[at:at + BATCH]
+        encs = tok.tokenizer.encode_batch([laid[k][0].text for k in chunk], add_special_tokens=False)
+        for k, enc in zip(chunk, encs):
+            prompt, marks = laid[k]
+            prompt.tokens, prompt.starts = list(enc.ids), [s for s, _ in enc.offsets]
+            if requests[k].messages is None:  # a completion starts with the BOS the model wants
+                prefix = tok.prompt_prefix_ids
+                if prompt.tokens[:len(prefix)] != prefix:
+                    prompt.tokens, prompt.starts = prefix + prompt.tokens, [0] * len(prefix) + prompt.starts
+            prompt.marks = sorted({prompt.tokens_before(c) for c in marks})
+    return [prompt for prompt, _ in laid]
+
+
+def _layout(tok, req: Request) -> tuple[Prompt, list[int]]:
+    """The prompt's text and fields (tokens still to come, unless the trace gave them) and the
+    characters where its cache_control marks end."""
     if req.tokens is not None:  # token ids only: the text is their decoding, piece by piece
         pieces = [tok.decode([t]) for t in req.tokens]
         starts = [0] * len(pieces)
         for k in range(1, len(pieces)):
             starts[k] = starts[k - 1] + len(pieces[k - 1])
         text = "".join(pieces)
-        return Prompt(text, list(req.tokens), starts, [Segment(0, len(text), None, "", "prompt")])
+        return Prompt(text, list(req.tokens), starts, [Segment(0, len(text), None, "", "prompt")]), []
     if req.messages is None:
         text = req.prompt_text or ""
-        prefix = tok.prompt_prefix_ids
-        ids, starts = _encode(tok, text)
-        if ids[:len(prefix)] != prefix:
-            ids, starts = prefix + ids, [0] * len(prefix) + starts
-        return Prompt(text, ids, starts, [Segment(0, len(text), None, "", "prompt")])
+        return Prompt(text, [], [], [Segment(0, len(text), None, "", "prompt")]), []
     head = tools_text(req.tools) if req.tools else ""
     rendered = tok.render_chat([{"role": m.role, "content": m.content} for m in req.messages],
                                add_generation_prompt=True)
@@ -92,13 +115,4 @@ def build_prompt(tok, req: Request) -> Prompt:
         segments.append(Segment(at, at + len(m.content), i, m.role, "content"))
         marks += [at + c for c in m.marks]
         cursor = at + len(m.content)
-    ids, starts = _encode(tok, text)
-    prompt = Prompt(text, ids, starts, segments)
-    prompt.marks = sorted({prompt.tokens_before(c) for c in marks})
-    return prompt
-
-
-def _encode(tok, text: str) -> tuple[list[int], list[int]]:
-    """Token ids of `text` (exactly `tok.encode`) and the character each starts at."""
-    enc = tok.tokenizer.encode(text, add_special_tokens=False)
-    return list(enc.ids), [s for s, _ in enc.offsets]
+    return Prompt(text, [], [], segments), marks
