@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
@@ -18,12 +19,27 @@ from .advise.traffic import read_traffic
 from .replay.trace import TraceError
 
 
+def served_record(job, finish) -> dict | None:
+    """A chat request the app's server ran, as a trace line: the engine's cached tokens stand where
+    an upstream's would (None for a completion: its prompt has no messages)."""
+    kw = job.submit_kwargs
+    if "messages" not in kw:
+        return None
+    r = finish.record
+    arrival = time.time() - (time.perf_counter() - job.arrival)  # the job's clock is perf_counter
+    return {"timestamp": round(arrival * 1000, 3), "key": kw.get("namespace", ""),
+            "body": {"messages": kw["messages"]},
+            "usage": {"prompt_tokens": r.n_prompt, "completion_tokens": r.n_gen,
+                      "prompt_tokens_details": {"cached_tokens": r.n_cached}}}
+
+
 class AdvisorController(QObject):
     """Load trace -> advice -> panel; the proxy on -> each recorded request -> fresh advice."""
 
     _advised = Signal(dict, str)
     _failed = Signal(str)
     _recorded = Signal()
+    _served = Signal()
 
     def __init__(self, panel, ask_trace_path: Callable[[], str], tokenizer_of: Callable[[], object | None],
                  parent: QObject | None = None):
@@ -39,6 +55,9 @@ class AdvisorController(QObject):
         self._advised.connect(self._on_advised)
         self._failed.connect(self._on_failed)
         self._recorded.connect(self._on_recorded)
+        self._served.connect(self._on_served)
+        self.served = None          # the Recorder of the app's server traffic while it serves
+        self._served_broker = None
 
     def load_trace(self, path: str | None = None) -> None:
         """Advise on a trace file (asking for one when no path is given)."""
@@ -66,7 +85,33 @@ class AdvisorController(QObject):
         self.panel.show_error(None)
         self._show_proxy()
 
+    def set_served(self, broker) -> None:
+        """Advise on the app's own server traffic, live, while `broker` (its RequestBroker) serves;
+        None: it stopped."""
+        from .proxy.record import Recorder
+        if self._served_broker is not None and self._observe in self._served_broker.observers:
+            self._served_broker.observers.remove(self._observe)
+        self._served_broker = broker
+        if broker is None:
+            return
+        path = os.path.join(self._tmp.name, "served.jsonl")
+        if os.path.exists(path):
+            os.remove(path)  # a new server: its own traffic
+        self.served = Recorder(path)
+        self.served.observers.append(lambda _rec: self._served.emit())  # the engine's thread
+        broker.observers.append(self._observe)
+
+    def _observe(self, job, finish) -> None:
+        rec = served_record(job, finish)
+        if rec is not None and self.served is not None:
+            self.served.write(rec)
+
+    def _on_served(self) -> None:
+        if self.served is not None:
+            self._start(self.served.path, "the server's traffic")
+
     def close(self) -> None:
+        self.set_served(None)
         self._stop_proxy()
         self._tmp.cleanup()
 

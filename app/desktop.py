@@ -51,6 +51,8 @@ class Desktop(QObject):
             w.advisor, lambda: w.ask_open_path("Open a chat log or a proxy recording", "",
                                                "Traces (*.jsonl);;All (*)"), self._tokenizer, parent=self)
         c.advice_of = lambda: self.advisor.advice
+        self.server.changed.connect(
+            lambda url: self.advisor.set_served(self.server.server.backend.broker if url else None))
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
         self._installs = ModelInstalls(self)

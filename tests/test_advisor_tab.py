@@ -102,3 +102,30 @@ def test_the_session_report_carries_the_advice(real_model, tmp_path, qtbot):
     assert 'data-rules="openai"' in text and "What if you move a timestamp or date" in text
     assert load_report(js).advice["groups"][0]["kind"] == "timestamp"
     assert os.path.getsize(pdf) > 0
+
+
+def test_the_apps_server_traffic_is_advised_live(open_desktop, qtbot, tiny_gguf_path):
+    import httpx
+
+    from app.bench.serve import free_port
+    from tests.gui_helpers import LOAD_TIMEOUT_MS, SYSTEM, set_settings
+    d = open_desktop(autoload=True, model_path=tiny_gguf_path)
+    d.window.show()
+    c, w = d.controller, d.window
+    qtbot.waitUntil(lambda: c.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    port = free_port()
+    set_settings(d, server_port=port, max_new_tokens=4)
+    w.act_server.trigger()
+    for q in ("Any paint?", "Any glue?"):
+        body = {"model": "m", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200
+    live = "the server's traffic: 2 requests"
+    qtbot.waitUntil(lambda: live in w.advisor.trace_label.text(), timeout=WAIT_MS)
+    rows = d.advisor.advice["rule_sets"][-1]["requests"]  # this engine's rules beside what it did
+    qtbot.waitUntil(lambda: len(c.finished_records) == 2, timeout=WAIT_MS)
+    assert [r["upstream_cached_tokens"] for r in rows] == [r.n_cached for r in c.finished_records]
+    assert rows[1]["upstream_cached_tokens"] > 0
+    w.act_server.trigger()  # off: no more observing
+    assert d.advisor._served_broker is None

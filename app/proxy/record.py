@@ -111,6 +111,10 @@ class Recorder:
             rec["timings"] = usage.timings
         if error:
             rec["error"] = error
+        return self.write(rec)
+
+    def write(self, rec: dict) -> dict:
+        """Append one record as a line and tell the observers."""
         line = json.dumps(rec, ensure_ascii=False) + "\n"
         with self._lock:
             self.count += 1
