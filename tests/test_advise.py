@@ -237,3 +237,22 @@ def test_the_simulation_equals_the_definition_by_brute_force():
                 j = max((j for j in alive if shared[j] == best), key=lambda j: (last[j], j))
                 last[j] = now
             last.append(now)
+
+
+@pytest.mark.parametrize("a, b, kind, value", [
+    ("Now: 2026-11-29T10:15:03Z. Hi", "Now: 2026-11-29T10:16:41Z. Hi", "timestamp", "2026-11-29T10:15:03Z"),
+    ("Today is Monday, 30 Nov 2026. Be brief.", "Today is Sunday, 29 Nov 2026. Be brief.", "timestamp",
+     "Monday, 30 Nov 2026"),
+    ("at 1764410103 sharp", "at 1764410164 sharp", "timestamp", "1764410103"),
+    ("req 3f2b8c1e-9d4a-4e21-8b7f-0c5d6e7f8a9b ok", "req 0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d ok", "id",
+     "3f2b8c1e-9d4a-4e21-8b7f-0c5d6e7f8a9b"),
+    ("trace a3f9c2e1b7d4 end", "trace 9b8e7d6c5a4f end", "id", "a3f9c2e1b7d4"),
+    ("You have 12 credits left.", "You have 7 credits left.", "number", "12"),
+    ("Be  brief.", "Be brief.", "whitespace", " "),
+    ('{"b": 1, "a": 2}', '{"a": 2, "b": 1}', "reordered", '{"b": 1, "a": 2}'),
+    ("You are Ann, a guide.", "You are Bob, a guide.", "other", "Ann"),
+])
+def test_a_difference_is_classified_with_its_whole_value(a, b, kind, value):
+    from app.advise.divergence import classify
+    got, start, end = classify(a, b)
+    assert got == kind and a[start:end].startswith(value)

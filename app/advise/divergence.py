@@ -97,10 +97,12 @@ def _reordered(a: str, b: str) -> bool:
 
 def classify(a: str, b: str) -> tuple[str, int, int]:
     """(kind, start, end) of where text `a` departs from `b`, the span widened to the whole value."""
+    if a == b:  # the field is the same: what differs is around it (the template's structure)
+        return "other", 0, 0
     p, s = _common(a, b)
     end = len(a) - s
     if _reordered(a, b):
-        return "reordered", p, max(end, p)
+        return "reordered", 0, len(a)  # the whole value: its order, not a part, differs
     if not a[p:end].strip() and not b[p:len(b) - s].strip():
         return "whitespace", p, end
     for kind, pattern in CLASSES:  # the value the difference starts in (the rest may differ too)
@@ -143,6 +145,8 @@ def find_divergences(requests: list[Request], prompts: list[Prompt]) -> list[Div
         same_field = oseg is not None and (oseg.message, oseg.field) == (msg, fld)
         if fld == "prompt":  # a completion's or a token trace's prompt: the text the tokens make
             a, b = prompt.text, prompts[j].text
+        elif same_field and seg.role != oseg.role:  # the same place, another speaker
+            fld, a, b = "role", seg.role, oseg.role
         else:
             a = field_text(req, msg, fld)
             b = field_text(requests[j], msg, fld) if same_field else ""
