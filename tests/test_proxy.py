@@ -205,3 +205,30 @@ def test_the_proxy_records_llama_servers_cache_n(real_model, tmp_path):
             proxy.stop()
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_compressed_answer_passes_as_it_is_and_its_usage_is_read(tmp_path):
+    from fastapi.middleware.gzip import GZipMiddleware
+    app = FastAPI()
+    app.add_middleware(GZipMiddleware, minimum_size=0)
+    answer = {"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "Wood glue."},
+                           "finish_reason": "stop"}],
+              "usage": {"prompt_tokens": 2048, "completion_tokens": 3, "total_tokens": 2051,
+                        "prompt_tokens_details": {"cached_tokens": 1920}}}
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        return JSONResponse(answer)
+    upstream = HttpThread(app, "127.0.0.1", 0).start()
+    proxy = Proxy(upstream.url + "/v1", port=0, record=str(tmp_path / "t.jsonl")).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, max_retries=0)
+        r = client.chat.completions.with_raw_response.create(**ASK)
+        assert r.http_response.headers["content-encoding"] == "gzip"
+        assert r.parse().choices[0].message.content == "Wood glue."
+        rec = json.loads((tmp_path / "t.jsonl").read_text())
+        assert rec["usage"]["prompt_tokens_details"]["cached_tokens"] == 1920
+    finally:
+        proxy.stop()
+        upstream.stop()

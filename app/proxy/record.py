@@ -45,7 +45,11 @@ class UsageReader:
         """Some raw bytes of the answer."""
         if not self._readable:
             return
-        data = self._decoder.decompress(raw) if self._decoder else raw
+        try:
+            data = self._decoder.decompress(raw) if self._decoder else raw
+        except zlib.error:  # an encoding we misread: the answer still passes, its usage is not read
+            self._readable = False
+            return
         if not self.streaming:
             self._buf += data
             return
