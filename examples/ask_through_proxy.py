@@ -14,7 +14,7 @@ from openai import APIConnectionError, APIStatusError, OpenAI
 
 QUESTIONS = ("What glue works on wood?", "Which paint suits a bathroom?", "Do you sell rakes?")
 POLICY = ("You are the assistant of Hillside Hardware, a small store for tools, paint, lumber and garden "
-          "supplies. Answer in one short sentence, name the aisle, and never invent prices. ") * 8
+          "supplies. Answer in one short sentence, name the aisle, and never invent prices. ") * 36
 
 
 def main() -> None:
