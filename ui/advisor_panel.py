@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from html import escape
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -36,9 +36,13 @@ def _fill(table: QTableWidget, head: list[str], rows: list[list[str]]) -> None:
     table.setColumnCount(len(head))
     table.setHorizontalHeaderLabels(head)
     table.setRowCount(len(rows))
+    right = Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter
     for i, row in enumerate(rows):
         for j, text in enumerate(row):
-            table.setItem(i, j, QTableWidgetItem(text))
+            item = QTableWidgetItem(text)
+            if j:  # names left, numbers right
+                item.setTextAlignment(right)
+            table.setItem(i, j, item)
     table.resizeColumnsToContents()
 
 
@@ -88,11 +92,11 @@ class AdvisorPanel(QWidget):
         layout.addWidget(self.proxy_label)
         layout.addWidget(self.error)
         layout.addWidget(QLabel("Per provider (each rule set's as-of date and source: hover the name)"))
-        layout.addWidget(self.totals, 1)
+        layout.addWidget(self.totals, 3)
         layout.addWidget(QLabel("Where prompts diverge"))
-        layout.addWidget(self.groups, 1)
+        layout.addWidget(self.groups, 2)
         layout.addWidget(self.whatif_label)
-        layout.addWidget(self.whatif, 1)
+        layout.addWidget(self.whatif, 3)
 
         self.load_button.clicked.connect(self.load_requested)
         self.proxy_button.toggled.connect(self._proxy_toggled)
