@@ -145,8 +145,9 @@ class AdvisorController(QObject):
 
     def _job(self, path: str, name: str, tok) -> None:
         try:
-            requests = read_traffic(path)
-            advice = advise(path, requests, resolve_rules(None), Tokenizers(tok))
+            skipped: list = []
+            requests = read_traffic(path, skipped)
+            advice = advise(path, requests, resolve_rules(None), Tokenizers(tok), skipped)
         except (TraceError, RulesError, ValueError, OSError) as e:
             self._failed.emit(str(e))
             return

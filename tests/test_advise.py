@@ -179,6 +179,11 @@ def test_bad_trace_lines_are_named(tmp_path):
     (tmp_path / "roles.jsonl").write_text(json.dumps({"messages": [{"content": "no role"}]}) + "\n")
     with pytest.raises(TraceError, match=r"line 1, message 0: 'role' must be a string"):
         read_traffic(str(tmp_path / "roles.jsonl"))
+    refused = {"timestamp": 1, "endpoint": "/v1/chat/completions", "status": 500,
+               "body": _ask(0, "hi", START)}
+    (tmp_path / "refused.jsonl").write_text(json.dumps(refused) + "\n")
+    with pytest.raises(TraceError, match=r"no requests \(1 proxy records skipped: the upstream answered 500"):
+        read_traffic(str(tmp_path / "refused.jsonl"))
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(SystemExit, match="empty.jsonl: the trace has no requests"):
         main(["advise", str(tmp_path / "empty.jsonl")])

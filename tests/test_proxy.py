@@ -121,8 +121,16 @@ def test_a_failing_upstream_gives_clear_errors_and_the_proxy_keeps_serving(tmp_p
             for _ in client.chat.completions.create(**ASK, stream=True):
                 pass
         assert [m.id for m in client.models.list()] == ["m"]  # still serving
-        errors = [json.loads(line).get("error", "") for line in record.read_text().splitlines()]
-        assert "answered 500" in errors[0] and "mid-answer" in errors[1]
+        huge = {**ASK, "messages": [{"role": "user", "content": "x" * (17 << 20)}]}
+        r = httpx.post(proxy.url + "/v1/chat/completions", json=huge, timeout=60)
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]  # forwarded all the same
+        records = [json.loads(line) for line in record.read_text().splitlines()]
+        assert "answered 500" in records[0]["error"] and "mid-answer" in records[1]["error"]
+        assert "over what a trace line may hold" in records[2]["body_omitted"] and "body" not in records[2]
+        skipped: list = []
+        kept = read_traffic(str(record), skipped)  # refused and body-less records are not traffic
+        assert [r.line for r in kept] == [2] and [k["line"] for k in skipped] == [1, 3]
+        assert skipped[0]["why"] == "the upstream answered 500"
     finally:
         proxy.stop()
         upstream.stop()

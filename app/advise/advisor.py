@@ -62,14 +62,16 @@ def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:
     return out
 
 
-def advise(trace: str, requests: list[Request], rule_sets: list[RuleSet], toks: Tokenizers) -> dict:
-    """Everything the advisor says about `requests` (arrival order) under `rule_sets`."""
+def advise(trace: str, requests: list[Request], rule_sets: list[RuleSet], toks: Tokenizers,
+           skipped: list | None = None) -> dict:
+    """Everything the advisor says about `requests` (arrival order) under `rule_sets`; `skipped`:
+    the trace's lines left out, as `read_traffic` reported them."""
     prompts = {name: toks.prompts(name, requests) for name in {"model", *(r.tokenizer for r in rule_sets)}}
     results = [_per_rules(r, requests, prompts[r.tokenizer]) for r in rule_sets]
     divergences = find_divergences(requests, prompts["model"])
     groups = group(divergences)
     out = {"schema": SCHEMA, "trace": os.path.abspath(trace) if trace else "",
-           "requests": len(requests), "rule_sets": results, "groups": groups,
+           "requests": len(requests), "skipped": skipped or [], "rule_sets": results, "groups": groups,
            "divergences": [{"line": d.line, "matched_line": d.matched_line, "token": d.token,
                             "message": d.message, "role": d.role, "field": d.field, "start": d.start,
                             "end": d.end, "kind": d.kind} for d in divergences if d is not None],

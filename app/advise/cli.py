@@ -41,12 +41,14 @@ def run(args) -> int:
     from .traffic import read_traffic
     try:
         rule_sets = resolve_rules(args.rules)
-        requests = read_traffic(args.trace)
+        skipped: list = []
+        requests = read_traffic(args.trace, skipped)
     except (RulesError, TraceError) as e:
         raise SystemExit(f"prefixlab advise: {e}") from None
     model = load_model_or_exit(getattr(args, "model", None))
     try:
-        advice = advise(args.trace, requests, rule_sets, Tokenizers(model.tokenizer, _tokenizer_loader))
+        advice = advise(args.trace, requests, rule_sets, Tokenizers(model.tokenizer, _tokenizer_loader),
+                        skipped)
     except ValueError as e:
         raise SystemExit(f"prefixlab advise: {args.trace}, {e}") from None
     print(summary(advice))
@@ -65,7 +67,10 @@ def run(args) -> int:
 def summary(advice: dict) -> str:
     """The text the command prints: totals per rule set, the largest groups, the what-if."""
     from .html import TOTALS_HEAD, WHATIF_HEAD, totals_rows, whatif_rows
-    lines = [_table(TOTALS_HEAD, totals_rows(advice))]
+    lines = [f"skipped line {k['line']}: {k['why']}" for k in advice["skipped"][:5]]
+    if len(advice["skipped"]) > 5:
+        lines.append(f"... and {len(advice['skipped']) - 5} more skipped lines")
+    lines.append(_table(TOTALS_HEAD, totals_rows(advice)))
     lines += [f"{rs['rules']['name']}: {rs['note']}" for rs in advice["rule_sets"] if rs.get("note")] + [""]
     groups = advice["groups"]
     lines += [g["summary"] + f" (e.g. {g['example']['text']!r})" for g in groups[:5]] or \

@@ -8,6 +8,7 @@ runaway line is refused by number instead of filling memory.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -169,16 +170,35 @@ def _token_trace(path: str) -> list[Request]:
                     output_tokens=r.output_length) for i, r in enumerate(source)]
 
 
-def read_traffic(path: str) -> list[Request]:
-    """Every request of a trace, in arrival order (ties: file order)."""
+def unusable(obj: dict) -> str:
+    """Why a proxy record cannot join the traffic ("" when it can): no body kept, or refused."""
+    if "endpoint" not in obj:
+        return ""  # a chat log's line: always used
+    if not isinstance(obj.get("body"), dict):
+        return obj.get("body_omitted") or obj.get("body_error") or "no request body recorded"
+    status = obj.get("status", 200)
+    return f"the upstream answered {status}" if isinstance(status, int) and status >= 400 else ""
+
+
+def read_traffic(path: str, skipped: list | None = None) -> list[Request]:
+    """Every request of a trace, in arrival order (ties: file order); proxy records that cannot
+    count (refused, or kept without a body) go to `skipped` as {line, why} instead."""
+    skipped = [] if skipped is None else skipped
     lines = read_lines(path)
     first = next(lines, None)
     if first is not None and first[1].get("format") == PREFIXLAB_TAG:
         lines.close()
         requests = _token_trace(path)
     else:
-        requests = [parse_request(obj, path, line) for line, obj in ([first] if first else []) + list(lines)]
+        requests = []
+        for line, obj in itertools.chain([first] if first else [], lines):
+            why = unusable(obj)
+            if why:
+                skipped.append({"line": line, "why": why})
+                continue
+            requests.append(parse_request(obj, path, line))
     if not requests:
-        raise TraceError(f"{path}: the trace has no requests")
+        left = f" ({len(skipped)} proxy records skipped: {skipped[0]['why']}, ...)" if skipped else ""
+        raise TraceError(f"{path}: the trace has no requests{left}")
     requests.sort(key=lambda r: (r.arrival_s, r.line))
     return requests
