@@ -177,7 +177,12 @@ def unusable(obj: dict) -> str:
     if not isinstance(obj.get("body"), dict):
         return obj.get("body_omitted") or obj.get("body_error") or "no request body recorded"
     status = obj.get("status", 200)
-    return f"the upstream answered {status}" if isinstance(status, int) and status >= 400 else ""
+    if isinstance(status, int) and status >= 400:
+        return f"the upstream answered {status}"
+    body = obj["body"]
+    if "messages" not in body and not isinstance(body.get("prompt"), str):
+        return "a completion whose prompt is not one text (token ids or a list): no text to advise on"
+    return ""
 
 
 def read_traffic(path: str, skipped: list | None = None) -> list[Request]:
