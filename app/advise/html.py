@@ -60,7 +60,9 @@ def render_html(advice: dict) -> str:
     """The whole page: totals per rule set, the divergence groups (the differing text marked), the what-if."""
     parts = ["<!doctype html><meta charset='utf-8'><title>Prompt-caching advice</title>",
              f"<style>{_STYLE}</style><h1>Prompt-caching advice</h1>",
-             f"<p>{escape(advice['trace'])}: {advice['requests']:,} requests</p>",
+             f"<p>{escape(advice['trace'])}: {advice['requests']:,} requests"
+             + (f" ({len(advice['skipped']):,} lines skipped, e.g. line {advice['skipped'][0]['line']}: "
+                f"{escape(advice['skipped'][0]['why'])})" if advice.get("skipped") else "") + "</p>",
              "<h2>Per provider</h2>", _table(TOTALS_HEAD, totals_rows(advice))]
     parts.append("<p class='note'>" + "<br>".join(
         f"{escape(rs['rules']['name'])}: as of {escape(rs['rules']['as_of'])}, "
