@@ -261,3 +261,19 @@ def test_a_difference_is_classified_with_its_whole_value(a, b, kind, value):
     from app.advise.divergence import classify
     got, start, end = classify(a, b)
     assert got == kind and a[start:end].startswith(value)
+
+
+def test_a_rule_set_may_name_its_own_tokenizer(real_model, tmp_path, tiny_gguf_path):
+    mine = tmp_path / "mine.toml"
+    text = open(os.path.join(PROVIDER_DIR, "openai.toml")).read()
+    mine.write_text(text.replace('name = "openai"', 'name = "mine"')
+                    .replace('tokenizer = "model"', f'tokenizer = "{tiny_gguf_path}"'))
+    out = tmp_path / "a.json"
+    log = timestamp_log(tmp_path, n=3)
+    assert main(["advise", log, "--rules", f"openai,{mine}", "--json", str(out)]) == 0
+    ours, theirs = (rs["totals"]["prompt_tokens"] for rs in json.loads(out.read_text())["rule_sets"])
+    import engine
+    tok = {"model": real_model.tokenizer, "mine": engine.load_model(tiny_gguf_path).tokenizer}
+    bodies = [json.loads(line) for line in open(log)]
+    want = {k: sum(len(t.encode(t.render_chat(b["messages"]))) for b in bodies) for k, t in tok.items()}
+    assert (ours, theirs) == (want["model"], want["mine"]) and ours != theirs

@@ -12,8 +12,8 @@ from .rules import DEFAULT_RULES, RulesError
 def add_parser(sub) -> None:
     p = sub.add_parser("advise", help="what hosted APIs' prompt caches hit on a trace, why not, and a fix",
                        description=__doc__)
-    p.add_argument("trace", help="chat-log JSONL (OpenAI bodies, one per line) or a "
-                        "`prefixlab proxy` recording")
+    p.add_argument("trace", help="chat-log JSONL (OpenAI bodies, one per line), a `prefixlab proxy` "
+                                 "recording, or a prefixlab token trace (a session's)")
     p.add_argument("--rules", metavar="NAME,...|FILE",
                    help=f"rule sets: shipped names ({', '.join(DEFAULT_RULES)}) and/or TOML files "
                         "(default: every shipped one)")
