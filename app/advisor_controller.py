@@ -20,15 +20,15 @@ from .replay.trace import TraceError
 
 
 def served_record(job, finish) -> dict | None:
-    """A chat request the app's server ran, as a trace line: the engine's cached tokens stand where
-    an upstream's would (None for a completion: its prompt has no messages)."""
-    kw = job.submit_kwargs
-    if "messages" not in kw:
+    """A request the app's server ran, as a trace line: its prompt as the token ids the engine ran
+    (the loop keeps no text once it has them), the engine's cached tokens where an upstream's
+    would stand. None for a typed prompt (they share the loop)."""
+    if not job.client or not job.prompt:
         return None
     r = finish.record
     arrival = time.time() - (time.perf_counter() - job.arrival)  # the job's clock is perf_counter
-    return {"timestamp": round(arrival * 1000, 3), "key": kw.get("namespace", ""),
-            "body": {"messages": kw["messages"]},
+    key = job.request.namespace if job.request is not None else ""
+    return {"timestamp": round(arrival * 1000, 3), "key": key, "body": {"prompt": list(job.prompt)},
             "usage": {"prompt_tokens": r.n_prompt, "completion_tokens": r.n_gen,
                       "prompt_tokens_details": {"cached_tokens": r.n_cached}}}
 
@@ -57,7 +57,7 @@ class AdvisorController(QObject):
         self._recorded.connect(self._on_recorded)
         self._served.connect(self._on_served)
         self.served = None          # the Recorder of the app's server traffic while it serves
-        self._served_broker = None
+        self._served_loop = None
 
     def load_trace(self, path: str | None = None) -> None:
         """Advise on a trace file (asking for one when no path is given)."""
@@ -85,21 +85,26 @@ class AdvisorController(QObject):
         self.panel.show_error(None)
         self._show_proxy()
 
-    def set_served(self, broker) -> None:
-        """Advise on the app's own server traffic, live, while `broker` (its RequestBroker) serves;
-        None: it stopped."""
+    def set_served(self, loop) -> None:
+        """Advise on the app's own server traffic, live, while it serves through `loop` (the
+        worker's EngineLoop, whose observers see every finished job); None: it stopped."""
         from .proxy.record import Recorder
-        if self._served_broker is not None and self._observe in self._served_broker.observers:
-            self._served_broker.observers.remove(self._observe)
-        self._served_broker = broker
-        if broker is None:
+        if self._served_loop is not None and self._observe in self._served_loop.observers:
+            self._served_loop.observers.remove(self._observe)
+        self._served_loop = loop
+        if loop is None:
             return
         path = os.path.join(self._tmp.name, "served.jsonl")
         if os.path.exists(path):
             os.remove(path)  # a new server: its own traffic
         self.served = Recorder(path)
         self.served.observers.append(lambda _rec: self._served.emit())  # the engine's thread
-        broker.observers.append(self._observe)
+        loop.observers.append(self._observe)
+
+    @property
+    def following_server(self) -> bool:
+        """True while the app's server traffic is advised live."""
+        return self._served_loop is not None
 
     def _observe(self, job, finish) -> None:
         rec = served_record(job, finish)

@@ -52,7 +52,7 @@ class Desktop(QObject):
                                                "Traces (*.jsonl);;All (*)"), self._tokenizer, parent=self)
         c.advice_of = lambda: self.advisor.advice
         self.server.changed.connect(
-            lambda url: self.advisor.set_served(self.server.server.backend.broker if url else None))
+            lambda url: self.advisor.set_served(c.client.worker.loop if url else None))
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
         self._installs = ModelInstalls(self)

@@ -84,12 +84,14 @@ def test_the_session_report_carries_the_advice(real_model, tmp_path, qtbot):
     from app.advise.traffic import read_traffic
     from app.report import load_report
     from app.report.render import export_report
+    from engine.loop import EngineLoop
     from engine.scheduler import Scheduler
     from tests.test_report import SYSTEM, TITLE, build_report
 
     sch = Scheduler(real_model)
-    sch.submit(system=SYSTEM, user="Do you sell rakes?", max_new_tokens=2)
-    sch.run_until_done()
+    loop = EngineLoop(sch)
+    loop.submit_now(system=SYSTEM, user="Do you sell rakes?", max_new_tokens=2)
+    loop.run_until_done()
     report = build_report(sch, real_model, SYSTEM, None, title=TITLE)
     path = timestamp_log(tmp_path)
     report.advice = advise(path, read_traffic(path), resolve_rules("openai"),
@@ -116,6 +118,7 @@ def test_the_apps_server_traffic_is_advised_live(open_desktop, qtbot, tiny_gguf_
     port = free_port()
     set_settings(d, server_port=port, max_new_tokens=4)
     w.act_server.trigger()
+    assert d.advisor.following_server
     for q in ("Any paint?", "Any glue?"):
         body = {"model": "m", "max_tokens": 4, "temperature": 0,
                 "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]}
@@ -128,4 +131,4 @@ def test_the_apps_server_traffic_is_advised_live(open_desktop, qtbot, tiny_gguf_
     assert [r["upstream_cached_tokens"] for r in rows] == [r.n_cached for r in c.finished_records]
     assert rows[1]["upstream_cached_tokens"] > 0
     w.act_server.trigger()  # off: no more observing
-    assert d.advisor._served_broker is None
+    assert not d.advisor.following_server

@@ -155,8 +155,11 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
         r.tools_marked = any(isinstance(t, dict) and t.get("cache_control") for t in tools or [])
     elif isinstance(body.get("prompt"), str):
         r.prompt_text = body["prompt"]
+    elif _token_ids(body.get("prompt")):
+        r.tokens = body["prompt"]  # a completion given token ids (or the app's served prompts)
     else:
-        raise TraceError(f"{where}: no 'messages' (a chat request) and no text 'prompt' (a completion)")
+        raise TraceError(f"{where}: no 'messages' (a chat request) and no 'prompt' (a completion: a text "
+                         f"or token ids)")
     return r
 
 
@@ -180,9 +183,15 @@ def unusable(obj: dict) -> str:
     if isinstance(status, int) and status >= 400:
         return f"the upstream answered {status}"
     body = obj["body"]
-    if "messages" not in body and not isinstance(body.get("prompt"), str):
-        return "a completion whose prompt is not one text (token ids or a list): no text to advise on"
+    prompt = body.get("prompt")
+    if "messages" not in body and not isinstance(prompt, str) and not _token_ids(prompt):
+        return "a completion whose prompt is neither one text nor token ids (a batch of prompts?)"
     return ""
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
 def read_traffic(path: str, skipped: list | None = None) -> list[Request]:
