@@ -10,7 +10,8 @@ import sys
 # imported: the others' parsers pull in the trace readers, the report and ZeroMQ (~40 ms
 # of every `prefixlab run` start).
 COMMANDS = {"generate": "generate", "run": "run_headless", "bench": "bench", "models": "builtin_models",
-            "replay": "replay.cli", "watch": "watch.cli", "serve": "serve.cli"}
+            "replay": "replay.cli", "watch": "watch.cli", "serve": "serve.cli",
+            "advise": "advise.cli", "proxy": "proxy.cli"}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -58,6 +58,7 @@ class Controller(QObject):
         self._loading_path: str | None = None
         self.snapshot = None
         self.finished_records: list = []
+        self.advice_of = lambda: None  # the Advisor tab's advice (the desktop wires it) for reports
         self.last_error: str | None = None
         self.last_probe: dict | None = None
         self.opened_report = None
@@ -358,6 +359,7 @@ class Controller(QObject):
     def _on_report_ready(self, path: str, report) -> None:
         from .report.render import export_report  # Qt rendering, loaded on the first export
 
+        report.advice = self.advice_of()  # the Advisor tab's advice, when it has some
         try:
             written = export_report(path, report)
         except Exception as e:  # noqa: BLE001 - show any rendering problem

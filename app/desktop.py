@@ -19,6 +19,7 @@ from ui.main_window import MainWindow
 from ui.settings_dialog import SettingsDialog
 
 from . import settings_table
+from .advisor_controller import AdvisorController
 from .builtin_menu import ModelInstalls
 from .controller import Controller
 from .scenario import Scenario, bundled_scenarios, load_scenario
@@ -47,6 +48,12 @@ class Desktop(QObject):
             w.whatif, lambda: w.ask_open_path("Open a trace", "", "Traces (*.jsonl *.json);;All (*)"),
             c.client.save_trace, parent=self)
         c.client.worker.trace_saved.connect(self.whatif.on_session_trace)
+        self.advisor = AdvisorController(
+            w.advisor, lambda: w.ask_open_path("Open a chat log or a proxy recording", "",
+                                               "Traces (*.jsonl);;All (*)"), self._tokenizer, parent=self)
+        c.advice_of = lambda: self.advisor.advice
+        self.server.changed.connect(
+            lambda url: self.advisor.set_served(c.client.worker.loop if url else None))
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
         self._installs = ModelInstalls(self)
@@ -55,6 +62,11 @@ class Desktop(QObject):
         w.prompt_pane.show_settings(c.settings.to_dict())
         if autoload:
             self.load_model(model_path)
+
+    def _tokenizer(self):
+        """The loaded model's tokenizer (the Advisor tokenizes with it), or None."""
+        scheduler = self.controller.client.worker.scheduler
+        return scheduler.model.tokenizer if scheduler is not None else None
 
     # wiring -----------------------------------------------------------------------------
     def _wire_actions(self) -> None:
@@ -293,5 +305,6 @@ class Desktop(QObject):
         self.store.sync()
         self._closed = True
         self.whatif.close()
+        self.advisor.close()
         self.server.shutdown()  # ends served streams and closes their connections first
         self.controller.shutdown()

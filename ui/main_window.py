@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .advisor_panel import AdvisorPanel
 from .cache_panel import CachePanel
 from .charts import ChartsPanel
 from .format import pool_summary
@@ -99,6 +100,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.served_view, "Served")
         self.whatif = WhatIfPanel()
         self.tabs.addTab(self.whatif, "What-if")
+        self.advisor = AdvisorPanel()
+        self.tabs.addTab(self.advisor, "Advisor")
         right = QWidget()
         right_lay = QVBoxLayout(right)
         right_lay.setContentsMargins(4, 8, 8, 8)

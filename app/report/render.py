@@ -17,6 +17,7 @@ from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
 from ui.format import format_bytes  # the GUI's sizes: the same words on screen and on paper
 from ui.format import secs as fmt_s  # and its durations
 
+from ..advise.html import view_data
 from .figures import Figure, chart_images, ensure_qt_app, page_map_image
 from .files import (
     check_target,
@@ -256,6 +257,7 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         "chain_columns": CHAIN_COLUMNS, "charts": charts,
         "page_map": page_map, "page_counts": page_counts,
         "sha_short": m.sha256[:12],
+        "advice": view_data(report.advice) if report.advice else None,  # docs/design.md §14
     }
 
 

@@ -63,11 +63,11 @@ class JsonErrorsH11(H11Protocol):
 class HttpThread:
     """uvicorn serving an ASGI app on a daemon thread; `stop()` closes connections and joins."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, **config):
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
-                                http=JsonErrorsH11)
+                                **{"http": JsonErrorsH11, **config})
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="prefixlab-http", daemon=True)
@@ -96,6 +96,12 @@ class HttpThread:
     def is_alive(self) -> bool:
         """True while uvicorn serves."""
         return self._thread.is_alive()
+
+    def serve_until(self, stop: threading.Event) -> bool:
+        """Block while uvicorn serves; True when `stop` was set (a signal), False when it ended."""
+        while self.is_alive() and not stop.wait(0.5):
+            pass
+        return stop.is_set()
 
 
 def latest_row(scheduler) -> dict:

@@ -1,0 +1,87 @@
+"""The advice for a trace: per rule set the simulation, then the divergence groups and the what-if
+(docs/design.md §14); plain data, the JSON `prefixlab advise --json` writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from .divergence import find_divergences, group
+from .prompts import build_prompt, build_prompts
+from .rules import RuleSet
+from .simulate import simulate, totals
+from .traffic import Request
+from .whatif import describe, fixed_traffic
+
+SCHEMA = "prefixlab.advice/1"
+
+
+class Tokenizers:
+    """Tokenizers by rule-set name ("model": the loaded one), and each request's prompt under each."""
+
+    def __init__(self, model_tokenizer, load: Callable[[str], object] | None = None):
+        self._toks = {"model": model_tokenizer}
+        self._load = load
+
+    def get(self, name: str):
+        if name not in self._toks:
+            if self._load is None:
+                raise ValueError(f"no tokenizer {name!r} (only the loaded model's)")
+            self._toks[name] = self._load(name)
+        return self._toks[name]
+
+    def prompts(self, name: str, requests: list[Request]) -> list:
+        """Each request's Prompt under tokenizer `name`."""
+        tok = self.get(name)
+        try:
+            return build_prompts(tok, requests)
+        except Exception:  # a template error: find the line it came from
+            for r in requests:
+                try:
+                    build_prompt(tok, r)
+                except Exception as e:
+                    raise ValueError(f"line {r.line}: cannot render the chat messages: {e}") from None
+            raise
+
+
+def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:
+    outcomes = simulate(rules, requests, prompts)
+    rows = []
+    for req, o in zip(requests, outcomes):
+        row = {"line": req.line, "arrival_s": req.arrival_s, "prompt_tokens": o.prompt_tokens,
+               "common_prefix_tokens": o.common_prefix_tokens, "cached_tokens": o.cached_tokens,
+               "written_tokens": o.written_tokens, "output_tokens": o.output_tokens,
+               "cost_without": round(o.cost_without, 8), "cost_with": round(o.cost_with, 8)}
+        if req.upstream_cached_tokens is not None:
+            row["upstream_cached_tokens"] = req.upstream_cached_tokens
+        rows.append(row)
+    out = {"rules": rules.to_json(), "totals": totals(outcomes), "requests": rows}
+    if rules.breakpoints and not any(p.marks for p in prompts):
+        out["note"] = "no request has a cache_control mark: these rules cache nothing without one"
+    return out
+
+
+def advise(trace: str, requests: list[Request], rule_sets: list[RuleSet], toks: Tokenizers,
+           skipped: list | None = None) -> dict:
+    """Everything the advisor says about `requests` (arrival order) under `rule_sets`; `skipped`:
+    the trace's lines left out, as `read_traffic` reported them."""
+    prompts = {name: toks.prompts(name, requests) for name in {"model", *(r.tokenizer for r in rule_sets)}}
+    results = [_per_rules(r, requests, prompts[r.tokenizer]) for r in rule_sets]
+    divergences = find_divergences(requests, prompts["model"])
+    groups = group(divergences)
+    out = {"schema": SCHEMA, "trace": os.path.abspath(trace) if trace else "",
+           "requests": len(requests), "skipped": skipped or [], "rule_sets": results, "groups": groups,
+           "divergences": [{"line": d.line, "matched_line": d.matched_line, "token": d.token,
+                            "message": d.message, "role": d.role, "field": d.field, "start": d.start,
+                            "end": d.end, "kind": d.kind} for d in divergences if d is not None],
+           "what_if": None}
+    target = next((g for g in groups if not g["expected"]), None)
+    if target is not None:
+        fixed = fixed_traffic(requests, target)
+        fixed_prompts = {name: toks.prompts(name, fixed) for name in {r.tokenizer for r in rule_sets}}
+        after = {r.name: totals(simulate(r, fixed, fixed_prompts[r.tokenizer])) for r in rule_sets}
+        out["what_if"] = {"group": target["summary"], "fix": describe(target),
+                          "rule_sets": [{"name": res["rules"]["name"], "before": res["totals"],
+                                         "after": after[res["rules"]["name"]]} for res in results]}
+    return out

@@ -1,0 +1,218 @@
+"""A person's traffic for the advisor: chat-log JSONL or the proxy's recordings (docs/design.md §14).
+
+One request per line: an OpenAI chat body (`messages`, optional `timestamp` in ms and
+`usage`), a completions body (`prompt`), or a `prefixlab proxy` record (`body`,
+`timestamp`, `usage`, `key`). Lines are read one at a time and capped in size, so a
+runaway line is refused by number instead of filling memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..replay.trace import PREFIXLAB_TAG, TraceError, open_trace
+
+MAX_LINE_BYTES = 16 << 20  # a trace line is one request: 16 MiB of JSON is far past any context
+
+
+@dataclass
+class Message:
+    """One chat message as text, with the cache_control marks inside it (character ends)."""
+
+    role: str
+    content: str
+    marks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    """One request of the traffic, as the advisor needs it."""
+
+    line: int
+    arrival_s: float
+    key: str = ""                        # routing key: prompt_cache_key, else the API key's tenant
+    messages: list[Message] | None = None
+    tools: list | None = None
+    tools_marked: bool = False           # a cache_control mark on a tool (Anthropic)
+    prompt_text: str | None = None       # completions
+    tokens: list[int] | None = None      # a prefixlab token trace's prompt (no text to map back to)
+    output_tokens: int = 0
+    upstream_cached_tokens: int | None = None
+    upstream_prompt_tokens: int | None = None
+    model: str = ""
+
+
+def reported_usage(obj: dict | None) -> tuple[int | None, int | None]:
+    """(prompt tokens, cached tokens) an upstream reported: OpenAI's usage, llama.cpp's timings or
+    Anthropic's cache_read_input_tokens; None where it said nothing."""
+    if not isinstance(obj, dict):
+        return None, None
+    usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
+    timings = obj.get("timings") if isinstance(obj.get("timings"), dict) else {}
+    details = usage.get("prompt_tokens_details")
+    details = details if isinstance(details, dict) else {}
+    cached = details.get("cached_tokens", usage.get("cache_read_input_tokens", timings.get("cache_n")))
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    if prompt is None and "prompt_n" in timings and "cache_n" in timings:
+        prompt = timings["prompt_n"] + timings["cache_n"]
+    def whole(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+    return whole(prompt), whole(cached)
+
+
+def read_lines(path: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) per non-blank line; a TraceError names the line that is bad."""
+    try:
+        fh = open(path, "rb")
+    except OSError as e:
+        raise TraceError(f"cannot open trace {path}: {e.strerror}") from None
+    with fh:
+        lineno = 0
+        while True:
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(f"{path}, line {lineno}: the line is over {MAX_LINE_BYTES >> 20} MiB "
+                                 f"(one request per line; is this a JSONL trace?)")
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except UnicodeDecodeError:
+                raise TraceError(f"{path}, line {lineno}: not UTF-8 text (traces are JSONL)") from None
+            except ValueError as e:
+                why = e.args[0].split(':')[0]
+                raise TraceError(f"{path}, line {lineno}: not valid JSON ({why})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def _parts(content, where: str) -> tuple[str, list[int]]:
+    """A message content as text and the character ends of its parts marked with cache_control."""
+    if content is None or isinstance(content, str):
+        return content or "", []
+    if not isinstance(content, list):
+        raise TraceError(f"{where}: content must be a string or a list of parts, "
+                         f"got {type(content).__name__}")
+    text, marks = "", []
+    for part in content:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            text += part["text"]
+            if part.get("cache_control"):
+                marks.append(len(text))
+    return text, marks
+
+
+def _messages(body: dict, where: str) -> list[Message]:
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
+        raise TraceError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    if "system" in body:  # Anthropic's Messages body keeps the system prompt apart
+        text, marks = _parts(body["system"], f"{where}, system")
+        out.append(Message("system", text, marks))
+    for i, m in enumerate(raw):
+        if not isinstance(m.get("role"), str):
+            raise TraceError(f"{where}, message {i}: 'role' must be a string")
+        text, marks = _parts(m.get("content"), f"{where}, message {i}")
+        out.append(Message(m["role"], text, marks))
+    return out
+
+
+def parse_request(obj: dict, path: str, line: int) -> Request:
+    """One line as a Request; a TraceError names the line and what is missing."""
+    where = f"{path}, line {line}"
+    body = obj.get("body") if isinstance(obj.get("body"), dict) else obj
+    stamp = obj.get("timestamp")
+    if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or
+                              stamp != stamp or stamp < 0):
+        raise TraceError(f"{where}: 'timestamp' must be milliseconds >= 0, got {stamp!r}")
+    prompt_tokens, cached = reported_usage(obj)
+    if cached is None and isinstance(obj.get("response"), dict):
+        prompt_tokens, cached = reported_usage(obj["response"])
+    usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
+    out = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    key = body.get("prompt_cache_key") or obj.get("key") or ""
+    r = Request(line=line, arrival_s=stamp / 1000.0 if stamp is not None else float(line - 1),
+                key=str(key), output_tokens=out if isinstance(out, int) and out > 0 else 0,
+                upstream_cached_tokens=cached, upstream_prompt_tokens=prompt_tokens,
+                model=str(body.get("model") or ""))
+    if "hash_ids" in obj:
+        raise TraceError(f"{where}: a Mooncake hash-id trace has block hashes, not prompts: the advisor "
+                         f"needs prompts (chat logs, proxy recordings or token traces)")
+    if "messages" in body:
+        r.messages = _messages(body, where)
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise TraceError(f"{where}: 'tools' must be a list")
+        r.tools = tools or None
+        r.tools_marked = any(isinstance(t, dict) and t.get("cache_control") for t in tools or [])
+    elif isinstance(body.get("prompt"), str):
+        r.prompt_text = body["prompt"]
+    elif _token_ids(body.get("prompt")):
+        r.tokens = body["prompt"]  # a completion given token ids (or the app's served prompts)
+    else:
+        raise TraceError(f"{where}: no 'messages' (a chat request) and no 'prompt' (a completion: a text "
+                         f"or token ids)")
+    return r
+
+
+def _token_trace(path: str) -> list[Request]:
+    """A prefixlab trace (a session's, or `replay --record`'s): prompts as token ids."""
+    source = open_trace(path, "prefixlab")
+    if source.hashed:
+        raise TraceError(f"{path}: a hash-id trace has block hashes, not tokens: the advisor needs "
+                         f"prompts (chat logs, proxy recordings or token traces)")
+    return [Request(line=i + 2, arrival_s=r.arrival_s, key=r.namespace, tokens=r.prompt,
+                    output_tokens=r.output_length) for i, r in enumerate(source)]
+
+
+def unusable(obj: dict) -> str:
+    """Why a proxy record cannot join the traffic ("" when it can): no body kept, or refused."""
+    if "endpoint" not in obj:
+        return ""  # a chat log's line: always used
+    if not isinstance(obj.get("body"), dict):
+        return obj.get("body_omitted") or obj.get("body_error") or "no request body recorded"
+    status = obj.get("status", 200)
+    if isinstance(status, int) and status >= 400:
+        return f"the upstream answered {status}"
+    body = obj["body"]
+    prompt = body.get("prompt")
+    if "messages" not in body and not isinstance(prompt, str) and not _token_ids(prompt):
+        return "a completion whose prompt is neither one text nor token ids (a batch of prompts?)"
+    return ""
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+def read_traffic(path: str, skipped: list | None = None) -> list[Request]:
+    """Every request of a trace, in arrival order (ties: file order); proxy records that cannot
+    count (refused, or kept without a body) go to `skipped` as {line, why} instead."""
+    skipped = [] if skipped is None else skipped
+    lines = read_lines(path)
+    first = next(lines, None)
+    if first is not None and first[1].get("format") == PREFIXLAB_TAG:
+        lines.close()
+        requests = _token_trace(path)
+    else:
+        requests = []
+        for line, obj in itertools.chain([first] if first else [], lines):
+            why = unusable(obj)
+            if why:
+                skipped.append({"line": line, "why": why})
+                continue
+            requests.append(parse_request(obj, path, line))
+    if not requests:
+        left = f" ({len(skipped)} proxy records skipped: {skipped[0]['why']}, ...)" if skipped else ""
+        raise TraceError(f"{path}: the trace has no requests{left}")
+    requests.sort(key=lambda r: (r.arrival_s, r.line))
+    return requests
