@@ -52,7 +52,7 @@ class _Engine:
         self.pool = KVPool(TINY, page_rows=PAGE_ROWS, max_pages=n_pages)
         self.cache = create_prefix_cache()
         self.cache.bind(self.pool)
-        self.timeline, self.records, self._streams = Timeline(), {}, []
+        self.timeline, self._streams = Timeline(), []
         n = CHAIN_PAGES * PAGE_ROWS
         while len(self.cache.pages) + CHAIN_PAGES <= n_pages * 3 // 4:
             toks = rng.integers(0, TINY.vocab_size, n).tolist()
@@ -68,6 +68,9 @@ class _Engine:
 
     def streams(self) -> list:
         return self._streams
+
+    def records(self) -> list:
+        return []
 
     def prefill_rate(self) -> float:
         return 0.0
