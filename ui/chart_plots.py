@@ -11,6 +11,7 @@ from PySide6.QtGui import QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import QGraphicsItem, QGraphicsTextItem, QSizePolicy, QWidget
 
 from .chart_data import (
+    BAR_SLOTS,
     CHARTS,
     LABELS,
     REQUEST_SERIES,
@@ -233,8 +234,12 @@ class ChartSet:
     def _build_ttft(self) -> None:
         item = self.widgets["ttft"].getPlotItem()
         for name in REQUEST_SERIES:
-            bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.7,
-                                   brush=series_color(name), pen=pg.mkPen(None))
+            color = series_color(name)
+            estimate = name == "ttft_no_cache"
+            bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=BAR_SLOTS[name][1],
+                                   brush=with_alpha(color, 70) if estimate else color,
+                                   pen=pg.mkPen(color, width=1.3, style=Qt.PenStyle.DashLine)
+                                   if estimate else pg.mkPen(None))
             item.addItem(bars)
             self.legends["ttft"].addItem(bars, LABELS[name])
             self.bars[name] = bars
@@ -291,7 +296,8 @@ class ChartSet:
             self._set_step(name, x, buf.column(name))
         self._set_step("hit_rate", x, 100.0 * buf.column("hit_rate"))
         for name, (ids, secs) in ttft.items():
-            self.bars[name].setOpts(x=ids, height=secs)
+            offset, width = BAR_SLOTS[name]
+            self.bars[name].setOpts(x=ids + offset, height=secs, width=width)
         if buf.n:
             cap = float(buf.column("capacity").max())
             self.widgets["pool"].getPlotItem().vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)

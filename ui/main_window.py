@@ -301,15 +301,15 @@ class MainWindow(QMainWindow):
     def show_stats(self, snap, rows: list, redraw: bool) -> None:
         """A live Snapshot: new chart rows (all of them after a report was shown), pool, chains."""
         if redraw:
-            self.charts.set_data(list(snap.timeline), snap.records)
+            self.charts.set_data(list(snap.timeline), snap.records, snap.prefill_tok_s)
         elif rows:
-            self.charts.append(rows, snap.records)
+            self.charts.append(rows, snap.records, snap.prefill_tok_s)
         self.cache_panel.update_snapshot(snap)
         self.pool_label.setText(pool_summary(snap))
 
     def show_report(self, report, snap, path: str) -> None:
         """A saved report's charts, pool and chains, until the next live data."""
-        self.charts.set_data(list(report.timeline), list(report.requests))
+        self.charts.set_data(list(report.timeline), list(report.requests), report.totals.prefill_tok_s)
         self.cache_panel.update_snapshot(snap)
         self.pool_label.setText(pool_summary(snap))
         self.tabs.setCurrentIndex(0)
