@@ -1,4 +1,4 @@
-"""What a cache hit would have cost without the cache, at this session's measured rates (docs/design.md §4)."""
+"""What a cache hit would have cost without the cache, at the session's measured rate (docs/design.md §4)."""
 
 from __future__ import annotations
 

@@ -77,14 +77,16 @@ class ChartsPanel(QWidget):
         self.refresh()
 
     # public API -------------------------------------------------------
-    def append(self, rows: list[TimelineRow], records: list[RequestRecord], prefill_tok_s: float = 0.0) -> None:
+    def append(self, rows: list[TimelineRow], records: list[RequestRecord],
+               prefill_tok_s: float = 0.0) -> None:
         """Add the timeline rows since the last call; `records` replace the records held;
         `prefill_tok_s`: the session's measured prefill rate (0: none yet, no estimates)."""
         self._buf.extend(rows)
         self._set_records(records, prefill_tok_s)
         self._mark_dirty()
 
-    def set_data(self, rows: list[TimelineRow], records: list[RequestRecord], prefill_tok_s: float = 0.0) -> None:
+    def set_data(self, rows: list[TimelineRow], records: list[RequestRecord],
+                 prefill_tok_s: float = 0.0) -> None:
         """Replace everything (a report loaded from disk) and redraw now."""
         self._buf.clear()
         self._buf.extend(rows)
@@ -175,7 +177,8 @@ class ChartsPanel(QWidget):
         self._ttft = self._split_ttft(self._records, self._prefill_tok_s)
 
     @staticmethod
-    def _split_ttft(records: list[RequestRecord], prefill_tok_s: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def _split_ttft(records: list[RequestRecord],
+                    prefill_tok_s: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Request ids and TTFTs of hits, of misses, and each hit's estimate without the cache."""
         done = sorted((r for r in records if r.ttft_s is not None), key=lambda r: r.id)
         hits = [r for r in done if r.n_cached > 0]
