@@ -117,7 +117,7 @@ class ChartSet:
             item = pw.getPlotItem()
             item.setDownsampling(auto=True, mode="peak")
             item.setClipToView(True)
-            item.layout.setContentsMargins(4, 2, 8, 2)
+            item.layout.setContentsMargins(6, 2, 8, 2)  # the rotated y title's text box starts 5 px left
             vb = item.getViewBox()
             vb.setMouseEnabled(x=True, y=False)  # zoom time only; the "A" button restores follow
             vb.setAutoVisible(y=True)             # y fits what is in view after a zoom
@@ -136,11 +136,13 @@ class ChartSet:
     @staticmethod
     def _legend(item: pg.PlotItem) -> pg.LegendItem:
         # In the plot's own layout, under the x axis: it never covers data. Two columns fit a
-        # chart a third of the window wide.
+        # chart a third of the window wide. It spans the axes' columns too: in the view's column
+        # alone its width became the view's minimum, and a narrow chart pushed its right axis
+        # out of the widget.
         legend = pg.LegendItem(colCount=2, frame=False, sampleType=_Swatch, labelTextSize="8.5pt",
                                horSpacing=4)
         legend.setSizePolicy(QSizePolicy.Policy.Maximum, QSizePolicy.Policy.Fixed)
-        item.layout.addItem(legend, 4, 1, alignment=Qt.AlignmentFlag.AlignHCenter)
+        item.layout.addItem(legend, 4, 0, 1, 3, alignment=Qt.AlignmentFlag.AlignHCenter)
         return legend
 
     def _curve(self, chart: str, name: str, width: float = 2.0, style=Qt.PenStyle.SolidLine,
