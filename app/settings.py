@@ -12,6 +12,7 @@ from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerSettings
 from engine.stream import reserved_positions
 
+from .secrets import load_api_key, save_api_key
 from .serve.kv_events import normalize_endpoint
 
 ORGANIZATION = "PrefixLab"
@@ -48,7 +49,8 @@ class AppSettings:
     max_new_tokens: int = 64
     server_host: str = "127.0.0.1"   # the Server toggle's address (this machine only by default)
     server_port: int = 8000
-    server_api_key: str = ""         # empty: no key asked
+    server_api_key: str = ""         # empty: no key asked; kept by app/secrets.py, never in QSettings
+    server_api_key_remember: bool = False  # without a keyring: keep the key in a 0600 file
     server_kv_events: str = ""       # empty: off; else where the Server publishes the cache (vLLM's events)
 
     # validation -----------------------------------------------------------
@@ -136,8 +138,10 @@ class AppSettings:
         store = store or qsettings()
         store.beginGroup("settings")
         for f in fields(self):
-            store.setValue(f.name, getattr(self, f.name))
+            if f.name != "server_api_key":  # a secret: the keyring or a private file
+                store.setValue(f.name, getattr(self, f.name))
         store.endGroup()
+        save_api_key(store, self.server_api_key, self.server_api_key_remember)
         store.sync()
 
     @classmethod
@@ -151,6 +155,7 @@ class AppSettings:
             raw = store.value(f.name, None)
             values[f.name] = _coerce(raw, getattr(default, f.name))
         store.endGroup()
+        values["server_api_key"] = load_api_key(store)
         loaded = cls(**values)
         return loaded if not loaded.errors() else default
 
@@ -163,6 +168,7 @@ LABELS = {
     "min_p": "Min-p", "repeat_penalty": "Repetition penalty", "seed": "Seed",
     "max_new_tokens": "Max new tokens", "server_host": "Server host", "server_port": "Server port",
     "server_api_key": "Server API key", "server_kv_events": "Server KV events",
+    "server_api_key_remember": "Remember the API key",
 }
 
 

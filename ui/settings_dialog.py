@@ -134,6 +134,11 @@ class SettingsDialog(QDialog):
         f.addRow("Host", self.server_host)
         f.addRow("Port", self.server_port)
         f.addRow("API key", self.server_api_key)
+        self.server_api_key_remember = QCheckBox("Remember the key")
+        self.server_api_key_remember.setToolTip(
+            "The key goes to the system keyring where there is one. Without a keyring it is kept only "
+            "when this is ticked, in a file only you can read; unticked, it is forgotten at quit")
+        f.addRow("", self.server_api_key_remember)
         self.server_kv_events = QLineEdit()
         self.server_kv_events.setPlaceholderText("(off) e.g. 127.0.0.1:5557")
         self.server_kv_events.setToolTip("Publish the prefix cache as KV events in vLLM's format on this "
@@ -180,6 +185,7 @@ class SettingsDialog(QDialog):
             "seed": self.seed.value(), "max_new_tokens": self.max_new_tokens.value(),
             "server_host": self.server_host.text().strip(), "server_port": self.server_port.value(),
             "server_api_key": self.server_api_key.text().strip(),
+            "server_api_key_remember": self.server_api_key_remember.isChecked(),
             "server_kv_events": self.server_kv_events.text().strip()}
 
     def accept(self) -> None:
