@@ -141,6 +141,7 @@ class Tour(QObject):
         self.thread.start()
         self.panel.show_working("Loading the model for the tour")
         c = desktop.controller
+        self._waiting = not c.ready
         if c.ready:
             self._start()
         else:
@@ -151,10 +152,11 @@ class Tour(QObject):
         return self.thread.isRunning()
 
     def _start(self, *_args) -> None:
-        try:
+        if self._waiting:
+            self._waiting = False
             self.desktop.controller.model_loaded.disconnect(self._start)
-        except (RuntimeError, TypeError):
-            pass
+        if not self.active:
+            return  # skipped while the model loaded
         # The worker loaded this model in its thread; the tour thread only evaluates on it (its
         # weights are read-only), on a pool and cache of its own.
         model = self.desktop.controller.client.worker.model
