@@ -38,7 +38,7 @@ from .stream_grid import StreamGrid
 from .stream_view import StreamView
 from .theme import apply_theme, current_theme, icon, titled_box
 from .whatif_panel import WhatIfPanel
-from .window_state import DEFAULT_SIZE, THEME_KEY, restore_window, save_window
+from .window_state import THEME_KEY, default_size, restore_window, save_window
 
 DEFAULT_SPLIT = [290, 470, 640]  # the charts need ~600 px
 DROP_SUFFIXES = (".gguf", ".json")
@@ -392,7 +392,7 @@ class MainWindow(QMainWindow):
             card.rerender()  # the charts and the cache panel follow the palette change themselves
 
     def reset_layout(self) -> None:
-        self.resize(*DEFAULT_SIZE)
+        self.resize(*default_size())
         self._default_splits()
 
     def _default_splits(self) -> None:
