@@ -47,7 +47,7 @@ class TourEngine:
         self.prefill_computed = 0
         self.prefill_saved = 0
         self.prefill_seconds = 0.0
-        self._t0 = time.perf_counter()
+        self._clock = 0.0  # engine seconds so far (the charts' time axis)
         self._warm()
 
     def _prompt(self, system: str, question: str) -> list[int]:
@@ -82,11 +82,15 @@ class TourEngine:
         """Do one step of the tutorial; return its facts (numbers read back from the engine)."""
         t0 = time.perf_counter()
         facts = getattr(self, f"_{step}")()
+        step_s = time.perf_counter() - t0
+        # The tour's clock runs only while the engine works: a person reading a caption between
+        # steps would otherwise stretch the charts into one long flat line.
+        self._clock += step_s
         self.timeline.append(timeline_row(
-            self.pool, self.cache, step=len(self.timeline) + 1, wall_s=time.perf_counter() - self._t0,
+            self.pool, self.cache, step=len(self.timeline) + 1, wall_s=self._clock,
             prefill_computed=self.prefill_computed, prefill_saved=self.prefill_saved, decode_tokens=0,
             active=len(self.streams()), queued=0, batch_size=len(self.streams()),
-            step_s=time.perf_counter() - t0))
+            step_s=step_s))
         return {**facts, "step": step, "pages_in_use": self.pool.num_used_pages,
                 "capacity": self.pool.capacity, "page_rows": self.pool.page_rows}
 
@@ -108,7 +112,7 @@ class TourEngine:
         p = self.prompts[A]
         self._streams[A].session = s = dl.create_session(self.model, self.pool)
         self.records[A] = RequestRecord(A, self.questions[A], None, "", len(p),
-                                        submitted_s=time.perf_counter() - self._t0)
+                                        submitted_s=self._clock)
         secs = self._prefill(A, p)
         return {"n_prompt": len(p), "pages": len(s.page_table), "seconds": secs,
                 "full_pages": len(p) // self.pool.page_rows}
@@ -132,7 +136,7 @@ class TourEngine:
         p = self.prompts[B]
         self._streams[B].session = s = dl.create_session(self.model, self.pool)
         self.records[B] = RequestRecord(B, self.questions[B], None, "", len(p),
-                                        submitted_s=time.perf_counter() - self._t0)
+                                        submitted_s=self._clock)
         matched = dl.prefix_attach(self.cache, self.pool, s, p)
         self.prefill_saved += matched
         self.records[B].n_cached = matched

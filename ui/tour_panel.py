@@ -30,15 +30,15 @@ class TourPanel(QFrame):
         self.caption.setTextFormat(Qt.TextFormat.RichText)
         self.caption.setWordWrap(True)
         self.caption.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.next_button = QPushButton("Next")
+        self.next_button = QPushButton("&Next")
         self.next_button.setDefault(True)
-        self.next_button.setToolTip("Do the next step on the engine")
+        self.next_button.setToolTip("Do the next step on the engine (Alt+N)")
         self.next_button.clicked.connect(self.next_clicked)
         self.run_button = QPushButton(icon("run"), "Run all (Ctrl+Enter)")
         self.run_button.setToolTip("Run the loaded prompts together through the scheduler")
         self.run_button.clicked.connect(self.run_all_clicked)
         self.run_button.hide()
-        self.skip_button = QPushButton("Skip tour")
+        self.skip_button = QPushButton("S&kip tour")
         self.skip_button.setToolTip("Close the tour (Help → Tour opens it again)")
         self.skip_button.clicked.connect(self.skip_clicked)
         text = QVBoxLayout()
@@ -62,7 +62,7 @@ class TourPanel(QFrame):
         self.next_button.setVisible(not last)
         self.next_button.setEnabled(True)
         self.run_button.setVisible(last)
-        self.skip_button.setText("Close" if last else "Skip tour")
+        self.skip_button.setText("&Close" if last else "S&kip tour")
         (self.run_button if last else self.next_button).setFocus()
 
     def show_working(self, what: str) -> None:
@@ -72,4 +72,4 @@ class TourPanel(QFrame):
 
     def set_next_enabled(self, enabled: bool, why: str = "") -> None:
         self.next_button.setEnabled(enabled)
-        self.next_button.setToolTip(why or "Do the next step on the engine")
+        self.next_button.setToolTip(why or "Do the next step on the engine (Alt+N)")
