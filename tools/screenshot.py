@@ -107,7 +107,7 @@ def tour_shots(out: str, timeout: float) -> int:
     while shown[-1] != "teardown":
         n = len(shown)
         tour.panel.next_button.click()
-        wait_until(app, lambda: len(shown) > n, "the next step", timeout)
+        wait_until(app, lambda n=n: len(shown) > n, "the next step", timeout)
         if shown[-1] in files:
             settle(app)
             desktop.window.charts.refresh()
