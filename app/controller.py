@@ -15,10 +15,10 @@ from PySide6.QtCore import QObject, QSettings, QTimer, Signal, Slot
 from engine.scheduler import POOL_FIELDS
 from ui.transcript import Transcript
 
+from .engine_client import EngineClient
 from .report import load_report, snapshot_from_report
 from .settings import AppSettings, add_recent_model
 from .turns import TurnBook
-from .worker import EngineClient
 
 FLUSH_INTERVAL_MS = 40  # answer text reaches the cards at most 25 times a second
 

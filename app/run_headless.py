@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from engine.scheduler import FinishEvent, Scheduler, SubmitRefused
+from engine.loop import EngineLoop
+from engine.scheduler import DEFAULT_MAX_NEW_TOKENS, FinishEvent, Scheduler, SubmitRefused
 
 from .common_args import (
     add_model_arg,
@@ -48,7 +49,7 @@ def describe(r) -> str:
 
 def summary(sch: Scheduler, wall_s: float) -> str:
     st = sch.stats()
-    return (f"{len(sch.records)} requests in {wall_s:.2f} s; hit rate {st.get('hit_rate', 0.0):.0%}; "
+    return (f"{len(sch.records())} requests in {wall_s:.2f} s; hit rate {st.get('hit_rate', 0.0):.0%}; "
             f"prefill tokens saved {sch.prefill_saved} (computed {sch.prefill_computed}); "
             f"seconds saved {sch.seconds_saved():.2f} at {sch.prefill_rate():.0f} prefill tok/s")
 
@@ -60,12 +61,15 @@ def run(args) -> int:
         scenario = load_scenario(args.scenario) if args.scenario else None
     except ValueError as e:
         raise SystemExit(f"prefixlab run: {e}") from None
-    max_new = args.max_new if args.max_new is not None else (scenario.max_new_tokens if scenario else 128)
+    max_new = args.max_new if args.max_new is not None else (
+        scenario.max_new_tokens if scenario else DEFAULT_MAX_NEW_TOKENS)
     if max_new < 1:
         raise SystemExit("prefixlab run: --max-new must be >= 1")
     m = load_model_or_exit(getattr(args, "model", None))
     sch = Scheduler(m, settings)
+    loop = EngineLoop(sch)  # the one loop the window and the server drive too
     system = scenario.system if scenario else args.system
+    common = {"system": system, "sampling": sampling, "max_new_tokens": max_new, "namespace": args.namespace}
 
     def on_event(ev) -> None:
         if isinstance(ev, FinishEvent) and not args.quiet:
@@ -75,19 +79,16 @@ def run(args) -> int:
     try:
         if scenario and scenario.conversation:
             for turn in scenario.conversation:
-                sch.submit(system=system, user=turn, conversation_id="scenario", sampling=sampling,
-                           max_new_tokens=max_new, namespace=args.namespace)
-                sch.run_until_done(on_event)
+                loop.submit_now(user=turn, conversation_id="scenario", **common)
+                loop.run_until_done(on_event)
         else:
             for prompt in (scenario.prompts if scenario else args.prompt):
-                sch.submit(system=system, user=prompt, sampling=sampling, max_new_tokens=max_new,
-                           namespace=args.namespace)
-            sch.run_until_done(on_event)
+                loop.submit_now(user=prompt, **common)
+            loop.run_until_done(on_event)
     except SubmitRefused as e:
         raise SystemExit(f"prefixlab run: request refused: {e}") from None
     except KeyboardInterrupt:
-        sch.cancel_all()
-        sch.run_until_done(on_event)
+        loop.stop(lambda events: [on_event(ev) for ev in events])
     print(summary(sch, time.perf_counter() - t0))
     for path in filter(None, (args.json, args.report)):
         write_report(path, sch, m, system, sampling, scenario.name if scenario else "")

@@ -69,12 +69,12 @@ class ServerToggle(QObject):
         """A served card's Stop: cancel its request (its client sees the answer end)."""
         request_id = self._request_of.get(uid)
         if request_id is not None and self.server.backend is not None:
-            self.server.backend.broker.cancel_request(request_id)
+            self.server.backend.loop.cancel_request(request_id)
 
     def stop_all(self) -> None:
         """Stop every served request (Stop all)."""
         if self.server.backend is not None:
-            self.server.backend.broker.cancel_all()
+            self.server.backend.loop.cancel_all(served_only=True)
 
     def friendliness(self) -> dict:
         """The served traffic's cache-friendliness (GET /v1/prefixlab/friendliness's data)."""

@@ -42,12 +42,12 @@ class TurnBook:
         return self.turn(t, text, tag, settings, followup=False)
 
     def turn(self, t: Transcript, text: str, tag: str, settings, followup: bool = True) -> dict:
-        """The worker job of a turn (app.driver.EngineDriver.submit's dict), now open under `tag`."""
+        """The job of a turn (its tag and `ChatFrontEnd.request` arguments), now open under `tag`."""
         job = {"tag": tag, "system": t.system, "user": text, "conversation_id": t.conversation_id,
                "max_new_tokens": settings.max_new_tokens, "namespace": settings.namespace,
                "sampling": settings.sampling()}
         if followup:
-            job["messages"] = t.history_messages(text)
+            job["history"] = t.history_messages(text)  # used when the engine no longer knows the chat
         t.begin_turn(text)
         self._tag_uid[tag] = t.uid
         return job

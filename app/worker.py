@@ -1,16 +1,19 @@
 """The engine's one long-lived worker thread (DESIGN §6).
 
 `EngineWorker` is a QObject moved to a parentless QThread. It holds the Model
-and the Scheduler; nothing else touches them. The UI feeds it by queued
-signals (through `EngineClient`, which lives in the UI thread) and gets plain
-data back by signals: token pieces batched per step, finished records, and a
-Snapshot copy at most ~10 times a second. Cancellation is a flag the worker
-checks between steps, so a stop lands within one step even while the event
-queue is busy.
+and drives the one engine loop (engine/loop.py) that owns the Scheduler; nothing
+else touches them. Prompts typed in the window and HTTP requests (the Server
+toggle) enter that loop the same way, as `Job`s through its thread-safe `submit`,
+and cancels through its `cancel`; the loop wakes this thread by a queued signal.
+Other requests (load, settings, reports) come by queued signals through
+`EngineClient`, which lives in the UI thread; plain data goes back by signals:
+token pieces batched per step, finished records, and a Snapshot copy at most ~10
+times a second.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import time
@@ -19,11 +22,11 @@ import traceback
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 import engine
-from engine.scheduler import POOL_FIELDS, Scheduler, SubmitRefused
+from engine.loop import Accepted, EngineLoop, Job, Refused, StepFailed
+from engine.scheduler import POOL_FIELDS, FinishEvent, Scheduler, TokenEvent
 from engine.snapshot import SnapshotMaker
 
 from .blas_share import leave_core_for_ui
-from .driver import EngineDriver, finished_records, token_pieces
 from .model_info import model_info
 from .probe import probe_prompt
 from .report import build_report
@@ -66,15 +69,19 @@ class EngineWorker(QObject):
     report_ready = Signal(str, object)   # path, report data (built here, rendered in the UI thread)
     trace_saved = Signal(str, str)       # path, "" when written, else why not
     served_submitted = Signal(list)      # [(request_id, client, preview, n_prompt), ...] from HTTP clients
-    _served_waiting = Signal()           # an HTTP request arrived (emitted on the server's thread)
+    _woken = Signal()                    # a job or a cancel reached the loop (emitted on any thread)
 
     def __init__(self):
         super().__init__()
         self.model = None
-        self.driver = EngineDriver()
+        self.loop = EngineLoop()
+        self.loop.wake = self._woken.emit  # queued into this thread
+        self._accepted: list = []          # this step's typed jobs the scheduler took
+        self._lock = threading.Lock()
+        self._tickets: dict[str, int] = {}  # typed turn's tag -> its ticket in the loop (cancels)
         self._settings = AppSettings()
         self._pending_settings: AppSettings | None = None
-        self._maker = SnapshotMaker()
+        self._maker, self._maker_of = SnapshotMaker(), None
         self._last_stats = 0.0
         self.busy = False
         self._quitting = False
@@ -83,24 +90,32 @@ class EngineWorker(QObject):
         self._timer = QTimer(self)
         self._timer.setInterval(0)
         self._timer.timeout.connect(self.pump)
-        self.broker = None  # app.serve.broker.RequestBroker while the Server toggle is on
-        self._served_waiting.connect(self._wake_for_served)
+        self._woken.connect(self._wake)
 
     @property
     def scheduler(self) -> Scheduler | None:
-        return self.driver.scheduler
+        return self.loop.scheduler
 
-    # thread-safe flags (called from the UI thread) -------------------------
+    # thread-safe (called from the UI thread) --------------------------------
+    def submit(self, jobs: list[dict]) -> None:
+        """Hand typed turns to the engine loop, the door HTTP requests use too. Each dict is
+        its `tag` and `ChatFrontEnd.request` arguments; the answers come back under the tag
+        as `requests_submitted` / `request_refused`, then tokens and `request_finished`."""
+        for fields in jobs:
+            fields = dict(fields)
+            job = Job(fields, tag=fields.pop("tag"))
+            job.sink = functools.partial(self._typed_event, job)
+            ticket = self.loop.submit(job)
+            with self._lock:
+                self._tickets[job.tag] = ticket
+
     def request_cancel(self, tags) -> None:
-        """Stop these requests (by the tags they were submitted with) at the next step."""
-        self.driver.request_cancel(tags)
-
-    def attach_broker(self, broker) -> None:
-        """Run HTTP requests from this broker on this worker's scheduler (None: stop taking them)."""
-        if broker is not None:
-            broker.wake = self._served_waiting.emit  # queued into this thread
-        self.broker = broker
-        self._served_waiting.emit()
+        """Stop these typed turns (by tag) at the loop's next step."""
+        for tag in tags:
+            with self._lock:
+                ticket = self._tickets.pop(tag, None)
+            if ticket is not None:
+                self.loop.cancel(ticket)
 
     def request_shutdown(self) -> None:
         """Stop stepping at once; the queued `shutdown` slot then ends the thread."""
@@ -181,30 +196,6 @@ class EngineWorker(QObject):
             s.update_settings(live)
             self._emit_stats(force=True)
 
-    @Slot(list)
-    @guarded
-    def submit(self, jobs: list) -> None:
-        """Queue requests (the job dicts of `EngineDriver.submit`)."""
-        s = self.scheduler
-        accepted = []
-        for job in jobs:
-            tag = job["tag"]
-            if s is None:
-                self.request_refused.emit(tag, "no model is loaded")
-                continue
-            try:
-                rid = self.driver.submit(job)
-            except (SubmitRefused, ValueError) as e:
-                self.request_refused.emit(tag, str(e))
-                continue
-            accepted.append((tag, rid, s.records[rid].n_prompt))
-        if accepted:
-            self.requests_submitted.emit(accepted)
-            leave_core_for_ui()
-            self.busy = True
-            if not self._timer.isActive():
-                self._timer.start()
-
     @Slot()
     @guarded
     def flush_cache(self) -> None:
@@ -257,49 +248,58 @@ class EngineWorker(QObject):
     # stepping ---------------------------------------------------------------
     @Slot()
     def pump(self) -> None:
-        """One scheduler step, then back to the event loop (the timer calls us again)."""
-        s = self.scheduler
-        if self._quitting or s is None:
+        """One loop step, then back to the event loop (the timer calls us again)."""
+        if self._quitting:
             self._timer.stop()
             return
         try:
-            self._take_served()
-            self._emit_events(self.driver.step())
+            served = self.loop.drain()
+            self._emit_submitted(served)
+            self._emit_events(self.loop.step())
+        except StepFailed as e:  # the loop recovered; say so, and end the cards it reaped
+            self.failed.emit(f"scheduler step: {e}")
+            self._emit_events(e.events)
+            self._after_recovery()
         except Exception as e:  # noqa: BLE001 - a broken step must not kill the thread
             self.failed.emit(f"scheduler step: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
-            self._recover()
-        if self.scheduler is None or not self.scheduler.has_work():
+        if not self.loop.has_work():
             self._timer.stop()
             self._run_done()
         else:
             self._emit_stats()
 
     @Slot()
-    def _wake_for_served(self) -> None:
-        if self.broker is not None and self.scheduler is not None and not self._quitting \
-                and not self._timer.isActive():
+    def _wake(self) -> None:
+        if not self._quitting and not self._timer.isActive():
             leave_core_for_ui()
             self.busy = True
             self._timer.start()
 
-    def _take_served(self) -> None:
-        broker, s = self.broker, self.scheduler
-        if broker is None or s is None:
-            return
-        taken = broker.drain(s)
-        if taken:
+    def _typed_event(self, job: Job, event) -> None:
+        """A typed job's answer from the loop (this thread): accepted now, or refused."""
+        if isinstance(event, Accepted):
+            self._accepted.append((job.tag, event.request_id, event.n_prompt))
+        elif isinstance(event, Refused) and job.request_id is None:  # once taken, its finish ends it
+            self.request_refused.emit(job.tag, event.message)
+
+    def _emit_submitted(self, taken: list[Job]) -> None:
+        if self._accepted:
+            accepted, self._accepted = self._accepted, []
+            self.requests_submitted.emit(accepted)
+        served = [j for j in taken if j.client]
+        if served:
             self.busy = True
-            self.served_submitted.emit([(j.request_id, j.client, s.records[j.request_id].preview,
-                                         s.records[j.request_id].n_prompt) for j in taken])
+            s = self.scheduler
+            self.served_submitted.emit([(j.request_id, j.client, s.record(j.request_id).preview,
+                                         len(j.prompt)) for j in served])
 
     def _emit_events(self, events: list) -> None:
-        if self.broker is not None and self.scheduler is not None:
-            self.broker.dispatch(self.scheduler, events)
-        pieces = token_pieces(events)
+        pieces = [(ev.request_id, ev.text) for ev in events if isinstance(ev, TokenEvent)]
         if pieces:
             self.token_generated.emit(pieces)
-        for record in finished_records(events):
-            self.request_finished.emit(record)
+        for ev in events:
+            if isinstance(ev, FinishEvent):
+                self.request_finished.emit(copy.copy(ev.record))
 
     def _run_done(self) -> None:
         self._emit_stats(force=True)
@@ -312,28 +312,25 @@ class EngineWorker(QObject):
 
     def _stop_everything(self) -> None:
         """Cancel every request and reap them (finish events go out as `cancelled`)."""
-        if not self.driver.has_work():
+        if not self.loop.has_work():
             return
-        self.driver.stop_everything(self._emit_events)
+        self.loop.stop(self._emit_events)
         self._timer.stop()
         self._run_done()
 
-    def _recover(self) -> None:
-        """After a failed step: cancel what runs; if even that fails, start a fresh scheduler."""
-        try:
-            self._stop_everything()
-        except Exception:  # noqa: BLE001
-            for record in self.driver.abandon():
-                self.request_finished.emit(record)
-            self._new_scheduler()
+    def _after_recovery(self) -> None:
+        """The loop may have started over on a fresh scheduler: the window follows it."""
+        if self.scheduler is not None and self.scheduler is not self._maker_of:
+            self._scheduler_changed()
 
     def _new_scheduler(self) -> None:
         if self.model is None:
             return
-        if self.broker is not None:  # their requests lived in the old scheduler
-            self.broker.fail_all("the engine restarted (a new model or pool settings); retry")
-        self.driver.reset(Scheduler(self.model, self._settings.scheduler_settings()))
-        self._maker = SnapshotMaker()
+        self.loop.reset(Scheduler(self.model, self._settings.scheduler_settings()))
+        self._scheduler_changed()
+
+    def _scheduler_changed(self) -> None:
+        self._maker, self._maker_of = SnapshotMaker(), self.scheduler
         self.scheduler_reset.emit(self.scheduler.settings.to_dict())
         self._emit_stats(force=True)
 
@@ -343,76 +340,3 @@ class EngineWorker(QObject):
             return
         self._last_stats = now
         self.stats_updated.emit(self._maker.take(self.scheduler))
-
-
-class EngineClient(QObject):
-    """The UI thread's handle on the worker: owns the thread, sends queued requests."""
-
-    _load = Signal(str)
-    _check = Signal(str)
-    _settings = Signal(dict)
-    _submit = Signal(list)
-    _flush = Signal()
-    _probe = Signal(dict)
-    _report = Signal(object)
-    _trace = Signal(str)
-    _shutdown = Signal()
-
-    def __init__(self, parent: QObject | None = None):
-        super().__init__(parent)
-        self.thread = QThread()  # no parent: it must outlive nothing and be waited for
-        self.thread.setObjectName("prefixlab-engine")
-        self.worker = EngineWorker()
-        self.worker.moveToThread(self.thread)
-        self._load.connect(self.worker.load_model)
-        self._check.connect(self.worker.check_model)
-        self._settings.connect(self.worker.apply_settings)
-        self._submit.connect(self.worker.submit)
-        self._flush.connect(self.worker.flush_cache)
-        self._probe.connect(self.worker.probe)
-        self._report.connect(self.worker.make_report)
-        self._trace.connect(self.worker.save_trace)
-        self._shutdown.connect(self.worker.shutdown)
-        self._tags = 0
-        self.thread.start()
-
-    def new_tag(self) -> str:
-        self._tags += 1
-        return f"t{self._tags}"
-
-    def load_model(self, path: str | None) -> None:
-        self._load.emit(path or "")
-
-    def check_model(self, path: str) -> None:
-        """Ask whether `path` opens as a model; the answer comes as `worker.model_checked`."""
-        self._check.emit(path)
-
-    def apply_settings(self, settings: AppSettings) -> None:
-        self._settings.emit(settings.to_dict())
-
-    def submit(self, jobs: list[dict]) -> None:
-        self._submit.emit(jobs)
-
-    def cancel(self, tags) -> None:
-        self.worker.request_cancel(list(tags))
-
-    def flush_cache(self) -> None:
-        self._flush.emit()
-
-    def probe(self, system: str, user: str, namespace: str = "") -> None:
-        self._probe.emit({"system": system, "user": user, "namespace": namespace})
-
-    def make_report(self, path: str, system: str = "", title: str = "") -> None:
-        self._report.emit({"path": path, "system": system, "title": title})
-
-    def save_trace(self, path: str) -> None:
-        """Ask for the session's trace at `path`; the answer comes as `worker.trace_saved`."""
-        self._trace.emit(path)
-
-    def shutdown(self) -> None:
-        """Stop, quit() and wait() (DESIGN §6); safe to call twice."""
-        if not self.thread.isRunning():
-            return
-        self.worker.request_shutdown()
-        self._shutdown.emit()
-        self.thread.wait()

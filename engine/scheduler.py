@@ -8,6 +8,11 @@ that finished in the step before. `postprocess` samples, publishes each full pro
 the cache as soon as it is computed, finishes streams, and donates and releases sessions.
 Admission is prefix-aware: a request whose uncached prefix another stream is computing
 waits for those pages instead of computing them twice.
+
+The scheduler knows requests (token ids), not chat: conversations live in the chat front end
+(engine/conversations.py), and every front end reaches the scheduler through the one owner
+loop (engine/loop.py). What the app may read goes through named calls (`record`, `records`,
+`queue_depth`, `prompt_of`, `ended_tokens`) and the read-only `pool`, `cache` and `timeline`.
 """
 
 from __future__ import annotations
@@ -17,26 +22,37 @@ import itertools
 import time
 from array import array
 from collections import deque
+from collections.abc import Iterator
 
 import numpy as np
 
 from .admission import can_take, must_wait, plan_prefill
 from .api import create_kv_pool, create_session, eval_batch
-from .chat import Conversation, finish_turn, start_turn, turn_messages
 from .loader import Model
 from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
 from .prefix_cache import create_prefix_cache, prefix_attach, prefix_insert
 from .sampler import Sampler, SamplingParams
-from .spec import propose, verify
-from .stream import Batch, FinishEvent, SchedulerSettings, Stream, SubmitRefused, TokenEvent, check_fits
+from .spec import plan_drafts, verify
+from .stream import (
+    DEFAULT_MAX_NEW_TOKENS,
+    Batch,
+    FinishEvent,
+    QueueFull,
+    Request,
+    SchedulerSettings,
+    Stream,
+    SubmitRefused,
+    TokenEvent,
+    check_fits,
+)
 
-__all__ = ["Batch", "FinishEvent", "Scheduler", "SchedulerSettings", "Stream", "SubmitRefused",
-           "TokenEvent"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "Batch", "FinishEvent", "QueueFull", "Request", "Scheduler",
+           "SchedulerSettings", "Stream", "SubmitRefused", "TokenEvent"]
 
 POOL_FIELDS = ("page_rows", "pool_pages")  # settings that need a new pool, hence a new Scheduler
-# Decode rows per pass up to which drafts ride almost free: the 64-column-block GEMMs cost,
-# per pass, 0.75-1.0x one row's GEMV for 2-6 rows, 1.1x for 8, 1.3x for 10, 1.9x for 12 (measured).
-SPEC_ROWS = 8
+# Ended requests whose records (and prompt tokens, for traces) are kept; older ones go, their
+# numbers stay in the running totals. A long-running server must not grow without end.
+MAX_ENDED_RECORDS = 10_000
 
 
 class Scheduler:
@@ -51,17 +67,15 @@ class Scheduler:
         self.pool = create_kv_pool(model, self.settings.page_rows, self.settings.pool_pages)
         self.cache = create_prefix_cache(max_pages=self.settings.cache_pages)
         self.cache.bind(self.pool)
-        self.queue: deque[Stream] = deque()
-        self.active: list[Stream] = []
-        self.closing: list[Stream] = []       # finished turns whose closing tokens run next step
-        self.records: dict[int, RequestRecord] = {}
-        self.tokens: dict[int, RequestTokens] = {}  # ended requests' prompts and donations (traces)
-        self.conversations: dict[str, Conversation] = {}
-        self._turns_running: set[str] = set()
+        self._queue: deque[Stream] = deque()
+        self._active: list[Stream] = []
+        self._closing: list[Stream] = []       # finished turns whose closing tokens run next step
+        self._records: dict[int, RequestRecord] = {}
+        self._tokens: dict[int, RequestTokens] = {}  # ended requests' prompts and donations (traces)
+        self._ended: deque[int] = deque()             # ended request ids, oldest first
         self.timeline = Timeline()
         self.waiting_for_pages: int | None = None  # the queued request that waits for free pages
         self._ids = itertools.count(1)
-        self._conv_ids = itertools.count(1)
         self._t0 = time.perf_counter()
         self._steps = 0
         self.prefill_computed = 0
@@ -82,71 +96,87 @@ class Scheduler:
         self.cache.enforce_budget()
 
     # submit -----------------------------------------------------------
-    def submit(self, prompt: list[int] | None = None, *, messages: list[dict] | None = None,
-               system: str | None = None, user: str | None = None,
-               sampling: SamplingParams | None = None, max_new_tokens: int = 128,
-               stop_ids: list[int] | None = None, preview: str = "",
-               conversation_id: str | None = None, namespace: str = "",
-               arrival: float | None = None, client: str = "") -> int:
-        """Queue a request (tokens, chat messages, or a system/user pair); return its id.
-
-        `arrival` is the request's `time.perf_counter()` stamp (default: now); its TTFT and
-        queue wait count from there. `client` labels where it came from.
-        """
-        arrival = time.perf_counter() if arrival is None else float(arrival)
-        if len(self.queue) >= self.settings.max_queue:
-            raise SubmitRefused(f"the queue is full ({self.settings.max_queue} requests waiting)")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise SubmitRefused(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    def submit(self, request: Request) -> int:
+        """Queue a request; return its id (SubmitRefused says why not)."""
+        arrival = time.perf_counter() if request.arrival is None else float(request.arrival)
+        self.check_room()
+        max_new = request.max_new_tokens
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+            raise SubmitRefused(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
         try:
-            sampler = Sampler(sampling or SamplingParams())
+            sampler = Sampler(request.sampling or SamplingParams())
         except ValueError as e:
             raise SubmitRefused(str(e)) from e
         tok = self.model.tokenizer
-        turn = None
-        if prompt is None:
-            if messages is None:
-                if user is None:
-                    raise SubmitRefused("submit needs prompt tokens, chat messages or a user message")
-                messages = turn_messages(system, user)
-            conversation_id = conversation_id or f"c{next(self._conv_ids)}"
-            if conversation_id in self._turns_running:
-                raise SubmitRefused(f"conversation {conversation_id} still has a turn running")
-            conv = self.conversations.get(conversation_id) or Conversation(conversation_id, namespace)
-            turn = start_turn(tok, conv, messages)  # the conversation changes when the turn ends
-            prompt = list(turn.prompt)
-            preview = preview or messages[-1]["content"][:60]
-        prompt = [int(t) for t in prompt]
-        positions = check_fits(prompt, max_new_tokens, self.model.config, self.pool)
+        prompt = [int(t) for t in request.prompt]
+        positions = check_fits(prompt, max_new, self.model.config, self.pool)
         rid = next(self._ids)
-        record = RequestRecord(id=rid, preview=preview or tok.decode(prompt[-24:]),
-                               conversation_id=conversation_id, namespace=namespace,
-                               n_prompt=len(prompt), submitted_s=arrival - self._t0, client=client)
-        stream = Stream(record=record, prompt=prompt, sampler=sampler, max_new_tokens=max_new_tokens,
+        record = RequestRecord(id=rid, preview=request.preview or tok.decode(prompt[-24:]),
+                               conversation_id=request.conversation_id, namespace=request.namespace,
+                               n_prompt=len(prompt), submitted_s=arrival - self._t0, client=request.client)
+        stop_ids = request.stop_ids
+        stream = Stream(record=record, prompt=prompt, sampler=sampler, max_new_tokens=max_new,
                         stop_ids=frozenset(stop_ids if stop_ids is not None else tok.eos_ids),
-                        text_stream=tok.stream(), arrival=arrival, positions=positions, turn=turn)
-        if turn is not None:
-            self._turns_running.add(conversation_id)
-        self.records[rid] = record
-        self.queue.append(stream)
+                        text_stream=tok.stream(), arrival=arrival, positions=positions,
+                        closing_turn=request.closing)
+        self._records[rid] = record
+        self._queue.append(stream)
         return rid
+
+    # read calls -------------------------------------------------------
+    def record(self, request_id: int) -> RequestRecord | None:
+        """The live record of a request (None once it aged out of the ring)."""
+        return self._records.get(request_id)
+
+    def records(self) -> list[RequestRecord]:
+        """Every kept request's record (live objects), in submit order."""
+        return list(self._records.values())
+
+    def queue_depth(self) -> int:
+        """Requests waiting for admission."""
+        return len(self._queue)
+
+    def check_room(self) -> None:
+        """Raise QueueFull when `max_queue` requests are waiting."""
+        if len(self._queue) >= self.settings.max_queue:
+            raise QueueFull(f"the queue is full: {self.settings.max_queue} requests are waiting; retry later")
+
+    def prompt_of(self, request_id: int) -> list[int] | None:
+        """The prompt tokens of a queued or running request."""
+        s = self._find(request_id)
+        return s.prompt if s is not None else None
+
+    def queued(self) -> Iterator[tuple[int, list[int], str]]:
+        """(id, prompt, namespace) of each queued request, in queue order."""
+        return ((s.id, s.prompt, s.record.namespace) for s in self._queue)
+
+    def ended_tokens(self) -> dict[int, RequestTokens]:
+        """Ended requests' prompts and donated tokens (the kept ones), by id: traces read these."""
+        return dict(self._tokens)
+
+    def n_running(self) -> int:
+        """Requests holding a session (running or closing their turn)."""
+        return len(self._active) + len(self._closing)
+
+    def _find(self, request_id: int) -> Stream | None:
+        return next((s for s in itertools.chain(self._queue, self._active) if s.id == request_id), None)
 
     # control ----------------------------------------------------------
     def cancel(self, request_id: int, reason: str = "cancelled") -> bool:
         """Ask a queued or running request to stop; it finishes at the next step with `reason`
         ("stop" when the server found a stop string; the first reason asked for stays)."""
-        for s in itertools.chain(self.queue, self.active):
-            if s.id == request_id and s.finish_reason is None:
-                s.cancel_requested = s.cancel_requested or reason
-                return True
-        return False
+        s = self._find(request_id)
+        if s is None or s.finish_reason is not None:
+            return False
+        s.cancel_requested = s.cancel_requested or reason
+        return True
 
     def cancel_all(self) -> None:
-        for s in itertools.chain(self.queue, self.active):
+        for s in itertools.chain(self._queue, self._active):
             s.cancel_requested = s.cancel_requested or "cancelled"
 
     def has_work(self) -> bool:
-        return bool(self.queue or self.active or self.closing)
+        return bool(self._queue or self._active or self._closing)
 
     def flush_cache(self) -> int:
         """Evict every cached page no session holds; return how many."""
@@ -157,7 +187,7 @@ class Scheduler:
 
     def streams(self) -> list[Stream]:
         """Every stream holding a session: running, then closing."""
-        return self.active + self.closing
+        return self._active + self._closing
 
     # step -------------------------------------------------------------
     def step(self) -> list:
@@ -176,39 +206,25 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         """Take cancelled requests out, admit queued ones, and plan this step's forward pass."""
-        batch = Batch(closing=list(self.closing))
-        for s in [s for s in self.queue if s.cancel_requested]:
-            self.queue.remove(s)
+        batch = Batch(closing=list(self._closing))
+        for s in [s for s in self._queue if s.cancel_requested]:
+            self._queue.remove(s)
             batch.cancelled.append(s)
-        for s in self.active:
+        for s in self._active:
             if s.cancel_requested and s.finish_reason is None:
                 batch.cancelled.append(s)
         self._admit()
         leaving = {s.id for s in batch.cancelled}
-        batch.decode = [s for s in self.active if s.decoding and s.id not in leaving]
-        batch.prefill = plan_prefill(self.active, leaving, self.settings.chunk_tokens)
+        batch.decode = [s for s in self._active if s.decoding and s.id not in leaving]
+        batch.prefill = plan_prefill(self._active, leaving, self.settings.chunk_tokens)
         if self.settings.spec_enabled:
-            batch.drafts = self._drafts(batch.decode)
+            batch.drafts = plan_drafts(batch.decode, self.settings.spec_k, self.model.config.context_length)
         return batch
-
-    def _drafts(self, decode: list[Stream]) -> list[list[int]]:
-        """Prompt-lookup drafts per decoding stream: within its reserved positions, its token
-        budget and the context, and SPEC_ROWS decode rows in all."""
-        budget = max(0, SPEC_ROWS - len(decode))
-        drafts = []
-        for s in decode:
-            n_past = s.session.n_past
-            room = min(self.settings.spec_k, budget, s.max_new_tokens - s.record.n_gen - 1,
-                       s.positions - n_past - 1, self.model.config.context_length - n_past - 1)
-            d = propose(s.prompt + s.generated, room) if room > 0 else []
-            budget -= len(d)
-            drafts.append(d)
-        return drafts
 
     def _admit(self) -> None:
         self.waiting_for_pages = None
-        for s in list(self.queue):
-            if len(self.active) >= self.settings.max_streams:
+        for s in list(self._queue):
+            if len(self._active) >= self.settings.max_streams:
                 return
             if s.cancel_requested or (self.settings.cache_enabled and must_wait(
                     s, self.streams(), self.cache, self.settings.page_rows)):
@@ -220,7 +236,7 @@ class Scheduler:
                                        f"{self.pool.capacity} cannot give: a reservation bug")
                 self.waiting_for_pages = s.id  # keep FIFO order under memory pressure
                 return
-            self.queue.remove(s)
+            self._queue.remove(s)
             s.session = create_session(self.model, self.pool)
             s.admitted_at = time.perf_counter()
             s.record.queue_wait_s = s.admitted_at - s.arrival
@@ -235,7 +251,7 @@ class Scheduler:
             # mid-answer; an unbounded one grows as the answer does (eval_batch allocates).
             bounded = self.pool.max_pages is not None
             self.pool.reserve(s.session, s.positions if bounded else len(s.prompt))
-            self.active.append(s)
+            self._active.append(s)
 
     def postprocess(self, batch: Batch, logits: np.ndarray | None) -> list:
         """Sample, publish computed prompt pages, finish streams, release closed turns; events."""
@@ -254,15 +270,15 @@ class Scheduler:
             if not s.prefilling:
                 events += self._sample(s, logits[base + j])
         for s in batch.closing:
-            self.closing.remove(s)
+            self._closing.remove(s)
             self._donate_and_release(s)
         for s in batch.cancelled:
             s.finish_reason = s.cancel_requested
-            if s in self.active:
-                self.active.remove(s)
+            if s in self._active:
+                self._active.remove(s)
             events.append(self._finish(s))
-        for s in [s for s in self.active if s.finish_reason is not None]:
-            self.active.remove(s)
+        for s in [s for s in self._active if s.finish_reason is not None]:
+            self._active.remove(s)
             events.append(self._finish(s))
         return events
 
@@ -309,23 +325,20 @@ class Scheduler:
 
     # finish -----------------------------------------------------------
     def _finish(self, s: Stream) -> FinishEvent:
-        """Close the record; a finished turn becomes its conversation's history, and its closing
-        tokens ride in the next step before the session donates and releases."""
+        """Close the record; a turn that ended by stop or length gets its closing tokens run in
+        the next step before the session donates and releases (the front end says which)."""
         s.close_record(time.perf_counter(), self._t0)
-        if s.turn is not None:
-            conv_id = s.turn.conversation.id
-            self._turns_running.discard(conv_id)
-            if s.cancel_requested is None:  # a stopped request keeps no turn
-                answer = s.generated[:-1] if s.finish_reason == "stop" else s.generated
-                conv = self.conversations[conv_id] = finish_turn(self.model.tokenizer, s.turn, answer)
-                if s.session is not None and self.settings.cache_enabled:
-                    s.closing = self._closing_tail(s, list(conv.history_tokens))
+        if s.closing_turn is not None and s.cancel_requested is None and s.session is not None:
+            answer = s.generated[:-1] if s.finish_reason == "stop" else s.generated
+            turn = s.closing_turn(answer)
+            if self.settings.cache_enabled:
+                s.closing = self._closing_tail(s, list(turn))
         if s.closing:
-            self.closing.append(s)
+            self._closing.append(s)
         elif s.session is not None:
             self._donate_and_release(s)
         else:  # cancelled while queued: it never attached nor donated
-            self.tokens[s.id] = RequestTokens(array("i", s.prompt), None, None, s.record.finished_s)
+            self._ended_request(s, None, None)
         return FinishEvent(s.id, s.finish_reason, s.record)
 
     def _closing_tail(self, s: Stream, turn: list[int]) -> list[int]:
@@ -342,10 +355,19 @@ class Scheduler:
         donated = self.pool.tokens(s.session)
         if self.settings.cache_enabled:
             self._publish(s, donated)
-        self.tokens[s.id] = RequestTokens(array("i", s.prompt), array("i", donated),
-                                          s.admitted_at - self._t0, time.perf_counter() - self._t0)
         s.closing = []
         self.pool.free_session(s.session)
+        self._ended_request(s, array("i", donated), s.admitted_at - self._t0)
+
+    def _ended_request(self, s: Stream, donated: array | None, admitted_s: float | None) -> None:
+        """Keep the ended request's tokens for traces; past the ring's size the oldest go."""
+        self._tokens[s.id] = RequestTokens(array("i", s.prompt), donated, admitted_s,
+                                           time.perf_counter() - self._t0)
+        self._ended.append(s.id)
+        while len(self._ended) > MAX_ENDED_RECORDS:
+            old = self._ended.popleft()
+            self._records.pop(old, None)
+            self._tokens.pop(old, None)
 
     # metrics ----------------------------------------------------------
     def _record(self, step_s: float, batch: int) -> None:
@@ -353,7 +375,7 @@ class Scheduler:
         self.timeline.append(timeline_row(
             self.pool, self.cache, step=self._steps, wall_s=time.perf_counter() - self._t0,
             prefill_computed=self.prefill_computed, prefill_saved=self.prefill_saved,
-            decode_tokens=self.decode_tokens, active=len(self.active), queued=len(self.queue),
+            decode_tokens=self.decode_tokens, active=len(self._active), queued=len(self._queue),
             batch_size=batch, step_s=step_s))
 
     def prefill_rate(self) -> float:
@@ -368,10 +390,3 @@ class Scheduler:
         """The latest timeline row plus the derived totals, as a dict."""
         row = self.timeline.rows[-1].to_dict() if self.timeline.rows else {}
         return {**row, "prefill_tok_s": self.prefill_rate(), "seconds_saved": self.seconds_saved()}
-
-    def run_until_done(self, on_event=None) -> None:
-        """Step until every request has finished (headless runs and tests)."""
-        while self.has_work():
-            for ev in self.step():
-                if on_event:
-                    on_event(ev)

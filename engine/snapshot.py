@@ -96,7 +96,7 @@ class SnapshotMaker:
             refcounts=pool.refcount.copy(),
             pages=pages,
             chains=[copy.copy(c) for c in prefix_chain_list(cache)],
-            records=[copy.copy(r) for r in scheduler.records.values()],
+            records=[copy.copy(r) for r in scheduler.records()],
             page_rows=rows,
             prefill_tok_s=scheduler.prefill_rate(),
             seconds_saved=scheduler.seconds_saved(),

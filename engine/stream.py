@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .block_manager import BlockManager, Session, pages_for
-from .chat import CLOSING_SLACK, Turn
+from .chat import CLOSING_SLACK
 from .config import ModelConfig
 from .metrics import RequestRecord
-from .sampler import Sampler
+from .sampler import Sampler, SamplingParams
 from .tokenizer import TokenStream
+
+# New tokens a request may generate when its front end does not say (the CLI, the app and the
+# engine alike; the server's default is "up to the context", as OpenAI's).
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 class SubmitRefused(ValueError):
     """A request the scheduler will not take; the message says why."""
+
+
+class QueueFull(SubmitRefused):
+    """The queue holds `max_queue` requests: a busy server, not a bad request (retry later)."""
 
 
 @dataclass
@@ -53,6 +62,28 @@ class SchedulerSettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Request:
+    """What a front end hands the scheduler: token ids and how to run them (no chat in here).
+
+    `closing`, when given, is called once on the scheduler's thread when the request ends by
+    stop or length, with the answer's token ids (the stop token left out); it returns every
+    token the turn consists of (prompt, answer, the template's closing tokens). The session
+    evaluates the ones it has not before it donates, so the conversation's next turn hits.
+    """
+
+    prompt: list[int]
+    sampling: SamplingParams | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop_ids: list[int] | None = None      # None: the model's end-of-turn tokens
+    preview: str = ""
+    namespace: str = ""
+    conversation_id: str | None = None
+    client: str = ""                       # where it came from (records, the Served view)
+    arrival: float | None = None           # time.perf_counter() of its arrival; None: now
+    closing: Callable[[list[int]], list[int]] | None = None
 
 
 @dataclass
@@ -108,7 +139,7 @@ class Stream:
     text_stream: TokenStream
     arrival: float
     positions: int                     # reserved at admission: see reserved_positions
-    turn: Turn | None = None
+    closing_turn: Callable[[list[int]], list[int]] | None = None  # Request.closing
     session: Session | None = None
     generated: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)

@@ -121,15 +121,17 @@ class EngineRun:
 @pytest.fixture(scope="session")
 def engine_run(real_model) -> EngineRun:
     """Three questions on the bundled model, stepped to the end (the charts and cache panel draw it)."""
+    from engine.loop import EngineLoop
     from engine.scheduler import Scheduler, SchedulerSettings
     from engine.snapshot import SnapshotMaker
 
     sched = Scheduler(real_model, SchedulerSettings(page_rows=16))
+    loop = EngineLoop(sched)
     for q in RUN_QUESTIONS:
-        sched.submit(system=RUN_SYSTEM, user=q, max_new_tokens=8)
+        loop.submit_now(system=RUN_SYSTEM, user=q, max_new_tokens=8)
     maker, snaps, seen = SnapshotMaker(), [], 0
-    while sched.has_work():
-        sched.step()
+    while loop.has_work():
+        loop.step()
         snaps.append(maker.take(sched, since_row=seen))
         seen = len(sched.timeline)
     return EngineRun(list(sched.timeline.rows), snaps, snaps[-1].records, sched, RUN_SYSTEM)

@@ -22,22 +22,24 @@ def scenario_files() -> list[str]:
 def run_scenario(model, path: str, make_scheduler) -> list[dict]:
     """Every request of the scenario with the scheduler's default settings, greedy:
     prompt ids, generated ids (the stop token excluded), text and finish reason."""
+    from engine.loop import EngineLoop
     from engine.scheduler import FinishEvent, TokenEvent
 
     with open(path, encoding="utf-8") as fh:
         sc = json.load(fh)
     sch = make_scheduler(model)
+    loop = EngineLoop(sch)
     out: dict[int, dict] = {}
 
     def submit(user: str, **kw) -> None:
-        rid = sch.submit(system=sc.get("system", ""), user=user,
-                         max_new_tokens=sc.get("max_new_tokens", 64), **kw)
-        out[rid] = {"prompt_ids": list(sch.queue[-1].prompt), "generated_ids": [], "text": "",
+        rid = loop.submit_now(system=sc.get("system", ""), user=user,
+                              max_new_tokens=sc.get("max_new_tokens", 64), **kw)
+        out[rid] = {"prompt_ids": list(sch.prompt_of(rid)), "generated_ids": [], "text": "",
                     "finish_reason": None}
 
     def drain() -> None:
-        while sch.has_work():
-            for ev in sch.step():
+        while loop.has_work():
+            for ev in loop.step():
                 if isinstance(ev, TokenEvent):
                     out[ev.request_id]["generated_ids"].append(ev.token_id)
                 elif isinstance(ev, FinishEvent):

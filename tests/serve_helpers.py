@@ -32,7 +32,7 @@ def wait_idle(server: Server) -> None:
     """Until every request has finished and its pages went back (the engine thread is then idle)."""
     deadline = time.monotonic() + WAIT_S
     sch = server.engine.scheduler
-    while sch.has_work() or server.engine.broker.in_flight():
+    while sch.has_work() or server.engine.loop.in_flight():
         assert time.monotonic() < deadline, "requests never finished"
         time.sleep(0.02)
 

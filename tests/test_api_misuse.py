@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import engine as dl
+from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 
 
@@ -90,8 +91,9 @@ def test_settings_out_of_range(tiny_model):
     with pytest.raises(ValueError, match="max_pages"):
         dl.create_prefix_cache(max_pages=-1)
     sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, pool_pages=2))
+    loop = EngineLoop(sch)
     with pytest.raises(ValueError, match="pool has only 2"):
-        sch.submit(list(range(3, 30)), max_new_tokens=4)
+        loop.submit_now(prompt=list(range(3, 30)), max_new_tokens=4)
 
 
 def test_full_pool_raises_pool_exhausted_and_keeps_state(tiny_model):

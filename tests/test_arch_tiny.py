@@ -188,20 +188,22 @@ def test_sentencepiece_round_trip(arch_models, text):
 
 
 def test_page_map_says_which_layers_still_read_a_page(arch_models):
+    from engine.loop import EngineLoop
     from engine.scheduler import Scheduler, SchedulerSettings
     from engine.snapshot import SnapshotMaker
     m = arch_models["gemma3"]
     sch = Scheduler(m, SchedulerSettings(page_rows=4, chunk_tokens=64))
+    loop = EngineLoop(sch)
     ids = [int(t) for t in np.random.default_rng(9).integers(10, m.config.vocab_size, 30)]
-    rid = sch.submit(ids, sampling=dl.SamplingParams(temperature=0.0), max_new_tokens=4)
-    sch.step()                                                  # the whole prompt, one step
+    rid = loop.submit_now(prompt=ids, sampling=dl.SamplingParams(temperature=0.0), max_new_tokens=4)
+    loop.step()                                                  # the whole prompt, one step
     snap = SnapshotMaker().take(sch)
     owned = sorted((p.first_position, p.read_by) for p in snap.pages.values() if rid in p.owners)
     assert owned[0] == (0, "1 full-attention layer only "
                            "(it lies before the 8-position window of the other 5)")
     assert owned[-1][1] == "all layers"
-    while sch.has_work():
-        sch.step()
+    while loop.has_work():
+        loop.step()
 
 
 def test_served_text_completions_start_with_the_models_bos(arch_models):

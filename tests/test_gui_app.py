@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -185,9 +186,9 @@ def test_broken_gguf_drop_shows_the_error_and_keeps_the_model(window, qtbot, tmp
 
     # An exception inside the worker becomes `failed` and a dialog; the thread lives on.
     c.last_error = None
-    c.client.submit([{"tag": "bad", "system": "a job without its user message"}])
+    c.client.apply_settings(dataclasses.replace(c.settings, page_rows=0))  # its slot raises
     qtbot.waitUntil(lambda: c.last_error is not None, timeout=30_000)
-    assert "KeyError" in c.last_error and "'user'" in c.last_error
+    assert "ValueError" in c.last_error and "Page rows" in c.last_error
     assert c.client.thread.isRunning()
     # New pool settings make a new Scheduler (the worker is idle); the charts start over.
     old = c.client.worker.scheduler

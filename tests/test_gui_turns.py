@@ -53,7 +53,7 @@ def test_a_follow_up_sends_the_conversation_without_stopped_turns():
     t.finish(record(2, "cancelled", "half"))
     assert t.can_follow_up()
     job = book.turn(t, "Q3", "t3", SETTINGS)
-    assert job["messages"] == [{"role": "system", "content": "Sys"}, {"role": "user", "content": "Q1"},
+    assert job["history"] == [{"role": "system", "content": "Sys"}, {"role": "user", "content": "Q1"},
                                {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q3"}]
     conversation = t.conversation_id
     book.first_turn(t, "Q1", "Sys", "t4", SETTINGS)  # Run again: a new conversation, the old turns stay

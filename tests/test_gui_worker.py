@@ -35,7 +35,7 @@ class Recorder:
 def run(worker: EngineWorker, limit: int = 2000) -> None:
     """Step like the worker's zero-interval timer would, until the run is over."""
     for _ in range(limit):
-        if worker.scheduler is None or not (worker.scheduler.has_work() or worker.busy):
+        if worker.scheduler is None or not (worker.loop.has_work() or worker.busy):
             return
         worker.pump()
     raise AssertionError("the run did not finish")
@@ -74,6 +74,7 @@ def test_load_reports_the_model_and_a_broken_file_keeps_it(worker, tmp_path):
 def test_tokens_come_batched_per_step_and_later_prompts_hit_the_cache(worker):
     rec = worker.rec
     worker.submit([job(f"t{i}", q) for i, q in enumerate(QUESTIONS)])
+    worker.pump()
     assert [t for t, _, _ in rec.requests_submitted[-1]] == ["t0", "t1", "t2"]
     run(worker)
     assert len(rec.run_finished) == 1 and not rec.failed
@@ -96,7 +97,7 @@ def test_tokens_come_batched_per_step_and_later_prompts_hit_the_cache(worker):
     sched = worker.scheduler
     assert len(snap.timeline) == len(sched.timeline.rows)
     assert (snap.page_states == sched.page_states()).all()
-    assert snap.page_states is not sched.page_states() and snap.records[0] is not sched.records[ids[0]]
+    assert snap.page_states is not sched.page_states() and snap.records[0] is not sched.record(ids[0])
 
 
 def test_a_follow_up_extends_the_conversation(worker):
@@ -113,7 +114,7 @@ def test_a_follow_up_extends_the_conversation(worker):
     # A conversation the scheduler does not know continues from the messages the UI kept.
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]},
             {"role": "assistant", "content": first.text}, {"role": "user", "content": "And saws?"}]
-    worker.submit([job("c", "And saws?", conversation_id="elsewhere", messages=msgs)])
+    worker.submit([job("c", "And saws?", conversation_id="elsewhere", history=msgs)])
     run(worker)
     third = rec.request_finished[-1]
     assert third.n_prompt == second.n_prompt and third.n_cached > 0
@@ -121,8 +122,8 @@ def test_a_follow_up_extends_the_conversation(worker):
 
 def test_cancel_flags_stop_requests_between_steps(worker):
     rec = worker.rec
-    worker.request_cancel(["late"])  # cancelled before it was even submitted
     worker.submit([job("x", QUESTIONS[0], max_new_tokens=200), job("late", QUESTIONS[1])])
+    worker.request_cancel(["late"])  # cancelled before the loop even took it
     worker.pump()
     worker.pump()
     worker.request_cancel(["x"])
@@ -131,7 +132,7 @@ def test_cancel_flags_stop_requests_between_steps(worker):
     assert set(reasons.values()) == {"cancelled"}, reasons
     x = next(r for r in rec.request_finished if r.preview.startswith("Do you sell drills"))
     assert x.n_gen < 200
-    assert not worker.driver.open_tags()
+    assert worker.loop.in_flight() == 0
     worker.scheduler.pool.check()
 
 
@@ -177,9 +178,13 @@ def test_settings_live_now_pool_changes_when_idle(worker):
 def test_exceptions_become_failed_and_the_worker_goes_on(worker):
     rec = worker.rec
     worker.submit([{"tag": "bad", "system": "a job without its user message"}])
-    assert rec.failed and "KeyError" in rec.failed[-1] and "'user'" in rec.failed[-1]
+    worker.pump()
+    assert rec.request_refused[-1][0] == "bad" and "user message" in rec.request_refused[-1][1]
     worker.submit([job("ok", "tell me " * 400)])  # longer than the tiny context
-    assert rec.request_refused and rec.request_refused[-1][0] == "ok"
+    worker.pump()
+    assert rec.request_refused[-1][0] == "ok" and "context" in rec.request_refused[-1][1]
+    worker.apply_settings({**AppSettings().to_dict(), "page_rows": 0})  # a slot that raises
+    assert rec.failed and "Page rows" in rec.failed[-1]
 
     calls = {"n": 0}
     real_step = worker.scheduler.step

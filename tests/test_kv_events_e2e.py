@@ -7,6 +7,7 @@ import time
 from app.serve.kv_events_publisher import KVEventPublisher
 from app.watch.subscriber import Watcher
 from engine import SamplingParams, prefix_held_groups, prefix_release
+from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 
 SYSTEM = ("You are the assistant of Bolt & Board, a neighbourhood hardware store. We sell power drills, "
@@ -27,13 +28,14 @@ def _caught_up(pub: KVEventPublisher, watcher: Watcher) -> None:
 def test_watcher_rebuilds_the_schedulers_cache_exactly(real_model):
     # A small cache budget: the four answers make the cache evict, so removals are exercised too.
     sched = Scheduler(real_model, SchedulerSettings(max_streams=4, page_rows=16, cache_pages=6))
+    loop = EngineLoop(sched)
     pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*").attach(sched.cache)
     watcher = Watcher([pub.endpoint], [pub.replay_endpoint])
     try:
         assert pub.wait_for_subscriber(10)
         for q in QUESTIONS:
-            sched.submit(system=SYSTEM, user=q, sampling=SamplingParams(temperature=0.0), max_new_tokens=6)
-        sched.run_until_done()
+            loop.submit_now(system=SYSTEM, user=q, sampling=SamplingParams(temperature=0.0), max_new_tokens=6)
+        loop.run_until_done()
         _caught_up(pub, watcher)
         state = watcher.states[0]
         cache = sched.cache
@@ -51,9 +53,9 @@ def test_watcher_rebuilds_the_schedulers_cache_exactly(real_model):
         _caught_up(pub, watcher)
         assert state.live == 0 == prefix_held_groups(cache) and c.removed_blocks == c.stored_blocks
 
-        sched.submit(system=SYSTEM, user=QUESTIONS[0], sampling=SamplingParams(temperature=0.0),
+        loop.submit_now(system=SYSTEM, user=QUESTIONS[0], sampling=SamplingParams(temperature=0.0),
                      max_new_tokens=2)
-        sched.run_until_done()
+        loop.run_until_done()
         _caught_up(pub, watcher)
         assert state.live == prefix_held_groups(cache) > 0
         prefix_release(cache, sched.pool)                   # the whole cache at once: AllBlocksCleared

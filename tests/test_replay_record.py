@@ -12,6 +12,7 @@ from app.replay.results import ReplayConfig
 from app.replay.simulate import replay
 from app.replay.trace import open_trace
 from engine import SamplingParams
+from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 
 SYSTEM = "You are a terse assistant for a hardware store. Answer in one short sentence."
@@ -23,16 +24,17 @@ def session(model, settings: SchedulerSettings) -> Scheduler:
     """Six questions sharing a system prompt (three streams at a time), a cancelled one, then a
     three-turn conversation: hits on the system prompt and on each turn's history."""
     sch = Scheduler(model, settings)
+    loop = EngineLoop(sch)
     greedy = SamplingParams(temperature=0.0)
     for q in QUESTIONS:
-        sch.submit(system=SYSTEM, user=q, sampling=greedy, max_new_tokens=6)
-    doomed = sch.submit(system=SYSTEM, user="never mind", sampling=greedy, max_new_tokens=6)
+        loop.submit_now(system=SYSTEM, user=q, sampling=greedy, max_new_tokens=6)
+    doomed = loop.submit_now(system=SYSTEM, user="never mind", sampling=greedy, max_new_tokens=6)
     sch.cancel(doomed)
-    sch.run_until_done()
+    loop.run_until_done()
     for turn in ("Hello!", "What do you sell?", "Thanks, bye."):
-        sch.submit(system=SYSTEM, user=turn, conversation_id="chat", sampling=greedy, max_new_tokens=5,
+        loop.submit_now(system=SYSTEM, user=turn, conversation_id="chat", sampling=greedy, max_new_tokens=5,
                    namespace="chat")
-        sch.run_until_done()
+        loop.run_until_done()
     return sch
 
 

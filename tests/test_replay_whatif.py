@@ -73,13 +73,15 @@ def test_panel_asks_for_a_run_and_draws_the_rows(qtbot, trace):
 
 
 def test_this_sessions_trace(tiny_model, tmp_path):
+    from engine.loop import EngineLoop
     from engine.scheduler import Scheduler, SchedulerSettings
     sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4))
+    loop = EngineLoop(sch)
     with pytest.raises(ValueError, match="no finished request yet"):
         whatif.session_trace(sch, str(tmp_path / "none.jsonl"))
     for q in ("Do you sell hammers?", "Where are the nails?"):
-        sch.submit(system="You are a terse hardware store assistant.", user=q, max_new_tokens=3)
-    sch.run_until_done()
+        loop.submit_now(system="You are a terse hardware store assistant.", user=q, max_new_tokens=3)
+    loop.run_until_done()
     plan = whatif.plan(whatif.session_trace(sch, str(tmp_path / "s.jsonl")))
     assert plan.requests == 2 and plan.page_rows == 4
-    assert plan.bound == pytest.approx(sch.prefill_saved / sum(r.n_prompt for r in sch.records.values()))
+    assert plan.bound == pytest.approx(sch.prefill_saved / sum(r.n_prompt for r in sch.records()))

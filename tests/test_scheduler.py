@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.loop import EngineLoop
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
 from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused, TokenEvent
 
@@ -13,11 +14,12 @@ QUESTIONS = ["Do you sell drills?", "When do you open?", "Do you have green pain
 MAX_NEW = 12
 
 
-def run_all(sch: Scheduler, check_pool: bool = True) -> tuple[dict, list]:
-    """Step to the end; return finish records by id and every event."""
+def run_all(loop: EngineLoop, check_pool: bool = True) -> tuple[dict, list]:
+    """Step the engine loop to the end; return finish records by id and every event."""
+    sch = loop.scheduler
     done, events = {}, []
-    while sch.has_work():
-        for ev in sch.step():
+    while loop.has_work():
+        for ev in loop.step():
             events.append(ev)
             if isinstance(ev, FinishEvent):
                 done[ev.request_id] = ev.record
@@ -26,15 +28,16 @@ def run_all(sch: Scheduler, check_pool: bool = True) -> tuple[dict, list]:
     return done, events
 
 
-def submit_questions(sch: Scheduler, questions=QUESTIONS, **kw) -> list[int]:
-    return [sch.submit(system=SYSTEM, user=q, max_new_tokens=MAX_NEW, **kw) for q in questions]
+def submit_questions(loop: EngineLoop, questions=QUESTIONS, **kw) -> list[int]:
+    return [loop.submit_now(system=SYSTEM, user=q, max_new_tokens=MAX_NEW, **kw) for q in questions]
 
 
 @pytest.fixture(scope="module")
 def cached_run(real_model):
     sch = Scheduler(real_model, SchedulerSettings(page_rows=16))
-    ids = submit_questions(sch)
-    done, events = run_all(sch)
+    loop = EngineLoop(sch)
+    ids = submit_questions(loop)
+    done, events = run_all(loop)
     return sch, ids, done, events
 
 
@@ -82,14 +85,16 @@ def test_greedy_answers_equal_with_cache_off_and_alone(real_model, cached_run):
     _, ids, done, _ = cached_run
     with_cache = [done[i].text for i in ids]
     off = Scheduler(real_model, SchedulerSettings(cache_enabled=False))
-    off_ids = submit_questions(off)
-    off_done, _ = run_all(off)
+    loop = EngineLoop(off)
+    off_ids = submit_questions(loop)
+    off_done, _ = run_all(loop)
     assert [off_done[i].text for i in off_ids] == with_cache
     assert all(off_done[i].n_cached == 0 for i in off_ids)
     for q, expected in zip(QUESTIONS, with_cache):
         alone = Scheduler(real_model, SchedulerSettings(max_streams=1))
-        rid = alone.submit(system=SYSTEM, user=q, max_new_tokens=MAX_NEW)
-        alone_done, _ = run_all(alone, check_pool=False)
+        loop = EngineLoop(alone)
+        rid = loop.submit_now(system=SYSTEM, user=q, max_new_tokens=MAX_NEW)
+        alone_done, _ = run_all(loop, check_pool=False)
         assert alone_done[rid].text == expected
 
 
@@ -113,64 +118,70 @@ def test_timeline_final_row_agrees_with_cache_and_pool(cached_run):
 
 def test_conversation_turn_two_hits_turn_one_with_its_answer(real_model):
     sch = Scheduler(real_model)
-    first = sch.submit(system=SYSTEM, user="I want to hang a shelf. What do I need?", conversation_id="c",
+    loop = EngineLoop(sch)
+    first = loop.submit_now(system=SYSTEM, user="I want to hang a shelf. What do I need?",
+                            conversation_id="c",
                        max_new_tokens=20)
-    done, _ = run_all(sch)
+    done, _ = run_all(loop)
     t1 = done[first]
-    second = sch.submit(user="Which drill?", conversation_id="c", max_new_tokens=8)
-    done, _ = run_all(sch)
+    second = loop.submit_now(user="Which drill?", conversation_id="c", max_new_tokens=8)
+    done, _ = run_all(loop)
     t2 = done[second]
     turn_one_tokens = t1.n_prompt + t1.n_gen
     assert t2.n_cached > t1.n_prompt // 16 * 16, "turn 2 must reuse pages holding turn 1's answer"
     assert t2.n_cached >= turn_one_tokens // 16 * 16
     assert t2.chain_hit == t1.chain_donated
-    history = real_model.tokenizer.decode(sch.conversations["c"].history_tokens)
+    history = real_model.tokenizer.decode(loop.chat.conversation("c").history_tokens)
     assert t1.text in history and "Which drill?" in history
 
 
 def test_cancel_mid_stream_frees_its_pages_and_keeps_its_text(real_model):
     sch = Scheduler(real_model)
-    keep = sch.submit(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=40)
-    stop = sch.submit(system=SYSTEM, user=QUESTIONS[1], max_new_tokens=40)
+    loop = EngineLoop(sch)
+    keep = loop.submit_now(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=40)
+    stop = loop.submit_now(system=SYSTEM, user=QUESTIONS[1], max_new_tokens=40)
     seen = 0
     while seen < 3:
-        seen += sum(isinstance(e, TokenEvent) and e.request_id == stop for e in sch.step())
+        seen += sum(isinstance(e, TokenEvent) and e.request_id == stop for e in loop.step())
     assert sch.cancel(stop)
-    events = sch.step()
+    events = loop.step()
     fin = [e for e in events if isinstance(e, FinishEvent) and e.request_id == stop]
     assert fin and fin[0].reason == "cancelled"
     assert fin[0].record.n_gen >= 3 and fin[0].record.text
-    owners = [s.id for s in sch.active]
+    owners = [s.id for s in sch._active]
     assert stop not in owners and keep in owners
     # Only the surviving stream still holds pages privately; the cancelled one donated and released.
     held_by_sessions = {p for s in sch.streams() for p in s.session.page_table}
     private = set((sch.page_states() == PAGE_PRIVATE).nonzero()[0].tolist())
     assert private <= held_by_sessions
-    done, _ = run_all(sch)
+    done, _ = run_all(loop)
     assert done[keep].finish_reason == "length"
     assert sch.pool.num_used_pages == len(sch.cache.pages)
 
 
 def test_cancel_a_queued_request(real_model):
     sch = Scheduler(real_model, SchedulerSettings(max_streams=1))
-    a, b = submit_questions(sch, QUESTIONS[:2])
+    loop = EngineLoop(sch)
+    a, b = submit_questions(loop, QUESTIONS[:2])
     sch.cancel(b)
-    done, _ = run_all(sch)
+    done, _ = run_all(loop)
     assert done[b].finish_reason == "cancelled" and done[b].n_gen == 0
     assert done[a].finish_reason in ("stop", "length")
 
 
 def test_full_queue_is_refused_with_a_reason(real_model):
     sch = Scheduler(real_model, SchedulerSettings(max_queue=2))
-    submit_questions(sch, QUESTIONS[:2])
+    loop = EngineLoop(sch)
+    submit_questions(loop, QUESTIONS[:2])
     with pytest.raises(SubmitRefused, match="queue is full"):
-        sch.submit(system=SYSTEM, user="one more", max_new_tokens=4)
+        loop.submit_now(system=SYSTEM, user="one more", max_new_tokens=4)
 
 
 def test_request_larger_than_the_pool_is_refused_at_submit(real_model):
     sch = Scheduler(real_model, SchedulerSettings(page_rows=16, pool_pages=4))
+    loop = EngineLoop(sch)
     with pytest.raises(SubmitRefused, match="pool has only 4"):
-        sch.submit(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=64)
+        loop.submit_now(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=64)
 
 
 @pytest.mark.parametrize("cache_enabled", [False, True])
@@ -178,16 +189,17 @@ def test_bounded_pool_makes_admission_wait(real_model, cache_enabled):
     # Each request needs 5 pages of its own without the cache: a 14-page pool runs two at a time.
     sch = Scheduler(real_model, SchedulerSettings(page_rows=16, pool_pages=14, max_streams=4,
                                                   cache_enabled=cache_enabled, cache_pages=6))
-    ids = submit_questions(sch)
+    loop = EngineLoop(sch)
+    ids = submit_questions(loop)
     most_active = 0
-    while sch.has_work():
-        sch.step()
+    while loop.has_work():
+        loop.step()
         sch.pool.check()
-        most_active = max(most_active, len(sch.active))
+        most_active = max(most_active, len(sch._active))
         assert len(sch.cache.pages) <= 6 or not sch.cache.pages
     if not cache_enabled:
         assert most_active == 2
-    assert all(sch.records[i].finish_reason == "length" for i in ids)
+    assert all(sch.record(i).finish_reason == "length" for i in ids)
 
 
 def test_bad_settings_are_refused(real_model):
@@ -200,24 +212,26 @@ def test_bad_settings_are_refused(real_model):
 
 def test_namespaces_do_not_share(real_model):
     sch = Scheduler(real_model)
-    a = sch.submit(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=4, namespace="alice")
-    run_all(sch)
-    b = sch.submit(system=SYSTEM, user=QUESTIONS[1], max_new_tokens=4, namespace="bob")
-    c = sch.submit(system=SYSTEM, user=QUESTIONS[2], max_new_tokens=4, namespace="alice")
-    done, _ = run_all(sch)
+    loop = EngineLoop(sch)
+    a = loop.submit_now(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=4, namespace="alice")
+    run_all(loop)
+    b = loop.submit_now(system=SYSTEM, user=QUESTIONS[1], max_new_tokens=4, namespace="bob")
+    c = loop.submit_now(system=SYSTEM, user=QUESTIONS[2], max_new_tokens=4, namespace="alice")
+    done, _ = run_all(loop)
     assert done[b].n_cached == 0
     assert done[c].n_cached > 0
-    assert sch.records[a].chain_donated == done[c].chain_hit
+    assert sch.record(a).chain_donated == done[c].chain_hit
 
 
 def test_a_refused_turn_leaves_the_conversation_as_it_was(real_model):
     sch = Scheduler(real_model, SchedulerSettings(page_rows=16, pool_pages=12))
-    first = sch.submit(system=SYSTEM, user=QUESTIONS[0], conversation_id="c", max_new_tokens=8)
-    done, _ = run_all(sch)
-    messages = sch.conversations["c"].messages
+    loop = EngineLoop(sch)
+    first = loop.submit_now(system=SYSTEM, user=QUESTIONS[0], conversation_id="c", max_new_tokens=8)
+    done, _ = run_all(loop)
+    messages = loop.chat.conversation("c").messages
     with pytest.raises(SubmitRefused, match="pool has only 12"):
-        sch.submit(user="tell me everything " * 40, conversation_id="c", max_new_tokens=8)
-    assert sch.conversations["c"].messages == messages
-    second = sch.submit(user=QUESTIONS[1], conversation_id="c", max_new_tokens=4)
-    done, _ = run_all(sch)
-    assert done[second].n_cached > 0 and sch.records[first].finish_reason in ("stop", "length")
+        loop.submit_now(user="tell me everything " * 40, conversation_id="c", max_new_tokens=8)
+    assert loop.chat.conversation("c").messages == messages
+    second = loop.submit_now(user=QUESTIONS[1], conversation_id="c", max_new_tokens=4)
+    done, _ = run_all(loop)
+    assert done[second].n_cached > 0 and sch.record(first).finish_reason in ("stop", "length")

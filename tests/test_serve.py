@@ -72,7 +72,7 @@ def test_eight_concurrent_streams_share_the_system_prompt(server, client, tmp_pa
     assert [t for t, _, _ in results] == run_texts(tmp_path, W8.path, MAX_TOKENS)
     wait_idle(server)
     assert pages_held_by_sessions(server) == 0
-    assert server.engine.scheduler.conversations == {}  # served chats leave nothing behind
+    assert server.engine.loop.chat.kept() == 0  # served chats leave no conversation behind
 
 
 def test_whole_conversation_resent_each_turn_hits_the_last_answer(client):
@@ -129,7 +129,7 @@ def test_stop_string_cuts_the_answer_and_never_leaks_while_streaming(server, cli
     assert cut.choices[0].finish_reason == finish == "stop"
     # the engine's records (the report, /metrics, the Served view) say "stop" too, not "cancelled"
     wait_idle(server)
-    last_two = sorted(server.engine.scheduler.records.values(), key=lambda rec: rec.id)[-2:]
+    last_two = sorted(server.engine.scheduler.records(), key=lambda rec: rec.id)[-2:]
     assert [r.finish_reason for r in last_two] == ["stop", "stop"]
     assert finished_count(server, "stop") == stops_before + 2
 
@@ -194,7 +194,7 @@ def test_client_disconnect_mid_stream_cancels_and_frees_its_pages(server):
     # The response is closed: the server cancels the request and its session's pages go back.
     wait_idle(server)
     assert pages_held_by_sessions(server) == 0
-    last = max(server.engine.scheduler.records.values(), key=lambda rec: rec.id)
+    last = max(server.engine.scheduler.records(), key=lambda rec: rec.id)
     assert last.finish_reason == "cancelled" and last.n_gen < 400
 
 

@@ -174,7 +174,7 @@ def test_an_engine_failure_is_a_500_error_object_and_the_next_request_is_served(
     r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=60,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 500 and "Traceback" not in r.text and r.json()["error"]["message"]
-    assert "a step broke" in srv.engine.step_error
+    assert "a step broke" in srv.engine.loop.step_error
     assert sch.step == real_step
     wait_idle(srv)
     assert pages_held_by_sessions(srv) == 0

@@ -55,19 +55,21 @@ def test_n_logits_rows_equal_all_positions(tiny_model):
 
 
 def run_scheduler(m, prompts, spec: bool, k: int = 4, max_new: int = 24):
+    from engine.loop import EngineLoop
     from engine.scheduler import Scheduler, SchedulerSettings
     sch = Scheduler(m, SchedulerSettings(max_streams=4, spec_enabled=spec, spec_k=k))
-    ids = [sch.submit(p, max_new_tokens=max_new, stop_ids=[]) for p in prompts]
+    loop = EngineLoop(sch)
+    ids = [loop.submit_now(prompt=p, max_new_tokens=max_new, stop_ids=[]) for p in prompts]
     texts: dict[int, list[int]] = {i: [] for i in ids}
     steps = 0
-    while sch.has_work():
-        for ev in sch.step():
+    while loop.has_work():
+        for ev in loop.step():
             if hasattr(ev, "token_id"):
                 texts[ev.request_id].append(ev.token_id)
         steps += 1
     sch.pool.check()
     assert sch.pool.num_used_pages == len(sch.cache.pages)   # every session released
-    return [texts[i] for i in ids], [sch.records[i] for i in ids], steps
+    return [texts[i] for i in ids], [sch.record(i) for i in ids], steps
 
 
 def test_scheduler_spec_decoding_equals_plain_greedy_in_fewer_steps(tiny_model):

@@ -50,7 +50,7 @@ def test_watch_window_names_a_bad_endpoint(qtbot, gui_settings):
 def test_file_menu_opens_the_watch_window(qtbot, gui_settings):
     from PySide6.QtWidgets import QMainWindow
 
-    from app.watch.gui import install_watch_action
+    from app.watch.gui import WatchWindow, install_watch_action
     main = QMainWindow()
     qtbot.addWidget(main)
     file_menu = main.menuBar().addMenu("&File")
@@ -59,10 +59,10 @@ def test_file_menu_opens_the_watch_window(qtbot, gui_settings):
     act = install_watch_action(main)
     assert [a.text() for a in file_menu.actions()] == ["&Open model…", "&Watch a server…", "&Quit"]
     act.trigger()
-    first = main._watch_window
+    (first,) = main.findChildren(WatchWindow)
     assert first.isVisible() and first.isWindow() and first.parent() is main
     act.trigger()  # once open, the same window comes back to the front
-    assert main._watch_window is first
+    assert main.findChildren(WatchWindow) == [first]
     first.close()
 
 
@@ -73,5 +73,7 @@ def test_the_apps_file_menu_has_watch_a_server(qtbot, gui_settings):
     file_menu = next(a.menu() for a in desk.window.menuBar().actions() if a.text() == "&File")
     (act,) = [a for a in file_menu.actions() if a.text() == "&Watch a server…"]
     act.trigger()
-    assert desk.window._watch_window.isVisible()
+    from app.watch.gui import WatchWindow
+    (win,) = desk.window.findChildren(WatchWindow)
+    assert win.isVisible()
     desk.window.close()

@@ -11,6 +11,7 @@ from app.replay import whatif
 from app.replay.record import save_session_trace
 from app.replay.trace import open_trace
 from app.whatif_controller import WhatIfController
+from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 from ui.whatif_panel import WhatIfPanel
 
@@ -77,9 +78,10 @@ def test_bad_trace_and_bad_knobs_show_errors(qtbot, tab, tmp_path):
 def test_this_session(qtbot, tab, tiny_model, tmp_path):
     panel, make = tab
     sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4))
+    loop = EngineLoop(sch)
     for q in ("Do you sell hammers?", "Where are the nails?", "Do you cut keys?"):
-        sch.submit(system="You are a terse hardware store assistant.", user=q, max_new_tokens=3)
-    sch.run_until_done()
+        loop.submit_now(system="You are a terse hardware store assistant.", user=q, max_new_tokens=3)
+    loop.run_until_done()
     controller = None
 
     def save(path: str) -> None:  # what the worker does in its own thread, then answers
@@ -89,7 +91,7 @@ def test_this_session(qtbot, tab, tiny_model, tmp_path):
     qtbot.mouseClick(panel.session_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: panel.run_button.isEnabled(), timeout=10_000)
     assert "this session: 3 requests" in panel.trace_label.text() and panel.page_rows.isEnabled()
-    ratio = sch.prefill_saved / sum(r.n_prompt for r in sch.records.values())
+    ratio = sch.prefill_saved / sum(r.n_prompt for r in sch.records())
     assert f"hit ratio {ratio:.1%}" in panel.trace_label.text()
 
 

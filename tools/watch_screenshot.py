@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.serve.kv_events_publisher import KVEventPublisher
     from app.watch.gui import WatchWindow
     from engine import SamplingParams, load_model
+    from engine.loop import EngineLoop
     from engine.scheduler import Scheduler, SchedulerSettings
     from ui.theme import apply_theme
 
@@ -56,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
                           [pub.replay_endpoint for _, pub in engines], "")
     for (sched, pub), questions in zip(engines, QUESTIONS):
         pub.wait_for_subscriber(10)
+        loop = EngineLoop(sched)
         for q in questions:
-            sched.submit(system=SYSTEM, user=q, sampling=SamplingParams(temperature=0.0), max_new_tokens=12)
-        while sched.has_work():
-            sched.step()
+            loop.submit_now(system=SYSTEM, user=q, sampling=SamplingParams(temperature=0.0),
+                            max_new_tokens=12)
+        while loop.has_work():
+            loop.step()
             app.processEvents()
         pub.flush(10)
     settle(app, 3.0)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from engine.chat import chat_prompt, turn_messages
+from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 
 from ..scenario import SCENARIO_DIR, load_scenario
@@ -39,12 +40,13 @@ def scenario_prompts(m, n_prompts: int | None = None,
 def run_scenario(m, prompts: list[list[int]], previews: list[str], new_tokens: int, **settings) -> dict:
     """Submit every prompt at once and step until done; wall time and every request record."""
     sched = Scheduler(m, SchedulerSettings(**settings))
+    loop = EngineLoop(sched)
     t0 = time.perf_counter()
     for p, q in zip(prompts, previews, strict=True):
-        sched.submit(p, max_new_tokens=new_tokens, stop_ids=[], preview=q)
-    sched.run_until_done()
+        loop.submit_now(prompt=p, max_new_tokens=new_tokens, stop_ids=[], preview=q)
+    loop.run_until_done()
     wall = time.perf_counter() - t0
-    records = [r.to_dict() for r in sched.records.values()]
+    records = [r.to_dict() for r in sched.records()]
     for r in records:
         r.pop("text", None)
     bad = [r for r in records if r["n_gen"] != new_tokens]
@@ -83,11 +85,12 @@ def ttft_alone(m, prompts: list[list[int]], reps: int) -> dict:
     miss_s, hit_s, cached = [], [], []
     for _ in range(reps + 1):  # the first pass only warms up (pages, first touch); not counted
         sched = Scheduler(m, SchedulerSettings())
+        loop = EngineLoop(sched)
         recs = []
         for p in prompts[:2]:  # one after the other: each arrives to an idle scheduler
-            rid = sched.submit(p, max_new_tokens=1, stop_ids=[])
-            sched.run_until_done()
-            recs.append(sched.records[rid])
+            rid = loop.submit_now(prompt=p, max_new_tokens=1, stop_ids=[])
+            loop.run_until_done()
+            recs.append(sched.record(rid))
         miss, hit = recs
         if miss.n_cached != 0 or hit.n_cached == 0:
             raise RuntimeError(f"scheduler bench: expected a miss then a hit, got n_cached "

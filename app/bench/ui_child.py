@@ -97,10 +97,12 @@ class _Headless:
 
     def __init__(self, model_path: str, scenario, settings):
         import engine
+        from engine.loop import EngineLoop
         from engine.scheduler import Scheduler
 
         self.model = engine.load_model(model_path or None)
         self.sch = Scheduler(self.model, settings.scheduler_settings())
+        self.loop = EngineLoop(self.sch)
         self.sampling = settings.sampling()
         self.scenario = scenario
 
@@ -111,11 +113,11 @@ class _Headless:
         release_core()  # the app's worker left a core for the UI; `prefixlab run` uses them all
         sch.flush_cache()
         t0 = time.perf_counter()
-        ids = [sch.submit(system=sc.system, user=p, sampling=self.sampling, max_new_tokens=sc.max_new_tokens)
-               for p in sc.prompts]
-        sch.run_until_done(lambda _ev: None)
+        ids = [self.loop.submit_now(system=sc.system, user=p, sampling=self.sampling,
+                                    max_new_tokens=sc.max_new_tokens) for p in sc.prompts]
+        self.loop.run_until_done()
         wall = time.perf_counter() - t0
-        return {"wall_s": wall, "tokens": sum(sch.records[i].n_gen for i in ids)}
+        return {"wall_s": wall, "tokens": sum(sch.record(i).n_gen for i in ids)}
 
 
 def _rounds(app: _AppRunner, headless: _Headless, n: int) -> dict:

@@ -19,8 +19,8 @@ from .trace import TraceError, TraceHeader, TraceRequest, TraceSource, write_moo
 def session_requests(sch) -> list[TraceRequest]:
     """The scheduler's finished requests as a timed trace, in admission order (never-run ones last)."""
     out = []
-    for rid, toks in sch.tokens.items():
-        rec = sch.records[rid]
+    for rid, toks in sch.ended_tokens().items():
+        rec = sch.record(rid)
         out.append(TraceRequest(
             arrival_s=rec.submitted_s, input_length=len(toks.prompt), output_length=rec.n_gen,
             namespace=rec.namespace, client=rec.client, prompt=toks.prompt.tolist(),

@@ -224,7 +224,7 @@ def build_report(scheduler, model: Model, system_prompt: str, sampling: Sampling
                  title: str = "", *, namespace: str | None = None) -> Report:
     """Copy everything a report shows out of a scheduler (call it between steps, on its thread)."""
     s = scheduler.settings
-    records = [dataclasses.replace(r) for r in scheduler.records.values()]
+    records = [dataclasses.replace(r) for r in scheduler.records()]
     rows = [dataclasses.replace(r) for r in scheduler.timeline.rows]
     if namespace is None:
         names = sorted({r.namespace for r in records})

@@ -1,19 +1,18 @@
 """The desktop app's Server toggle: the HTTP server over the worker's own scheduler.
 
-No engine thread of its own: HTTP requests go through a RequestBroker that the Qt
-worker drains between its steps, so served requests and typed prompts share one
-scheduler, one pool and one cache (and so the window's charts, page map and reports).
+No engine thread of its own: HTTP requests go to the worker's engine loop, the same one
+typed prompts go through, so they share one scheduler, one pool and one cache (and so the
+window's charts, page map and reports).
 """
 
 from __future__ import annotations
 
-from .broker import RequestBroker
 from .runner import HttpThread, latest_row
 from .server import Backend, create_app
 
 
 class DesktopServer:
-    """Start and stop serving for an EngineWorker (anything with .model, .scheduler, .attach_broker)."""
+    """Start and stop serving for an EngineWorker (anything with .model, .scheduler, .loop)."""
 
     def __init__(self, worker):
         self.worker = worker
@@ -34,15 +33,13 @@ class DesktopServer:
         w = self.worker
         if kv_events:
             self._publish(kv_events)
-        broker = RequestBroker()
-        self.backend = Backend(broker, model=lambda: w.model if w.scheduler is not None else None,
+        self.backend = Backend(w.loop, model=lambda: w.model if w.scheduler is not None else None,
                                stats=lambda: latest_row(w.scheduler))
         try:
             self.http = HttpThread(create_app(self.backend, api_keys, cors), host, port).start()
         except Exception:
             self.stop()  # a taken HTTP port: the publisher must not keep its port either
             raise
-        w.attach_broker(broker)
         return self.http.url
 
     def _publish(self, endpoint: str) -> None:
@@ -68,7 +65,6 @@ class DesktopServer:
             self.publisher = None
         if self.http is None:
             return
-        self.backend.broker.cancel_all()  # the worker ends them at its next step: streams finish
+        self.backend.loop.cancel_all(served_only=True)  # ended at the worker's next step: streams finish
         self.http.stop()
-        self.worker.attach_broker(None)
         self.http = self.backend = None

@@ -1,6 +1,6 @@
 """Cache-friendliness of served traffic: per client, what hit, what was saved, where misses differ.
 
-The broker probes each queued request just before the scheduler admits it, so
+The engine loop probes each served request just before the scheduler admits it, so
 the probe sees the cache exactly as the request's attach did. A miss's first
 difference is aggregated by position, with the tokens on both sides, so a user
 reads "your prompts differ at token 12: `...T22:41` vs `...T22:42`".
@@ -59,7 +59,7 @@ class ClientStats:
 
 
 class Friendliness:
-    """Per-client aggregates of served requests; fed by the broker, read by any thread."""
+    """Per-client aggregates of served requests; fed by the engine loop, read by any thread."""
 
     def __init__(self, tokenizer_of=lambda: None):
         self.tokenizer_of = tokenizer_of  # the loaded model's tokenizer, or None
@@ -67,7 +67,7 @@ class Friendliness:
         self._clients: dict[str, ClientStats] = {}
 
     def observe(self, job, finish) -> None:
-        """Broker observer: one finished request (engine thread)."""
+        """Engine-loop observer: one finished served request (engine thread)."""
         r = finish.record
         tokenizer = self.tokenizer_of()
         departure = explain(tokenizer, job.prompt, job.probe) if tokenizer and job.prompt else None

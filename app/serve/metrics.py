@@ -10,7 +10,7 @@ PREFIX = "prefixlab"
 
 
 class TtftHistogram:
-    """Time to first token of served requests (a broker observer)."""
+    """Time to first token of served requests (an engine-loop observer)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -19,7 +19,7 @@ class TtftHistogram:
         self.finished: dict[str, int] = {}
 
     def observe(self, job, finish) -> None:
-        """Broker observer: one finished request."""
+        """Engine-loop observer: one finished served request."""
         r = finish.record
         with self._lock:
             self.finished[finish.reason] = self.finished.get(finish.reason, 0) + 1

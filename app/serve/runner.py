@@ -9,8 +9,7 @@ import time
 
 import uvicorn
 
-from .broker import RequestBroker
-from .engine_loop import EngineLoop
+from .engine_loop import EngineThread
 from .protocol import DEFAULT_MAX_TOKENS
 from .server import Backend, create_app
 
@@ -85,13 +84,13 @@ def latest_row(scheduler) -> dict:
 
 
 class Server:
-    """`prefixlab serve` as an object: an EngineLoop over `factory()` behind the HTTP app."""
+    """`prefixlab serve` as an object: the engine loop on its thread over `factory()`, behind the HTTP app."""
 
     def __init__(self, factory, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
                  cors: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
-        self.engine = EngineLoop(factory, RequestBroker())
-        self.backend = Backend(self.engine.broker, model=self._model, stats=self._stats,
-                               load_error=lambda: self.engine.load_error,
+        self.engine = EngineThread(factory)
+        self.backend = Backend(self.engine.loop, model=self._model, stats=self._stats,
+                               load_error=lambda: self.engine.load_error, state=self.engine.state,
                                default_max_tokens=default_max_tokens)
         self.http = HttpThread(create_app(self.backend, api_keys, cors), host, port)
 

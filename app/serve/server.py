@@ -1,7 +1,7 @@
-"""The FastAPI app: OpenAI's endpoints over a RequestBroker (DESIGN §8).
+"""The FastAPI app: OpenAI's endpoints over the engine loop (DESIGN §8).
 
 Handlers never touch the scheduler: they parse and check the request, hand a
-`Job` to the broker and read its events from an asyncio queue the engine
+`Job` to the engine loop and read its events from an asyncio queue the engine
 thread fills with `call_soon_threadsafe`.
 """
 
@@ -21,10 +21,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.loop import EngineLoop, Job, Refused
 from engine.scheduler import FinishEvent, TokenEvent
 
 from . import metrics
-from .broker import Job, Refused, RequestBroker
 from .friendliness import Friendliness
 from .protocol import (
     DEFAULT_MAX_TOKENS,
@@ -45,19 +45,25 @@ DISCONNECT_POLL_S = 0.5
 
 @dataclass
 class Backend:
-    """What the HTTP side may read: the broker, the model once loaded, the latest stats row."""
+    """What the HTTP side may read: the engine loop, the model once loaded, the latest stats row."""
 
-    broker: RequestBroker
+    loop: EngineLoop
     model: Callable[[], object | None]
     stats: Callable[[], dict]
     load_error: Callable[[], str | None] = lambda: None
+    state: Callable[[], str] = lambda: "serving"   # the engine thread's: loading/failed/serving/dead
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS
     friendliness: Friendliness = field(init=False)
     ttft: metrics.TtftHistogram = field(default_factory=metrics.TtftHistogram)
 
     def __post_init__(self):
         self.friendliness = Friendliness(lambda: getattr(self.model(), "tokenizer", None))
-        self.broker.observers += [self.friendliness.observe, self.ttft.observe]
+        self.loop.observers.append(self._observe)
+
+    def _observe(self, job: Job, finish: FinishEvent) -> None:
+        if job.client:  # served requests only: typed prompts share the loop in the desktop app
+            self.friendliness.observe(job, finish)
+            self.ttft.observe(job, finish)
 
 
 def tenant_of(key: str) -> str:
@@ -129,6 +135,8 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
         if backend.model() is None:
             error = backend.load_error()
             return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
+        if backend.state() == "dead":
+            return JSONResponse({"status": "error", "error": "the engine loop stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -160,7 +168,7 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
         model = loaded_model()
         remote = request.client.host if request.client else "?"
         client = f"http {remote} model={req.model or '-'} user={req.user or '-'}"
-        call = _Call(backend.broker, asyncio.get_running_loop())
+        call = _Call(backend.loop, asyncio.get_running_loop())
         namespace = namespace_of(ns_tenant, req.cache_salt)
         kwargs = _submit_kwargs(req, model, namespace, backend.default_max_tokens)
         call.submit(Job(kwargs, call.sink, client=client, arrival=arrival))
@@ -186,7 +194,7 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
 
 
 def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens: int | None) -> dict:
-    """`Scheduler.submit` arguments (the context stops an answer before any max_tokens does)."""
+    """`ChatFrontEnd.request` arguments (the context stops an answer before any max_tokens does)."""
     max_new = min(req.max_tokens or default_max_tokens or model.config.context_length,
                   model.config.context_length)
     common = {"sampling": req.sampling, "max_new_tokens": max_new, "namespace": namespace}
@@ -204,8 +212,8 @@ def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens
 class _Call:
     """One request's link to the engine thread: events arrive on an asyncio queue."""
 
-    def __init__(self, broker: RequestBroker, loop: asyncio.AbstractEventLoop):
-        self.broker, self.loop = broker, loop
+    def __init__(self, engine: EngineLoop, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ticket = 0
         self.done = False
@@ -214,7 +222,7 @@ class _Call:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     def submit(self, job: Job) -> None:
-        self.ticket = self.broker.submit(job)
+        self.ticket = self.engine.submit(job)
 
     async def next(self):
         event = await self.queue.get()
@@ -224,7 +232,7 @@ class _Call:
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self.done:
-            self.broker.cancel(self.ticket, reason)
+            self.engine.cancel(self.ticket, reason)
 
 
 class _Answer:

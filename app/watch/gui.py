@@ -97,14 +97,16 @@ def install_watch_action(main_window: QMainWindow) -> QAction:
     act = QAction("&Watch a server…", main_window)
     act.setStatusTip("Watch serving engines' prefix caches from their KV events (vLLM's format)")
 
+    opened: list[WatchWindow] = []  # one window, made on first use
+
     def open_window() -> None:
-        win = getattr(main_window, "_watch_window", None)
-        if win is None:
+        if not opened:
             # A child of the main window (still its own window): it closes when the app does.
-            win = main_window._watch_window = WatchWindow(main_window)
+            opened.append(WatchWindow(main_window))
             closing = getattr(main_window, "closing", None)  # the app's window says when it closes
             if closing is not None:
-                closing.connect(win.stop_watching)
+                closing.connect(opened[0].stop_watching)
+        win = opened[0]
         win.show()
         win.raise_()
         win.activateWindow()

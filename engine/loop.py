@@ -1,0 +1,320 @@
+"""The one owner loop of a Scheduler (docs/design.md §4): every front end goes through it.
+
+The desktop worker, `prefixlab serve` and `prefixlab run` alike hand it `Job`s from any
+thread (`submit`, `cancel`), and the thread that owns the scheduler calls `step`: take the
+inbox (the chat front end turns each job into a token request; the scheduler queues it),
+apply cancels, run one scheduler step, and send each job's events to its sink. One submit
+path, one cancel set, one stop rule (`stop`), one recovery (`StepFailed`).
+A sink is called on the owner thread with, in order: `Accepted` or `Refused`, the request's
+`TokenEvent`s and its `FinishEvent`; sinks must be quick (a server's is
+`loop.call_soon_threadsafe`).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .conversations import ChatFrontEnd
+from .prefix_cache import ProbeResult, prefix_probe
+from .scheduler import FinishEvent, QueueFull, Request, Scheduler, SubmitRefused, TokenEvent
+
+Sink = Callable[[object], None]
+STOP_STEPS = 3       # steps allowed to reap cancelled streams: one is enough, the rest is a guard
+IDLE_WAIT_S = 0.5    # an idle `serve_forever` also wakes this often to notice a stop
+
+
+@dataclass
+class Accepted:
+    """The scheduler took the job's request: its id and prompt length."""
+
+    request_id: int
+    n_prompt: int
+
+
+@dataclass
+class Refused:
+    """The job never ran (or the engine failed under it); `status` is the HTTP status to answer."""
+
+    message: str
+    status: int = 400
+
+
+@dataclass
+class Job:
+    """One submission: `ChatFrontEnd.request` keyword arguments, and where its events go."""
+
+    submit_kwargs: dict
+    sink: Sink | None = None
+    client: str = ""          # where it came from ("": typed in the window or a script)
+    arrival: float = field(default_factory=time.perf_counter)
+    tag: object = None        # the submitter's own label (the desktop's turn tags)
+    ticket: int = 0
+    request_id: int | None = None
+    request: Request | None = None
+    prompt: list[int] | None = None
+    probe: ProbeResult | None = None
+    probed_at: tuple[int, int] | None = None  # the cache's (inserted, evicted) counts at the probe
+
+    def send(self, event) -> None:
+        if self.sink is not None:
+            self.sink(event)
+
+
+class StepFailed(RuntimeError):
+    """A scheduler step raised; the loop failed its open jobs and reaped (`events`: the finishes)."""
+
+    def __init__(self, message: str, events: list):
+        super().__init__(message)
+        self.events = events
+
+
+class EngineLoop:
+    """Owns one Scheduler (and its chat front end); any thread submits, the owner steps."""
+
+    def __init__(self, scheduler: Scheduler | None = None):
+        self._lock = threading.Lock()
+        self._inbox: list[Job] = []
+        self._cancels: dict[int, str] = {}   # ticket -> the finish reason asked for
+        self._tickets = itertools.count(1)
+        self._jobs: dict[int, Job] = {}      # ticket -> job, until it ends
+        self._by_request: dict[int, Job] = {}
+        self._wakeup = threading.Event()
+        self.wake: Callable[[], None] = self._wakeup.set  # a Qt owner replaces it with a signal
+        self.observers: list[Callable[[Job, FinishEvent], None]] = []
+        self.step_error: str | None = None   # the last step that raised (the loop lives on)
+        self.scheduler: Scheduler | None = None
+        self.chat: ChatFrontEnd | None = None
+        if scheduler is not None:
+            self.reset(scheduler)
+
+    # any thread -------------------------------------------------------------
+    def submit(self, job: Job) -> int:
+        """Queue a job for the owner's next step; return its ticket (for `cancel`)."""
+        with self._lock:
+            job.ticket = next(self._tickets)
+            self._inbox.append(job)
+            self._jobs[job.ticket] = job
+        self.wake()
+        return job.ticket
+
+    def cancel(self, ticket: int, reason: str = "cancelled") -> None:
+        """Stop a job at the owner's next step; it finishes with `reason` ("stop" for a stop
+        string), the first one asked for."""
+        with self._lock:
+            if ticket in self._jobs:
+                self._cancels.setdefault(ticket, reason)
+        self.wake()
+
+    def cancel_request(self, request_id: int) -> None:
+        """Stop a job by the scheduler's request id."""
+        job = self._by_request.get(request_id)
+        if job is not None:
+            self.cancel(job.ticket)
+
+    def cancel_all(self, served_only: bool = False) -> None:
+        """Stop every job (only those from a client, e.g. HTTP, when `served_only`) at the next step."""
+        with self._lock:
+            for ticket, job in self._jobs.items():
+                if job.client or not served_only:
+                    self._cancels.setdefault(ticket, "cancelled")
+        self.wake()
+
+    def in_flight(self) -> int:
+        """Jobs submitted and not ended yet."""
+        with self._lock:
+            return len(self._jobs)
+
+    # owner thread -----------------------------------------------------------
+    def reset(self, scheduler: Scheduler | None) -> None:
+        """Own a new scheduler (a new model or pool): the old one's jobs are refused."""
+        if self.scheduler is not None:
+            self.fail_all("the engine restarted (a new model or pool settings); retry", 503)
+        self.scheduler = scheduler
+        self.chat = ChatFrontEnd(scheduler.model.tokenizer) if scheduler is not None else None
+
+    def has_work(self) -> bool:
+        s = self.scheduler
+        return bool(self._inbox or self._cancels) or (s is not None and s.has_work())
+
+    def drain(self) -> list[Job]:
+        """Turn queued jobs into requests and apply cancels; return the jobs the scheduler took."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, {}
+        accepted = [job for job in inbox if self._submit_one(job)]
+        for ticket, reason in cancels.items():
+            job = self._jobs.get(ticket)
+            if job is not None and job.request_id is not None:
+                self.scheduler.cancel(job.request_id, reason)
+        self._probe_queued()
+        return accepted
+
+    def _submit_one(self, job: Job) -> bool:
+        s = self.scheduler
+        if s is None:
+            self._refuse(job, "no model is loaded yet", 503)
+            return False
+        request = None
+        try:
+            s.check_room()  # before the chat template runs: a busy server refuses cheaply
+            request = self.chat.request(**job.submit_kwargs, client=job.client, arrival=job.arrival)
+            rid = s.submit(request)
+        except QueueFull as e:
+            self._refuse(job, str(e), 503, request)
+            return False
+        except (SubmitRefused, ValueError) as e:  # TemplateError and UnicodeError are ValueErrors
+            self._refuse(job, str(e), 400, request)
+            return False
+        except Exception as e:  # noqa: BLE001 - one job's failure must not end the loop
+            self._refuse(job, f"the request failed: {type(e).__name__}: {e}", 500, request)
+            return False
+        job.request_id, job.request, job.prompt = rid, request, request.prompt
+        job.submit_kwargs = {}  # its request holds the tokens now; the text may be large
+        self._by_request[rid] = job
+        job.send(Accepted(rid, len(request.prompt)))
+        return True
+
+    def _refuse(self, job: Job, message: str, status: int, request=None) -> None:
+        if request is not None:
+            self.chat.ended(request)
+        self._forget(job)
+        job.send(Refused(message, status))
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.pop(job.ticket, None)
+        if job.request_id is not None:
+            self._by_request.pop(job.request_id, None)
+
+    def _probe_queued(self) -> None:
+        """Probe each served job's queued prompt: the last probe before admission explains its attach."""
+        s = self.scheduler
+        if s is None or not self._by_request:
+            return
+        c = s.cache.counters
+        stamp = (c.inserted_pages, c.evicted_pages)
+        for rid, prompt, namespace in s.queued():
+            job = self._by_request.get(rid)
+            if job is not None and job.client and job.probed_at != stamp:  # the cache changed since
+                job.probe = prefix_probe(s.cache, prompt, namespace)
+                job.probed_at = stamp
+
+    def step(self) -> list:
+        """Drain, run one scheduler step if there is work, dispatch; return the step's events.
+
+        A step that raises fails the open jobs (500) and reaps their streams; the loop lives on
+        (on a fresh scheduler if even reaping failed) and `StepFailed` says what happened.
+        """
+        self.drain()
+        s = self.scheduler
+        if s is None or not s.has_work():
+            return []
+        try:
+            events = s.step()
+        except Exception as e:  # noqa: BLE001 - recovered below, reported by StepFailed
+            self.step_error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+            raise StepFailed(self.step_error, self._recover()) from e
+        self.dispatch(events)
+        return events
+
+    def dispatch(self, events: list) -> None:
+        """Send each job's events to its sink; a finish ends the job (observers see it first)."""
+        for ev in events:
+            job = self._by_request.get(ev.request_id)
+            if job is None:
+                continue
+            if isinstance(ev, TokenEvent):
+                job.send(ev)
+            elif isinstance(ev, FinishEvent):
+                ev = FinishEvent(ev.request_id, ev.reason, copy.copy(ev.record))
+                self._forget(job)
+                self.chat.ended(job.request)
+                for observe in self.observers:
+                    observe(job, ev)
+                job.send(ev)
+
+    def stop(self, on_events: Callable[[list], None] | None = None) -> None:
+        """Cancel everything and reap it, handing each step's events to `on_events` at once
+        (finishes come as `cancelled`); jobs not finished by then are refused."""
+        s = self.scheduler
+        self.cancel_all()
+        self.drain()
+        for _ in range(STOP_STEPS):
+            if s is None or not s.has_work():
+                break
+            events = s.step()
+            self.dispatch(events)
+            if on_events:
+                on_events(events)
+        self.fail_all("the engine is shutting down", 503)
+
+    def _recover(self) -> list:
+        """After a failed step: refuse the open jobs, cancel and reap; a new scheduler if that fails."""
+        self.fail_all(f"the engine failed: {self.step_error.splitlines()[0]}", 500)
+        s, events = self.scheduler, []
+        try:
+            s.cancel_all()
+            for _ in range(STOP_STEPS):
+                if not s.has_work():
+                    break
+                events += s.step()
+        except Exception:  # noqa: BLE001 - the pool may be inconsistent: start over on it
+            events += [FinishEvent(r.id, "cancelled", _cancelled(r)) for r in s.records()
+                       if r.finish_reason is None]
+            self.reset(Scheduler(s.model, s.settings))
+        return events
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """Refuse every job not ended yet (owner thread)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+            self._inbox.clear()
+            self._cancels.clear()
+        for job in jobs:
+            self._refuse(job, message, status, job.request)
+
+    # driving it ---------------------------------------------------------------
+    def run_until_done(self, on_event: Callable[[object], None] | None = None) -> None:
+        """Step until every job has ended (headless runs, scripts, tests)."""
+        while self.has_work():
+            for ev in self.step():
+                if on_event:
+                    on_event(ev)
+
+    def serve_forever(self, stopping: threading.Event) -> None:
+        """Step while there is work and sleep until woken, until `stopping` is set (a thread's body)."""
+        while not stopping.is_set():
+            self._wakeup.clear()
+            if not self.has_work():
+                self._wakeup.wait(IDLE_WAIT_S)
+                continue
+            try:
+                self.step()
+            except StepFailed:
+                continue  # reported through the jobs' sinks and `step_error`
+        self.stop()
+
+    def submit_now(self, client: str = "", arrival: float | None = None, **submit_kwargs) -> int:
+        """Submit and drain at once on the owner thread; return the request id (SubmitRefused
+        says why not). For scripts and tests that own the loop."""
+        answers: list = []
+        job = Job(submit_kwargs, answers.append, client=client)
+        if arrival is not None:
+            job.arrival = arrival
+        self.submit(job)
+        self.drain()
+        if isinstance(answers[0], Refused):
+            raise SubmitRefused(answers[0].message)
+        return answers[0].request_id
+
+
+def _cancelled(record):
+    record = copy.copy(record)
+    record.finish_reason = "cancelled"
+    return record
