@@ -42,7 +42,7 @@ class TourEngine:
         self.prompts = {A: self._prompt(system, question_a), B: self._prompt(system, question_b)}
         self.questions = {A: question_a, B: question_b}
         self._streams = {A: _Stream(A, None), B: _Stream(B, None)}
-        self.records: dict[int, RequestRecord] = {}
+        self._records: dict[int, RequestRecord] = {}
         self.timeline = Timeline()
         self.prefill_computed = 0
         self.prefill_saved = 0
@@ -68,6 +68,17 @@ class TourEngine:
 
     def streams(self) -> list[_Stream]:
         return [s for s in self._streams.values() if s.session is not None]
+
+    def records(self) -> list[RequestRecord]:
+        """A's and B's records (the TTFT chart draws them), as Scheduler.records() gives its own."""
+        return list(self._records.values())
+
+    def record(self, rid: int) -> RequestRecord:
+        return self._records[rid]
+
+    def session(self, rid: int) -> dl.Session | None:
+        """Stream `rid`'s session (None before it starts and once released)."""
+        return self._streams[rid].session
 
     def prefill_rate(self) -> float:
         """Prefill tokens per second measured on this tour's prefills."""
@@ -104,14 +115,14 @@ class TourEngine:
         secs = time.perf_counter() - t0
         self.prefill_computed += len(tokens)
         self.prefill_seconds += secs
-        r = self.records[rid]
+        r = self._records[rid]
         r.n_prefilled, r.ttft_s = len(tokens), secs
         return secs
 
     def _prefill_a(self) -> dict:
         p = self.prompts[A]
         self._streams[A].session = s = dl.create_session(self.model, self.pool)
-        self.records[A] = RequestRecord(A, self.questions[A], None, "", len(p),
+        self._records[A] = RequestRecord(A, self.questions[A], None, "", len(p),
                                         submitted_s=self._clock)
         secs = self._prefill(A, p)
         return {"n_prompt": len(p), "pages": len(s.page_table), "seconds": secs,
@@ -120,7 +131,7 @@ class TourEngine:
     def _donate_a(self) -> dict:
         s = self._streams[A].session
         added = dl.prefix_insert(self.cache, self.pool, s, self.prompts[A], "tour: the system prompt")
-        self.records[A].chain_donated = dl.prefix_chain_list(self.cache)[-1].id if added else None
+        self._records[A].chain_donated = dl.prefix_chain_list(self.cache)[-1].id if added else None
         return {"added": added, "tokens": added * self.pool.page_rows, "n_past": s.n_past,
                 "held": dl.prefix_held_groups(self.cache)}
 
@@ -128,18 +139,18 @@ class TourEngine:
         before = self.pool.num_used_pages
         dl.release_kv_pages(self._streams[A].session)
         self._streams[A].session = None
-        self.records[A].finish_reason = "stop"
+        self._records[A].finish_reason = "stop"
         return {"held": dl.prefix_held_groups(self.cache), "returned": before - self.pool.num_used_pages,
                 "free": self.pool.num_free_pages}
 
     def _attach_b(self) -> dict:
         p = self.prompts[B]
         self._streams[B].session = s = dl.create_session(self.model, self.pool)
-        self.records[B] = RequestRecord(B, self.questions[B], None, "", len(p),
+        self._records[B] = RequestRecord(B, self.questions[B], None, "", len(p),
                                         submitted_s=self._clock)
         matched = dl.prefix_attach(self.cache, self.pool, s, p)
         self.prefill_saved += matched
-        self.records[B].n_cached = matched
+        self._records[B].n_cached = matched
         refs = {int(page): int(self.pool.refcount[page]) for page in s.page_table}
         return {"matched": matched, "n_prompt": len(p), "matched_pages": len(s.page_table),
                 "refcounts": refs}
@@ -163,7 +174,7 @@ class TourEngine:
     def _teardown(self) -> dict:
         dl.release_kv_pages(self._streams[B].session)
         self._streams[B].session = None
-        self.records[B].finish_reason = "stop"
+        self._records[B].finish_reason = "stop"
         released = dl.prefix_release(self.cache, self.pool)
         self.pool.check()
         return {"released": released}

@@ -43,7 +43,7 @@ def test_the_tour_walks_the_tutorial_on_the_engine(window, qtbot):
     assert str(len(pa)) in tour.panel.caption.text() and str(len(pb)) in tour.panel.caption.text()
 
     f = step("prefill_a")  # A's pages fill, private to A
-    s_a = eng._streams[1].session
+    s_a = eng.session(1)
     assert f["n_prompt"] == len(pa) == s_a.n_past
     assert f["pages"] == len(s_a.page_table) == -(-len(pa) // rows) == eng.pool.num_used_pages
     assert page_counts(w)["private"] == f["pages"] and w.tabs.currentWidget() is w.cache_panel
@@ -63,7 +63,7 @@ def test_the_tour_walks_the_tutorial_on_the_engine(window, qtbot):
     f = step("attach_b")  # cached N of M: the shared prefix, whole pages, one token short at most
     common = next((i for i, (x, y) in enumerate(zip(pa, pb)) if x != y), min(len(pa), len(pb)))
     expect = min(common, len(pb) - 1, seen["donate_a"]["tokens"]) // rows * rows
-    assert f["matched"] == expect == eng._streams[2].session.n_past > 0
+    assert f["matched"] == expect == eng.session(2).n_past > 0
     assert f["n_prompt"] == len(pb) and f["matched_pages"] == expect // rows
     assert set(f["refcounts"].values()) == {2}
     assert all(eng.pool.refcount[p] == n for p, n in f["refcounts"].items())
@@ -72,7 +72,7 @@ def test_the_tour_walks_the_tutorial_on_the_engine(window, qtbot):
 
     f = step("prefill_b")  # only the tail; the TTFT chart shows B beside its estimate
     assert f["tail"] == len(pb) - seen["attach_b"]["matched"]
-    assert eng.records[2].n_prefilled == f["tail"] and eng.records[2].n_cached == seen["attach_b"]["matched"]
+    assert eng.record(2).n_prefilled == f["tail"] and eng.record(2).n_cached == seen["attach_b"]["matched"]
     assert w.tabs.currentWidget() is w.charts
     est_x, est_y = w.charts.series("ttft_no_cache")
     assert list(est_x) == [2] and est_y[0] == pytest.approx(len(pb) / eng.prefill_rate())
