@@ -100,6 +100,8 @@ def install_command(sonames: list[str]) -> str:
 def startup_problem(environ: dict | None = None) -> str:
     """Why Qt cannot start its window here, with the fix ("" when nothing is missing)."""
     env = os.environ if environ is None else environ
+    if not sys.platform.startswith("linux"):
+        return ""  # macOS and Windows wheels bring their platform plugin's libraries along
     platform = platform_name(env)
     if platform == "xcb" and not env.get("DISPLAY"):
         return ("No display: DISPLAY is not set. Start PrefixLab from a desktop session, or run it "
