@@ -166,8 +166,8 @@ class Tour(QObject):
 
     def next(self) -> None:
         """Run the step after the one shown (the last one loads the prompts)."""
-        if not self.current:
-            return
+        if self.current in ("", "done"):
+            return  # still preparing, or nothing after the last step
         following = STEPS[STEPS.index(self.current) + 1]
         if following == "done":
             self._show_done()
