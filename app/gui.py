@@ -5,14 +5,13 @@ from __future__ import annotations
 import signal
 import sys
 
-from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QApplication
-
 from .settings import APPLICATION, ORGANIZATION, qsettings
 
 
-def make_app(argv: list[str] | None = None) -> QApplication:
+def make_app(argv: list[str] | None = None):
     """The QApplication (made once), named and themed from the remembered settings."""
+    from PySide6.QtWidgets import QApplication
+
     from ui.theme import apply_theme, icon
     from ui.window_state import THEME_KEY
 
@@ -27,12 +26,24 @@ def make_app(argv: list[str] | None = None) -> QApplication:
 
 def run_app(model_path: str | None) -> int:
     """Open the main window, load `model_path` (None: the bundled model) in the background, run."""
+    from .qt_libs import startup_problem
+
+    # Qt aborts the process when its platform plugin cannot load, with words that do not
+    # name the library: look first, and say the fix.
+    problem = startup_problem()
+    if problem:
+        print(f"prefixlab: {problem}", file=sys.stderr)
+        return 2
+    from PySide6.QtCore import QTimer
+
     app = make_app()
     from .desktop import Desktop
+    from .tour import maybe_start_tour
 
     desktop = Desktop(model_path=model_path)
     window = desktop.window
     window.show()
+    maybe_start_tour(desktop)
     # Ctrl+C in the terminal closes the window cleanly: Python only sees signals when the
     # interpreter runs, so a slow timer gives it the chance.
     signal.signal(signal.SIGINT, lambda *_: window.close())

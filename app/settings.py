@@ -13,6 +13,7 @@ from engine.scheduler import SchedulerSettings
 from engine.stream import reserved_positions
 
 from .kv_wire import normalize_endpoint
+from .secrets import load_api_key, save_api_key
 from .settings_table import SETTINGS, TABLE, default
 
 ORGANIZATION = "PrefixLab"
@@ -49,6 +50,7 @@ class AppSettings:
     server_port: int = default("server_port")
     server_api_key: str = default("server_api_key")  # empty: no key asked
     server_kv_events: str = default("server_kv_events")  # empty: off; else where the cache is published
+    server_api_key_remember: bool = default("server_api_key_remember")  # no keyring: a 0600 file
 
     # validation -----------------------------------------------------------
     def errors(self) -> list[str]:
@@ -121,8 +123,10 @@ class AppSettings:
         store = store or qsettings()
         store.beginGroup("settings")
         for f in fields(self):
-            store.setValue(f.name, getattr(self, f.name))
+            if f.name != "server_api_key":  # a secret: the keyring or a private file
+                store.setValue(f.name, getattr(self, f.name))
         store.endGroup()
+        save_api_key(store, self.server_api_key, self.server_api_key_remember)
         store.sync()
 
     @classmethod
@@ -136,6 +140,7 @@ class AppSettings:
             raw = store.value(f.name, None)
             values[f.name] = _coerce(raw, getattr(defaults, f.name))
         store.endGroup()
+        values["server_api_key"] = load_api_key(store)
         loaded = cls(**values)
         return loaded if not loaded.errors() else defaults
 

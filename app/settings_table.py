@@ -113,6 +113,10 @@ TABLE: tuple[Setting, ...] = (
     Setting("server_api_key", "server", "secret", "", "Server API key",
             "Clients must send 'Authorization: Bearer <key>'; the key is also their cache namespace",
             text="(none: no key asked)"),
+    Setting("server_api_key_remember", "server", "bool", False, "Remember the API key",
+            "The key goes to the system keyring where there is one. Without a keyring it is kept only "
+            "when this is ticked, in a file only you can read; unticked, it is forgotten at quit",
+            text="Remember the key"),
     Setting("server_kv_events", "server", "text", "", "Server KV events",
             "Publish the prefix cache as KV events in vLLM's format on this ZeroMQ endpoint "
             "(File → Watch a server, llm-d, Dynamo read it); ZeroMQ has no authentication: keep it on "

@@ -35,6 +35,16 @@ def image_cache_dir(tmp_path_factory):
         yield root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_system_keyring():
+    """The server's API key never reaches the person's own keyring (test_secrets sets its own)."""
+    import keyring
+    from keyring.backends import fail
+
+    keyring.set_keyring(fail.Keyring())
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf_path(tmp_path_factory) -> str:
     """The tiny llama GGUF with a tied output (no output.weight)."""

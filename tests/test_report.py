@@ -347,6 +347,13 @@ def test_html_numbers_equal_the_json(exported):
             assert same(rows[r["id"]][key], r[key]), (r["id"], key)
         assert page.field_text[(str(r["id"]), "preview")] == r["preview"]
         assert page.field_text[(str(r["id"]), "text")] == r["text"]
+        # A hit's TTFT without the cache: queue wait + whole prompt at the measured prefill rate.
+        est = rows[r["id"]]["ttft_no_cache_s"]
+        if r["n_cached"] > 0:
+            assert same(est, r["queue_wait_s"] + r["n_prompt"] / data["totals"]["prefill_tok_s"]), r["id"]
+        else:
+            assert est == "", est
+    assert any(r["n_cached"] > 0 for r in data["requests"])
     assert sorted(chains) == [c["id"] for c in data["chains"]]
     for c in data["chains"]:
         for key in ("n_tokens", "pages_live", "hits", "first_page_depth"):

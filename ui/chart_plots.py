@@ -11,6 +11,7 @@ from PySide6.QtGui import QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import QGraphicsItem, QGraphicsTextItem, QSizePolicy, QWidget
 
 from .chart_data import (
+    BAR_SLOTS,
     CHARTS,
     LABELS,
     REQUEST_SERIES,
@@ -116,7 +117,7 @@ class ChartSet:
             item = pw.getPlotItem()
             item.setDownsampling(auto=True, mode="peak")
             item.setClipToView(True)
-            item.layout.setContentsMargins(4, 2, 8, 2)
+            item.layout.setContentsMargins(6, 2, 8, 2)  # the rotated y title's text box starts 5 px left
             vb = item.getViewBox()
             vb.setMouseEnabled(x=True, y=False)  # zoom time only; the "A" button restores follow
             vb.setAutoVisible(y=True)             # y fits what is in view after a zoom
@@ -135,11 +136,13 @@ class ChartSet:
     @staticmethod
     def _legend(item: pg.PlotItem) -> pg.LegendItem:
         # In the plot's own layout, under the x axis: it never covers data. Two columns fit a
-        # chart a third of the window wide.
+        # chart a third of the window wide. It spans the axes' columns too: in the view's column
+        # alone its width became the view's minimum, and a narrow chart pushed its right axis
+        # out of the widget.
         legend = pg.LegendItem(colCount=2, frame=False, sampleType=_Swatch, labelTextSize="8.5pt",
                                horSpacing=4)
         legend.setSizePolicy(QSizePolicy.Policy.Maximum, QSizePolicy.Policy.Fixed)
-        item.layout.addItem(legend, 4, 1, alignment=Qt.AlignmentFlag.AlignHCenter)
+        item.layout.addItem(legend, 4, 0, 1, 3, alignment=Qt.AlignmentFlag.AlignHCenter)
         return legend
 
     def _curve(self, chart: str, name: str, width: float = 2.0, style=Qt.PenStyle.SolidLine,
@@ -234,8 +237,12 @@ class ChartSet:
     def _build_ttft(self) -> None:
         item = self.widgets["ttft"].getPlotItem()
         for name in REQUEST_SERIES:
-            bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.7,
-                                   brush=series_color(name), pen=pg.mkPen(None))
+            color = series_color(name)
+            estimate = name == "ttft_no_cache"
+            bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=BAR_SLOTS[name][1],
+                                   brush=with_alpha(color, 70) if estimate else color,
+                                   pen=pg.mkPen(color, width=1.3, style=Qt.PenStyle.DashLine)
+                                   if estimate else pg.mkPen(None))
             item.addItem(bars)
             self.legends["ttft"].addItem(bars, LABELS[name])
             self.bars[name] = bars
@@ -292,7 +299,8 @@ class ChartSet:
             self._set_step(name, x, buf.column(name))
         self._set_step("hit_rate", x, 100.0 * buf.column("hit_rate"))
         for name, (ids, secs) in ttft.items():
-            self.bars[name].setOpts(x=ids, height=secs)
+            offset, width = BAR_SLOTS[name]
+            self.bars[name].setOpts(x=ids + offset, height=secs, width=width)
         if buf.n:
             cap = float(buf.column("capacity").max())
             self.widgets["pool"].getPlotItem().vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)

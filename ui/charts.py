@@ -15,6 +15,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtWidgets import QApplication, QGridLayout, QLabel, QVBoxLayout, QWidget
 
+from engine.estimates import ttft_without_cache
 from engine.metrics import RequestRecord, TimelineRow
 
 from .chart_data import SERIES, TIMELINE_SERIES, TITLES, TimelineBuffer
@@ -40,7 +41,8 @@ class ChartsPanel(QWidget):
         super().__init__(parent)
         self._buf = TimelineBuffer()
         self._records: list[RequestRecord] = []
-        self._ttft = self._split_ttft([])
+        self._prefill_tok_s = 0.0  # the session's measured prefill rate (TTFT-without-cache estimates)
+        self._ttft = self._split_ttft([], 0.0)
         self._dirty = False
         self.frames = 0  # refreshes drawn (many appends in one event-loop turn make one)
         self._theme: Theme | None = None
@@ -75,17 +77,20 @@ class ChartsPanel(QWidget):
         self.refresh()
 
     # public API -------------------------------------------------------
-    def append(self, rows: list[TimelineRow], records: list[RequestRecord]) -> None:
-        """Add the timeline rows since the last call; `records` replace the records held."""
+    def append(self, rows: list[TimelineRow], records: list[RequestRecord],
+               prefill_tok_s: float = 0.0) -> None:
+        """Add the timeline rows since the last call; `records` replace the records held;
+        `prefill_tok_s`: the session's measured prefill rate (0: none yet, no estimates)."""
         self._buf.extend(rows)
-        self._set_records(records)
+        self._set_records(records, prefill_tok_s)
         self._mark_dirty()
 
-    def set_data(self, rows: list[TimelineRow], records: list[RequestRecord]) -> None:
+    def set_data(self, rows: list[TimelineRow], records: list[RequestRecord],
+                 prefill_tok_s: float = 0.0) -> None:
         """Replace everything (a report loaded from disk) and redraw now."""
         self._buf.clear()
         self._buf.extend(rows)
-        self._set_records(records)
+        self._set_records(records, prefill_tok_s)
         self.refresh()
 
     def clear(self) -> None:
@@ -166,19 +171,26 @@ class ChartsPanel(QWidget):
         return self._current_theme()
 
     # internals --------------------------------------------------------
-    def _set_records(self, records: list[RequestRecord]) -> None:
+    def _set_records(self, records: list[RequestRecord], prefill_tok_s: float = 0.0) -> None:
         self._records = list(records)
-        self._ttft = self._split_ttft(self._records)
+        self._prefill_tok_s = float(prefill_tok_s or 0.0)
+        self._ttft = self._split_ttft(self._records, self._prefill_tok_s)
 
     @staticmethod
-    def _split_ttft(records: list[RequestRecord]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def _split_ttft(records: list[RequestRecord],
+                    prefill_tok_s: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Request ids and TTFTs of hits, of misses, and each hit's estimate without the cache."""
         done = sorted((r for r in records if r.ttft_s is not None), key=lambda r: r.id)
-        out = {}
-        for name, hit in (("ttft_hit", True), ("ttft_miss", False)):
-            sel = [r for r in done if (r.n_cached > 0) == hit]
-            out[name] = (np.array([r.id for r in sel], dtype=np.float64),
-                         np.array([r.ttft_s for r in sel], dtype=np.float64))
-        return out
+        hits = [r for r in done if r.n_cached > 0]
+        misses = [r for r in done if r.n_cached == 0]
+        est = [(r.id, ttft_without_cache(r.queue_wait_s, r.n_prompt, prefill_tok_s)) for r in hits]
+        est = [(i, s) for i, s in est if s is not None]
+
+        def cols(pairs):
+            return (np.array([p[0] for p in pairs], dtype=np.float64),
+                    np.array([p[1] for p in pairs], dtype=np.float64))
+        return {"ttft_hit": cols([(r.id, r.ttft_s) for r in hits]), "ttft_no_cache": cols(est),
+                "ttft_miss": cols([(r.id, r.ttft_s) for r in misses])}
 
     def _mark_dirty(self) -> None:
         self._dirty = True
@@ -231,12 +243,21 @@ class ChartsPanel(QWidget):
         saved, computed = int(col("prefill_saved")[-1]), int(col("prefill_computed")[-1])
         hits, queries = int(col("hits")[-1]), int(col("queries")[-1])
         rate = col("hit_rate")[-1] * 100
-        parts = [("hit rate", f"{rate:.0f}%"), ("tokens saved", f"{saved:,}"),
+        parts = [("hit rate", f"{rate:.0f}%"), ("tokens saved", f"{saved:,}"), *self._ttft_saved(),
                  ("computed", f"{computed:,}"), ("hits", f"{hits} / {queries} queries"),
                  ("cached pages", f"{int(col('cached_pages')[-1])}"),
                  ("steps", f"{int(col('step')[-1]):,}")]
         self.summary.setText("&nbsp;&nbsp;·&nbsp;&nbsp;".join(
             f"<span style='color:{t.muted}'>{k}</span> <b>{v}</b>" for k, v in parts))
+
+    def _ttft_saved(self) -> list[tuple[str, str]]:
+        """The hits' TTFT against their estimates without the cache, when there are any."""
+        est_ids, est = self._ttft["ttft_no_cache"]
+        if not len(est):
+            return []
+        hit_ids, hit = self._ttft["ttft_hit"]
+        mine = np.isin(hit_ids, est_ids)
+        return [("hits' TTFT", f"{hit[mine].mean():.2f} s vs ≈ {est.mean():.2f} s without the cache")]
 
     def _current_theme(self) -> Theme:
         if self._theme is None:

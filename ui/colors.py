@@ -36,6 +36,7 @@ SERIES_COLORS = {
     "prefill_saved": "#1fa774",
     "ttft_hit": "#1fa774",
     "ttft_miss": "#d55e00",
+    "ttft_no_cache": "#8c959f",  # an estimate: grey, drawn hollow and dashed beside the hit
 }
 
 

@@ -39,7 +39,7 @@ from .stream_grid import StreamGrid
 from .stream_view import StreamView
 from .theme import apply_theme, current_theme, icon, titled_box
 from .whatif_panel import WhatIfPanel
-from .window_state import DEFAULT_SIZE, THEME_KEY, restore_window, save_window
+from .window_state import THEME_KEY, default_size, restore_window, save_window
 
 DEFAULT_SPLIT = [290, 470, 640]  # the charts need ~600 px
 DROP_SUFFIXES = (".gguf", ".json")
@@ -304,15 +304,15 @@ class MainWindow(QMainWindow):
     def show_stats(self, snap, rows: list, redraw: bool) -> None:
         """A live Snapshot: new chart rows (all of them after a report was shown), pool, chains."""
         if redraw:
-            self.charts.set_data(list(snap.timeline), snap.records)
+            self.charts.set_data(list(snap.timeline), snap.records, snap.prefill_tok_s)
         elif rows:
-            self.charts.append(rows, snap.records)
+            self.charts.append(rows, snap.records, snap.prefill_tok_s)
         self.cache_panel.update_snapshot(snap)
         self.pool_label.setText(pool_summary(snap))
 
     def show_report(self, report, snap, path: str) -> None:
         """A saved report's charts, pool and chains, until the next live data."""
-        self.charts.set_data(list(report.timeline), list(report.requests))
+        self.charts.set_data(list(report.timeline), list(report.requests), report.totals.prefill_tok_s)
         self.cache_panel.update_snapshot(snap)
         self.pool_label.setText(pool_summary(snap))
         self.tabs.setCurrentIndex(0)
@@ -395,7 +395,7 @@ class MainWindow(QMainWindow):
             card.rerender()  # the charts and the cache panel follow the palette change themselves
 
     def reset_layout(self) -> None:
-        self.resize(*DEFAULT_SIZE)
+        self.resize(*default_size())
         self._default_splits()
 
     def _default_splits(self) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QSizePolicy
 
 from .format import format_bytes, format_count
 from .theme import icon
+
+_DROP_ORDER = ("size", "context", "params", "arch", "quant")  # first dropped when space runs short
+MIN_WIDTH = 320
 
 
 def _chip(tooltip: str) -> QLabel:
@@ -82,6 +85,7 @@ class ModelBar(QFrame):
         self.chips["size"].setText(format_bytes(info["file_size"]))
         for chip in self.chips.values():
             chip.show()
+        self._fit_chips()
         warning = info.get("template_warning", "")
         self.chips["template"].setText("⚠ Gemma turn template" if "Gemma" in warning
                                        else "⚠ plain ChatML template")
@@ -92,6 +96,27 @@ class ModelBar(QFrame):
         self.status.setToolTip(
             f"{info['file']} — {info['n_layers']} layers, d={info['d_model']}, {info['n_heads']} heads "
             f"({info['n_kv_heads']} KV), vocab {info['vocab_size']:,}; loaded {how}")
+
+    def _fit_chips(self) -> None:
+        """Drop the least needed chips until the bar fits its width (a 1280-pixel window's toolbar
+        otherwise hid the whole bar, model name included)."""
+        if self.info is None:
+            return
+        for key in _DROP_ORDER:
+            self.chips[key].setVisible(True)
+        for key in _DROP_ORDER:
+            if self.layout().minimumSize().width() <= self.width():
+                break
+            self.chips[key].setVisible(False)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        # Name and Open button; chips come and go with the width (_fit_chips).
+        hint = super().minimumSizeHint()
+        return QSize(min(hint.width(), MIN_WIDTH), hint.height())
+
+    def resizeEvent(self, e) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(e)
+        self._fit_chips()
 
     def set_failed(self) -> None:
         """A load failed: stop the busy bar; the previous model's details stay."""

@@ -22,8 +22,9 @@ class StreamGrid(QScrollArea):
         self.grid.setContentsMargins(4, 4, 4, 4)
         self.grid.setSpacing(10)
         self.grid.setAlignment(Qt.AlignmentFlag.AlignTop)
-        self.empty = QLabel("Type a system prompt and a few user prompts on the left,\n"
-                            "then press Run all (Ctrl+Enter).\n\nOr load a scenario: File → Scenarios.")
+        # Short lines: the middle column of a 1280-pixel window is ~340 pixels wide.
+        self.empty = QLabel("Type a system prompt and a few\nuser prompts on the left, then\n"
+                            "press Run all (Ctrl+Enter).\n\nOr load a scenario:\nFile → Scenarios.")
         self.empty.setObjectName("emptyState")
         self.empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.grid.addWidget(self.empty, 0, 0)

@@ -14,6 +14,16 @@ DEFAULT_SIZE = (1400, 900)
 THEME_KEY = "view/theme"
 
 
+def default_size() -> tuple[int, int]:
+    """DEFAULT_SIZE, shrunk to the primary screen's free area (a 1280x800 desktop shows all of it)."""
+    app = QApplication.instance()
+    screen = app.primaryScreen() if app is not None else None
+    if screen is None or app.platformName() in ("offscreen", "minimal"):
+        return DEFAULT_SIZE  # no real screen (its 800x600 stand-in would only squeeze the window)
+    free = screen.availableGeometry()
+    return min(DEFAULT_SIZE[0], free.width()), min(DEFAULT_SIZE[1], free.height())
+
+
 def saved_theme(store: QSettings) -> str:
     """The remembered theme name (the current one when none is saved)."""
     return str(store.value(THEME_KEY, current_theme()))
@@ -29,7 +39,7 @@ def restore_window(store: QSettings, window: QMainWindow, splitters: dict[str, Q
     if isinstance(geometry, QByteArray) and not geometry.isEmpty():
         window.restoreGeometry(geometry)
     else:
-        window.resize(*DEFAULT_SIZE)
+        window.resize(*default_size())
     restored = False
     targets = {"window/state": window.restoreState,
                **{f"window/{name}": s.restoreState for name, s in splitters.items()}}

@@ -52,7 +52,8 @@ CHART_CAPTIONS = {
     "cache": "Cached chains and cached pages",
     "hits": "Cache hits (cumulative) and hit rate = saved / (saved + computed)",
     "prefill": "Prefill tokens computed and saved by the cache (cumulative)",
-    "ttft": "Time to first token per request, cache hits and misses",
+    "ttft": "Time to first token per request: misses, cache hits, and beside each hit its estimated TTFT "
+            "without the cache (queue wait + whole prompt at the measured prefill rate)",
 }
 
 
@@ -66,7 +67,7 @@ def chart_images(report: Report, width: int = CHART_WIDTH, height: int = CHART_H
     from ui.charts import ChartsPanel  # app wires ui: the report's charts are the GUI's own
     panel = ChartsPanel()
     try:
-        panel.set_data(list(report.timeline), list(report.requests))
+        panel.set_data(list(report.timeline), list(report.requests), report.totals.prefill_tok_s)
         images = panel.render_images(width=width, height=height, theme="light")
     finally:
         panel.deleteLater()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import jinja2
 
+from engine.estimates import ttft_without_cache
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
 from ui.format import format_bytes  # the GUI's sizes: the same words on screen and on paper
 from ui.format import secs as fmt_s  # and its durations
@@ -123,6 +124,9 @@ REQUEST_COLUMNS = [
     ("n_gen", "Generated", fmt_int, "tokens generated"),
     ("queue_wait_s", "Queue wait", fmt_s, "time from submit to admission"),
     ("ttft_s", "TTFT", fmt_s, "time from arrival (submit) to the first token, queue wait included"),
+    ("ttft_no_cache_s", "TTFT w/o cache (est.)", fmt_s,
+     "a cache hit's estimated TTFT without the cache: its queue wait plus its whole prompt at this "
+     "session's measured prefill rate"),
     ("decode_tps", "Tok/s", fmt_rate, "decode tokens per second of this request"),
     ("spec_acceptance", "Drafts acc.", fmt_pct,
      "speculative decoding: drafted tokens the model agreed with (–: none drafted)"),
@@ -155,15 +159,23 @@ def bounded_rows(items: list, make) -> list[dict]:
     return [*head, {"gap": n - TABLE_HEAD_ROWS - TABLE_TAIL_ROWS}, *tail]
 
 
-def _cells(obj, columns) -> list[Cell]:
+def _cells(obj, columns, extra: dict | None = None) -> list[Cell]:
+    """One Cell per column: the object's attribute, or `extra`'s value for derived columns."""
     out = []
     for col in columns:
         name, fmt = col[0], col[2]
-        value = getattr(obj, name)
+        value = extra[name] if extra and name in extra else getattr(obj, name)
         numeric = fmt is not None
         text = fmt(value) if fmt else ("–" if value is None else str(value))
         out.append(Cell(name, format_cell(value), text, numeric))
     return out
+
+
+def _ttft_no_cache(r, totals) -> float | None:
+    """A hit's estimated TTFT without the cache (None for a miss or an unfinished request)."""
+    if r.n_cached <= 0 or r.ttft_s is None:
+        return None
+    return ttft_without_cache(r.queue_wait_s, r.n_prompt, totals.prefill_tok_s)
 
 
 def _kv(pairs) -> list[tuple[str, str, str]]:
@@ -265,7 +277,8 @@ def _tables(report: Report) -> dict:
     """The requests, chains and timeline tables, long ones summarised (`bounded_rows`)."""
     return {
         "requests": bounded_rows(report.requests, lambda r: {
-            "id": r.id, "cells": _cells(r, REQUEST_COLUMNS), "text": r.text, "hit": r.n_cached > 0}),
+            "id": r.id, "text": r.text, "hit": r.n_cached > 0,
+            "cells": _cells(r, REQUEST_COLUMNS, {"ttft_no_cache_s": _ttft_no_cache(r, report.totals)})}),
         "chains": bounded_rows(report.chains, lambda c: {"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)}),
         "timeline_columns": list(report.timeline[0].to_dict()) if report.timeline else [],
         "timeline": bounded_rows(report.timeline, lambda r: {
