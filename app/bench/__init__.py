@@ -182,32 +182,37 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             section("tiers", lambda: tier_figures(m, quick))
         if "ui" in sections:
             section("ui", lambda: bench_ui.ui_figures(path, quick, tmp_cache if image_ready else None))
-        if "kv_events" in sections:
-            from .kv_events import kv_events_figures
-            section("kv_events", lambda: kv_events_figures(quick))
         if "serve" in sections:
             section("serve", lambda: bench_serve.serve_figures(path, quick, m.tokenizer.eos_ids))
-        if "soak" in sections:
-            from .soak import soak_figures
-            section("soak", lambda: soak_figures(path, quick))
-        if "replay" in sections:
-            from . import replay as bench_replay
-            section("replay", lambda: bench_replay.replay_figures(quick))
-        if "cluster" in sections:
-            from .cluster import cluster_figures
-            section("cluster", lambda: cluster_figures(quick))
-        if "w8" in sections:
-            from .w8 import w8_figures
-            section("w8", lambda: w8_figures(path, quick))
-        if "llama_cpp" in sections:
-            from .llama_cpp import llama_cpp_figures
-            section("llama_cpp", lambda: llama_cpp_figures(path, quick, result["figures"]))
+        _model_free_sections(sections, section, path, quick, result["figures"])
     finally:
         shutil.rmtree(tmp_cache, ignore_errors=True)
     result["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     result["total_s"] = time.perf_counter() - t_start
     result["targets"] = target_summary(result["figures"])
     return result
+
+
+def _model_free_sections(sections: list, section, path: str, quick: bool, figures: dict) -> None:
+    """The sections that load what they need themselves (servers, traces, whole processes)."""
+    if "kv_events" in sections:
+        from .kv_events import kv_events_figures
+        section("kv_events", lambda: kv_events_figures(quick))
+    if "soak" in sections:
+        from .soak import soak_figures
+        section("soak", lambda: soak_figures(path, quick))
+    if "replay" in sections:
+        from . import replay as bench_replay
+        section("replay", lambda: bench_replay.replay_figures(quick))
+    if "cluster" in sections:
+        from .cluster import cluster_figures
+        section("cluster", lambda: cluster_figures(quick))
+    if "w8" in sections:
+        from .w8 import w8_figures
+        section("w8", lambda: w8_figures(path, quick))
+    if "llama_cpp" in sections:  # last: it compares with the figures measured before it
+        from .llama_cpp import llama_cpp_figures
+        section("llama_cpp", lambda: llama_cpp_figures(path, quick, figures))
 
 
 def target_summary(figures: dict) -> dict:

@@ -128,8 +128,8 @@ def _answer_errors_as_objects(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
 
 
-def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
-    """The endpoints; `keys` maps each API key to its tenant (empty: no authentication)."""
+def _tenant_checker(keys: dict[str, str]) -> Callable[[Request], str]:
+    """A request's tenant from its bearer key (401 when keys are set and it has none of them)."""
 
     def tenant(request: Request) -> str:
         if not keys:
@@ -141,6 +141,13 @@ def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
                 return name
         raise ApiError(401, "invalid API key: send 'Authorization: Bearer <key>'" if given else
                        "missing API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key")
+
+    return tenant
+
+
+def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
+    """The endpoints; `keys` maps each API key to its tenant (empty: no authentication)."""
+    tenant = _tenant_checker(keys)
 
     def loaded_model():
         model = backend.model()
