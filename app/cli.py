@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(_command(argv)).parse_args(argv)
     if args.command is None:
-        from .gui import run_app
+        from .desktop.gui import run_app
         return run_app(model_path=args.model)
     return args.func(args)
 

@@ -167,7 +167,7 @@ def gui_settings(tmp_path, qapp):
 def open_desktop(qtbot, gui_settings):
     """Make desktop apps (window + controller; no model load unless asked); each closes at the end
     with its engine thread ended."""
-    from app.desktop import Desktop
+    from app.desktop.window import Desktop
 
     made = []
 

@@ -7,7 +7,7 @@ import os
 import openai
 
 from app.advise.rules import DEFAULT_RULES
-from app.advisor_controller import AdvisorController
+from app.desktop.advisor_controller import AdvisorController
 from tests.serve_helpers import scheduler_on, start_server
 from tests.test_advise import timestamp_log
 from tests.test_proxy import ASK

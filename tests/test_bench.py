@@ -179,7 +179,7 @@ def test_quick_bench_records_the_machine(quick_run):
 @pytest.mark.model
 def test_quick_bench_ui_figures_when_the_worker_exists(quick_run):
     ui = quick_run["details"]["ui"]
-    if importlib.util.find_spec("app.worker") is None:
+    if importlib.util.find_spec("app.desktop.worker") is None:
         assert ui["available"] is False and "worker" in ui["reason"]
         return
     assert ui["available"], ui.get("reason")

@@ -312,9 +312,9 @@ def test_the_panes_hold_still_while_the_charts_summary_grows(window, qtbot):
 # the transcript's scroll bar on a real display -------------------------------------------------------
 @pytest.mark.parametrize("theme", ["light", "dark"])
 def test_a_long_transcript_scrolls_with_a_themed_scroll_bar(qtbot, gui_settings, qapp, theme):
+    from app.desktop.transcript import Transcript
     from ui.stream_view import StreamView
     from ui.theme import apply_theme, color
-    from ui.transcript import Transcript
 
     apply_theme(qapp, theme)
     transcript = Transcript("p1", "Do you have green paint?")

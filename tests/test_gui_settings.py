@@ -11,8 +11,8 @@ import shutil  # noqa: E402
 import pytest  # noqa: E402
 
 from app import settings_table  # noqa: E402
+from app.desktop.settings import AppSettings, add_recent_model, qsettings, recent_models  # noqa: E402
 from app.scenario import bundled_scenarios  # noqa: E402
-from app.settings import AppSettings, add_recent_model, qsettings, recent_models  # noqa: E402
 from app.system_info import about_versions  # noqa: E402
 from engine.metrics import RequestRecord  # noqa: E402
 from ui.about import AboutDialog  # noqa: E402

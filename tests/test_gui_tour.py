@@ -10,7 +10,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 import engine as dl  # noqa: E402
-from app.tour import SEEN_KEY, STEPS, caption, maybe_start_tour, start_tour  # noqa: E402
+from app.desktop.tour import SEEN_KEY, STEPS, caption, maybe_start_tour, start_tour  # noqa: E402
 
 pytestmark = pytest.mark.model
 STEP_TIMEOUT_MS = 120_000

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from app.settings import AppSettings
-from app.turns import TurnBook
+from app.desktop.settings import AppSettings
+from app.desktop.transcript import Transcript
+from app.desktop.turns import TurnBook
 from engine.metrics import RequestRecord
-from ui.transcript import Transcript
 
 SETTINGS = AppSettings(max_new_tokens=12, namespace="team-a", temperature=0.5, seed=3)
 

@@ -9,8 +9,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 import engine  # noqa: E402
-from app.settings import AppSettings  # noqa: E402
-from app.worker import EngineWorker  # noqa: E402
+from app.desktop.settings import AppSettings  # noqa: E402
+from app.desktop.worker import EngineWorker  # noqa: E402
 from engine.chat import chat_prompt, turn_messages  # noqa: E402
 
 SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint."

@@ -143,9 +143,9 @@ def test_the_serve_command_publishes_its_cache_as_kv_events():
 
 def test_the_apps_server_toggle_publishes_the_workers_cache(qtbot, tiny_gguf_path):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from app.engine_client import EngineClient
+    from app.desktop.engine_client import EngineClient
+    from app.desktop.settings import AppSettings
     from app.serve.desktop import DesktopServer
-    from app.settings import AppSettings
 
     assert "Server KV events: not a ZeroMQ endpoint" in AppSettings(server_kv_events="nope").errors()[0]
     client, loaded = EngineClient(), []

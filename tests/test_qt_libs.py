@@ -10,7 +10,14 @@ import sys
 
 import pytest
 
-from app.qt_libs import install_command, missing_libraries, packages, platform_name, qt_dir, startup_problem
+from app.desktop.qt_libs import (
+    install_command,
+    missing_libraries,
+    packages,
+    platform_name,
+    qt_dir,
+    startup_problem,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,6 +22,7 @@ import msgspec
 import pytest
 
 import engine
+from app.desktop.settings import AppSettings
 from app.report import (
     SCHEMA,
     Report,
@@ -33,7 +34,6 @@ from app.report import (
     snapshot_from_report,
 )
 from app.report.render import export_report, render_html, render_pdf
-from app.settings import AppSettings
 from engine.loop import EngineLoop
 from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler

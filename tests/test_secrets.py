@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 from keyring.backend import KeyringBackend  # noqa: E402
 from keyring.backends import fail  # noqa: E402
 
-from app.secrets import PLAIN_KEY, key_file, keyring_available, load_api_key  # noqa: E402
-from app.settings import AppSettings, qsettings  # noqa: E402
+from app.desktop.secrets import PLAIN_KEY, key_file, keyring_available, load_api_key  # noqa: E402
+from app.desktop.settings import AppSettings, qsettings  # noqa: E402
 
 KEY = "sk-test-5f1c9a77"
 

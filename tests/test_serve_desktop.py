@@ -9,9 +9,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 
-from app.engine_client import EngineClient  # noqa: E402
+from app.desktop.engine_client import EngineClient  # noqa: E402
+from app.desktop.settings import AppSettings  # noqa: E402
 from app.serve.desktop import DesktopServer  # noqa: E402
-from app.settings import AppSettings  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 
 SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint."

@@ -6,8 +6,8 @@ import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+from app.desktop.settings import qsettings  # noqa: E402
 from app.serve.kv_events_publisher import KVEventPublisher  # noqa: E402
-from app.settings import qsettings  # noqa: E402
 from app.watch.gui import WatchWindow  # noqa: E402
 from tests.kv_events_helpers import Event, Page  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_file_menu_opens_the_watch_window(qtbot, gui_settings):
 
 
 def test_the_apps_file_menu_has_watch_a_server(qtbot, gui_settings):
-    from app.desktop import Desktop
+    from app.desktop.window import Desktop
     desk = Desktop(autoload=False)
     qtbot.addWidget(desk.window)
     file_menu = next(a.menu() for a in desk.window.menuBar().actions() if a.text() == "&File")

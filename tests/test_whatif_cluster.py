@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import Qt
 
+from app.desktop.whatif_controller import WhatIfController
 from app.replay.cluster import ServiceModel
 from app.replay.synth import synthesize
 from app.replay.trace import open_trace
 from app.replay.whatif_cluster import ClusterKnobs, cluster_knobs_from_text, run_cluster
-from app.whatif_controller import WhatIfController
 from ui.whatif_cluster import cluster_lines
 from ui.whatif_panel import WhatIfPanel
 

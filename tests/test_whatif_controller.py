@@ -7,10 +7,10 @@ import json
 import pytest
 from PySide6.QtCore import Qt
 
+from app.desktop.whatif_controller import WhatIfController
 from app.replay import whatif
 from app.replay.record import save_session_trace
 from app.replay.trace import open_trace
-from app.whatif_controller import WhatIfController
 from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 from ui.whatif_panel import WhatIfPanel

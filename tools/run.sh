@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 # Stop before Qt starts when it could not (no display, a library missing): say the fix.
-.venv/bin/python -m app.qt_libs --check
+.venv/bin/python -m app.desktop.qt_libs --check
 exec .venv/bin/prefixlab "$@"

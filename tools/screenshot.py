@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         return tour_shots(args.out, args.timeout)
 
     app, desktop = open_desktop()
+    from app.desktop.settings import AppSettings
     from app.scenario import bundled_scenarios
-    from app.settings import AppSettings
 
     window, control = desktop.window, desktop.controller
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 def tour_shots(out: str, timeout: float) -> int:
     """The tour as a first start shows it, at 1280x800: B attaching (Cache tab), B's tail (Charts)."""
     app, desktop = open_desktop(size=(1280, 800))
-    from app.tour import start_tour
+    from app.desktop.tour import start_tour
 
     tour, shown = start_tour(desktop), []
     tour.step_shown.connect(shown.append)
@@ -121,8 +121,8 @@ def tour_shots(out: str, timeout: float) -> int:
 def open_desktop(size: tuple[int, int] = (1400, 900)):
     """The app on throw-away settings, light theme, its window shown at `size`: (app, desktop)."""
     QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
-    from app.desktop import Desktop
-    from app.gui import make_app
+    from app.desktop.gui import make_app
+    from app.desktop.window import Desktop
     from ui.theme import apply_theme
 
     app = make_app([sys.argv[0]])

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
 
     app, desktop = open_desktop()
     from app.bench.serve import W8, free_port
+    from app.desktop.settings import AppSettings
     from app.scenario import load_scenario
     from app.serve import loadtest
-    from app.settings import AppSettings
 
     window, control = desktop.window, desktop.controller
     while control.model_info is None:

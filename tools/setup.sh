@@ -23,8 +23,8 @@ if [ -n "$extra" ]; then
 fi
 
 # Qt's wheels need system libraries: QtGui's (offscreen) and the xcb platform's (a desktop).
-# app/qt_libs.py finds the missing ones with ldd and names their Debian packages.
-missing=$(.venv/bin/python -m app.qt_libs --packages)
+# app/desktop/qt_libs.py finds the missing ones with ldd and names their Debian packages.
+missing=$(.venv/bin/python -m app.desktop.qt_libs --packages)
 if [ -n "$missing" ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
     apt-get update -qq

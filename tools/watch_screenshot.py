@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "screenshot-watch.png"))
     args = p.parse_args(argv)
     QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
-    from app.gui import make_app
+    from app.desktop.gui import make_app
     from app.serve.kv_events_publisher import KVEventPublisher
     from app.watch.gui import WatchWindow
     from engine import SamplingParams, load_model

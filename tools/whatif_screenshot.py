@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtCore import QSettings
     QSettings.setDefaultFormat(QSettings.Format.IniFormat)
     QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
-    from app.desktop import Desktop
-    from app.gui import make_app
+    from app.desktop.gui import make_app
+    from app.desktop.window import Desktop
     from app.report.files import write_bytes
     from ui.page_map import png_bytes
     from ui.theme import apply_theme

@@ -18,7 +18,6 @@ from engine.metrics import hit_rate
 
 from .format import secs
 from .theme import card_button, color, repolish
-from .transcript import Transcript, Turn
 
 CARD_MIN_WIDTH = 320
 CARD_HEIGHT = 250
@@ -48,7 +47,7 @@ class StreamView(QFrame):
     run_clicked = Signal(str)              # uid: run this prompt again, as a new conversation
     followup_submitted = Signal(str, str)  # uid, text
 
-    def __init__(self, transcript: Transcript, parent=None):
+    def __init__(self, transcript, parent=None):  # app/desktop/transcript.py's Transcript
         super().__init__(parent)
         self.transcript = transcript
         self.uid = uid = transcript.uid
@@ -134,7 +133,7 @@ class StreamView(QFrame):
         return self.transcript.running
 
     @property
-    def turns(self) -> list[Turn]:
+    def turns(self) -> list:
         return self.transcript.turns
 
     @property
@@ -254,7 +253,7 @@ class StreamView(QFrame):
                 cursor.insertText(f"Refused: {t.error}", self._note_format(color("error")))
         self.view.verticalScrollBar().setValue(self.view.verticalScrollBar().maximum())
 
-    def _render_turn_head(self, turn: Turn, separator: bool) -> None:
+    def _render_turn_head(self, turn, separator: bool) -> None:
         cursor = QTextCursor(self.view.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
         empty = self.view.document().isEmpty()
@@ -297,7 +296,7 @@ class StreamView(QFrame):
         _set_badge(self.badge_cache, f"cached {n_cached} of {n_prompt}", kind,
                    f"{n_cached} of the prompt's {n_prompt} tokens came from the prefix cache ({pct:.0f}%)")
 
-    def _show_record_badges(self, turn: Turn) -> None:
+    def _show_record_badges(self, turn) -> None:
         r = turn.record
         if not r:
             _set_badge(self.badge_reason, turn.reason or "?", "error" if turn.reason == "refused" else "")

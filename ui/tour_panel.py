@@ -1,6 +1,6 @@
 """The guided tour's panel: the step's title and caption, Next, Skip, and Run all at the end.
 
-Plain data in (step number, title, caption HTML); what the buttons mean is wired by app.tour.
+Plain data in (step number, title, caption HTML); what the buttons mean is wired by app.desktop.tour.
 """
 
 from __future__ import annotations

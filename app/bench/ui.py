@@ -24,9 +24,9 @@ ROUNDS = 5  # a round's ratio varies by +-5% on a shared 2-core machine: the med
 
 
 def worker_available() -> str | None:
-    """None when app.worker and its EngineClient exist, else why not."""
-    if importlib.util.find_spec("app.worker") is None:
-        return "app/worker.py does not exist"
+    """None when app.desktop.worker and its EngineClient exist, else why not."""
+    if importlib.util.find_spec("app.desktop.worker") is None:
+        return "app/desktop/worker.py does not exist"
     if importlib.util.find_spec("PySide6") is None:
         return "PySide6 is not installed"
     return None

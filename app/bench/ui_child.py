@@ -27,8 +27,8 @@ class _AppRunner:
     def __init__(self, model_path: str, scenario, store_path: str):
         from PySide6.QtCore import QElapsedTimer, QEventLoop, QSettings, Qt, QTimer
 
-        from app.desktop import Desktop
-        from app.gui import make_app
+        from app.desktop.gui import make_app
+        from app.desktop.window import Desktop
 
         self.app = make_app([])
         self.loop = QEventLoop()
@@ -107,7 +107,7 @@ class _Headless:
         self.scenario = scenario
 
     def run_once(self) -> dict:
-        from app.blas_share import release_core
+        from app.desktop.blas_share import release_core
 
         sch, sc = self.sch, self.scenario
         release_core()  # the app's worker left a core for the UI; `prefixlab run` uses them all
@@ -135,8 +135,8 @@ def _rounds(app: _AppRunner, headless: _Headless, n: int) -> dict:
 
 
 def child(model_path: str, quick: bool, rounds: int, busy: bool) -> dict:
+    from app.desktop.settings import AppSettings
     from app.scenario import SCENARIO_DIR, load_scenario
-    from app.settings import AppSettings
 
     sc = load_scenario(os.path.join(SCENARIO_DIR, "eight_questions.json"))
     if quick:  # two prompts, two tokens: the figures exist, nothing more

@@ -10,8 +10,8 @@ from PySide6.QtWidgets import QMainWindow, QWidget
 
 from ui.watch_view import WatchView
 
+from ..desktop.settings import qsettings
 from ..kv_wire import normalize_endpoint
-from ..settings import qsettings
 from .session import WatchSession
 
 REFRESH_MS = 250  # the session builds snapshots off the UI thread; this only picks up the latest

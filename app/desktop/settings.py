@@ -12,9 +12,9 @@ from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerSettings
 from engine.stream import reserved_positions
 
-from .kv_wire import normalize_endpoint
+from ..kv_wire import normalize_endpoint
+from ..settings_table import SETTINGS, TABLE, default
 from .secrets import load_api_key, save_api_key
-from .settings_table import SETTINGS, TABLE, default
 
 ORGANIZATION = "PrefixLab"
 APPLICATION = "PrefixLab"

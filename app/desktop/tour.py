@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QDockWidget, QWidget
 from engine.snapshot import SnapshotMaker
 from ui.tour_panel import TourPanel
 
-from .scenario import bundled_scenarios
+from ..scenario import bundled_scenarios
 from .tour_engine import TourEngine
 
 SEEN_KEY = "tour/seen"

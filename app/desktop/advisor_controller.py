@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from .advise.advisor import Tokenizers, advise
-from .advise.html import view_data
-from .advise.rules import RulesError, resolve_rules
-from .advise.traffic import read_traffic
-from .replay.trace import TraceError
+from ..advise.advisor import Tokenizers, advise
+from ..advise.html import view_data
+from ..advise.rules import RulesError, resolve_rules
+from ..advise.traffic import read_traffic
+from ..replay.trace import TraceError
 
 
 def served_record(job, finish) -> dict | None:
@@ -67,8 +67,8 @@ class AdvisorController(QObject):
 
     def set_proxy(self, on: bool, upstream: str = "", port: int = 8001) -> None:
         """Start the recording proxy in front of `upstream` (its traffic advised live), or stop it."""
-        from .proxy.cli import Proxy
-        from .serve.runner import ServeError
+        from ..proxy.cli import Proxy
+        from ..serve.runner import ServeError
         if not on:
             self._stop_proxy()
             self.panel.set_proxy(None)
@@ -88,7 +88,7 @@ class AdvisorController(QObject):
     def set_served(self, loop) -> None:
         """Advise on the app's own server traffic, live, while it serves through `loop` (the
         worker's EngineLoop, whose observers see every finished job); None: it stopped."""
-        from .proxy.record import Recorder
+        from ..proxy.record import Recorder
         if self._served_loop is not None and self._observe in self._served_loop.observers:
             self._served_loop.observers.remove(self._observe)
         self._served_loop = loop

@@ -11,8 +11,8 @@ import secrets
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from .serve.desktop import DesktopServer
-from .serve.runner import ServeError
+from ..serve.desktop import DesktopServer
+from ..serve.runner import ServeError
 
 
 class ServerToggle(QObject):

@@ -18,15 +18,15 @@ from ui.about import AboutDialog
 from ui.main_window import MainWindow
 from ui.settings_dialog import SettingsDialog
 
-from . import settings_table
+from .. import settings_table
+from ..scenario import Scenario, bundled_scenarios, load_scenario
+from ..system_info import about_versions
+from ..watch.gui import install_watch_action
 from .advisor_controller import AdvisorController
 from .builtin_menu import ModelInstalls
 from .controller import Controller
-from .scenario import Scenario, bundled_scenarios, load_scenario
 from .server_toggle import ServerToggle
 from .settings import AppSettings, qsettings, recent_models
-from .system_info import about_versions
-from .watch.gui import install_watch_action
 from .whatif_controller import WhatIfController
 
 SESSION_KEY = "session/json"

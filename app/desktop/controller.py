@@ -13,11 +13,11 @@ import os
 from PySide6.QtCore import QObject, QSettings, QTimer, Signal, Slot
 
 from engine.scheduler import POOL_FIELDS
-from ui.transcript import Transcript
 
+from ..report import load_report, snapshot_from_report
 from .engine_client import EngineClient
-from .report import load_report, snapshot_from_report
 from .settings import AppSettings, add_recent_model
+from .transcript import Transcript
 from .turns import TurnBook
 
 FLUSH_INTERVAL_MS = 40  # answer text reaches the cards at most 25 times a second
@@ -357,7 +357,7 @@ class Controller(QObject):
 
     @Slot(str, object)
     def _on_report_ready(self, path: str, report) -> None:
-        from .report.render import export_report  # Qt rendering, loaded on the first export
+        from ..report.render import export_report  # Qt rendering, loaded on the first export
 
         report.advice = self.advice_of()  # the Advisor tab's advice, when it has some
         try:

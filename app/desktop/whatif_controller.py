@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from .replay import whatif, whatif_cluster
-from .replay.trace import TraceError, open_trace
+from ..replay import whatif, whatif_cluster
+from ..replay.trace import TraceError, open_trace
 
 
 class WhatIfController(QObject):
@@ -122,7 +122,7 @@ class WhatIfController(QObject):
 
     def _cluster_job(self, source, knobs) -> None:
         if self.service is None:
-            from .replay.rates import default_service
+            from ..replay.rates import default_service
             self.service = default_service()[0]  # measured once per machine, then read back
         self._cluster_swept.emit(whatif_cluster.run_cluster(
             source, knobs, self.service, workers=self.workers,

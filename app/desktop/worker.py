@@ -26,10 +26,10 @@ from engine.loop import Accepted, EngineLoop, Job, Refused, StepFailed
 from engine.scheduler import POOL_FIELDS, FinishEvent, Scheduler, TokenEvent
 from engine.snapshot import SnapshotMaker
 
+from ..model_info import model_info
+from ..probe import probe_prompt
+from ..report import build_report
 from .blas_share import leave_core_for_ui
-from .model_info import model_info
-from .probe import probe_prompt
-from .report import build_report
 from .settings import AppSettings
 
 STATS_INTERVAL_S = 0.1        # stats_updated at most ~10 Hz: each costs both threads time

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 
-from ui.transcript import Transcript
+from .transcript import Transcript
 
 
 class TurnBook:

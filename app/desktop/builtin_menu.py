@@ -8,7 +8,7 @@ from PySide6.QtCore import QObject, QProcess
 
 from engine import BUILTIN_MODELS, ModelLoadError
 
-from .builtin_models import terms_text
+from ..builtin_models import terms_text
 
 
 def menu_items() -> list[tuple[str, str, bool, str]]:
