@@ -5,8 +5,8 @@ When Qt cannot load its platform plugin it aborts the process with a generic mes
 on QtGui and on the platform plugin lists every library the dynamic loader cannot find,
 and the Debian package of each is the one command that fixes it.
 
-    python -m app.qt_libs --packages   # every missing Debian package (offscreen and xcb)
-    python -m app.qt_libs --check      # exit 1 with the fix when this display cannot start Qt
+    python -m app.desktop.qt_libs --packages   # every missing Debian package (offscreen and xcb)
+    python -m app.desktop.qt_libs --check      # exit 1 with the fix when this display cannot start Qt
 """
 
 from __future__ import annotations
