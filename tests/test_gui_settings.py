@@ -153,7 +153,7 @@ def test_settings_and_transcripts_saved_by_version_0_1_load(open_desktop, gui_se
     assert current_theme() == "dark" and recent_models(d.store) == ["/models/a.gguf"]
     assert w.prompt_pane.system_prompt() == "A shared system prompt."
     assert w.prompt_list.prompts() == [("p1", "First question?"), ("p2", "Second question?")]
-    assert c.scripts == {"p1": ["Later turn"]}
+    assert c.book.scripts == {"p1": ["Later turn"]}
     card = w.streams.card("p1")
     assert [(t.user, t.answer, t.reason) for t in card.turns] == [
         ("First question?", "An answer.", "stop"), ("And a follow-up?", "Cut short", "cancelled")]
@@ -179,7 +179,7 @@ def test_scenarios_load_into_the_editors(open_desktop):
     if conv is not None:
         d.load_scenario(conv)
         assert [t for _, t in w.prompt_list.prompts()] == conv.conversation[:1]
-        assert list(c.scripts.values()) == [conv.conversation[1:]]
+        assert list(c.book.scripts.values()) == [conv.conversation[1:]]
     # Without a model, Run all does nothing and says so.
     assert d.run_all() == 0 and not w.streams.cards
     assert "No model" in w.statusBar().currentMessage()

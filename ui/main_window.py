@@ -14,11 +14,9 @@ from PySide6.QtCore import QSettings, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
-    QFileDialog,
     QLabel,
     QMainWindow,
     QMenu,
-    QMessageBox,
     QSizePolicy,
     QSplitter,
     QTabWidget,
@@ -28,6 +26,7 @@ from PySide6.QtWidgets import (
 )
 
 from .advisor_panel import AdvisorPanel
+from .ask import AskAndTell
 from .cache_panel import CachePanel
 from .charts import ChartsPanel
 from .format import pool_summary
@@ -45,7 +44,7 @@ DEFAULT_SPLIT = [290, 470, 640]  # the charts need ~600 px
 DROP_SUFFIXES = (".gguf", ".json")
 
 
-class MainWindow(QMainWindow):
+class MainWindow(AskAndTell, QMainWindow):
     """The desktop app's one window (its actions are wired by app.desktop)."""
 
     file_dropped = Signal(str)       # a .gguf or .json dropped on the window
@@ -327,36 +326,6 @@ class MainWindow(QMainWindow):
             if card is not None and not card.running:
                 card.set_title(text)
         self.streams.order([u for u, _ in self.prompt_list.prompts()])
-
-    # asking and telling -----------------------------------------------------------------
-    def show_error(self, title: str, message: str) -> None:
-        """An error box that does not block; the part after a blank line goes into its details."""
-        head, _, detail = message.partition("\n\n")
-        box = QMessageBox(QMessageBox.Icon.Critical, title, head, QMessageBox.StandardButton.Ok, self)
-        if detail:
-            box.setDetailedText(detail)
-        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
-        box.setModal(False)
-        box.show()
-
-    def show_info(self, title: str, message: str) -> None:
-        box = QMessageBox(QMessageBox.Icon.Information, title, message, QMessageBox.StandardButton.Ok, self)
-        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
-        box.setModal(False)
-        box.show()
-
-    def confirm(self, title: str, message: str) -> bool:
-        """Ask yes/no (modal; tests patch it)."""
-        answer = QMessageBox.question(self, title, message,
-                                      QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
-                                      QMessageBox.StandardButton.Yes)
-        return answer == QMessageBox.StandardButton.Yes
-
-    def ask_open_path(self, title: str, start: str, filters: str) -> str:
-        return QFileDialog.getOpenFileName(self, title, start, filters)[0]
-
-    def ask_save_path(self, title: str, suggested: str, filters: str) -> str:
-        return QFileDialog.getSaveFileName(self, title, suggested, filters)[0]
 
     # drag and drop ----------------------------------------------------------------------
     @staticmethod

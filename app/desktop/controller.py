@@ -107,10 +107,6 @@ class Controller(QObject):
     def transcripts(self) -> dict[str, Transcript]:
         return self.book.transcripts
 
-    @property
-    def scripts(self) -> dict[str, list[str]]:
-        return self.book.scripts
-
     def _changed(self) -> None:
         self.state_changed.emit(self.ready, self.loading, self.running)
 
@@ -384,7 +380,7 @@ class Controller(QObject):
     # the session --------------------------------------------------------------------------
     def session_data(self, system: str, prompts: list, order: list[str]) -> dict:
         """System prompt, prompts, scripts and every transcript (what the next start restores)."""
-        return {"system": system, "prompts": prompts, "scripts": self.scripts,
+        return {"system": system, "prompts": prompts, "scripts": self.book.scripts,
                 "cards": self.book.session_cards(order)}
 
     def restore_transcripts(self, data: dict) -> None:
