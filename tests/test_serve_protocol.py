@@ -85,3 +85,17 @@ def test_friendliness_keeps_a_bounded_number_of_clients_per_tenant():
     clients = f.to_dict("key-a")["clients"]
     assert len(clients) == MAX_CLIENTS + 1 and clients[0] == {**clients[0], "client": OTHERS, "requests": 50}
     assert f.to_dict("key-b")["clients"] == []
+
+
+def test_the_kv_budget_bounds_the_pool_and_fits_one_full_request(tiny_model):
+    from app.serve.budget import page_bytes, with_budget
+    from engine.scheduler import SchedulerSettings
+
+    one = page_bytes(tiny_model, 16)
+    s = with_budget(SchedulerSettings(page_rows=16), tiny_model, 1000 * one)
+    assert s.pool_pages == s.cache_pages == 1000
+    tiny = with_budget(SchedulerSettings(page_rows=16), tiny_model, one)  # less than one request needs
+    assert tiny.pool_pages * 16 > tiny_model.config.context_length
+    for own in (SchedulerSettings(pool_pages=77), SchedulerSettings(cache_pages=5)):
+        assert with_budget(own, tiny_model, 1000 * one) == own  # the user's own bound wins
+    assert with_budget(SchedulerSettings(), tiny_model, 0) == SchedulerSettings()

@@ -203,7 +203,7 @@ def test_the_prefixlab_serve_command_serves_until_interrupted(sig, background):
 
         wait_until(healthy, 120, "prefixlab serve to start", interval=0.1, ignore=(httpx.ConnectError,))
         health = httpx.get(url + "/health").json()
-        assert health["kv_budget_bytes"] > 0 and health["cache_budget_pages"] > 0  # bounded by default
+        assert health["kv_budget_bytes"] > 0 and health["kv_budget_pages"] > 0  # bounded by default
         r = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0).chat.completions.create(
             model="gpt-4o", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert r.usage.completion_tokens == 2

@@ -1,8 +1,10 @@
-"""The server's default KV memory budget: a share of this machine's RAM, as prefix-cache pages.
+"""The server's default KV memory budget: a share of this machine's RAM, as KV pool pages.
 
 Without one, a long-running server keeps every prefix it ever saw and its pool only grows
-(300 distinct chats took it from 0.7 to 1.9 GB). With one the cache evicts its least
-recently used pages within the budget; running requests' own pages come on top of it.
+(300 distinct chats took it from 0.7 to 1.9 GB). A cache budget alone was not enough: the
+pool grows by doubling, so 1,000 chats under a 2.5 GB cache budget held a 3 GB pool. So the
+budget bounds the pool itself: running requests and the cache share it, and the cache
+gives pages back (least recently used first) when a request needs them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+
+from engine.block_manager import pages_for
+from engine.chat import CLOSING_SLACK
 
 DEFAULT_KV_BUDGET = "10%"  # of physical RAM
 _SIZE = re.compile(r"^\s*(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>%|[kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -50,11 +55,14 @@ def budget_pages(budget_bytes: int, model, page_rows: int) -> int:
 
 
 def with_budget(settings, model, budget_bytes: int):
-    """`settings` with the budget as its cache budget, unless it has one (or `budget_bytes` is 0).
-    The app can start bounded the same way: with_budget(settings, model, parse_budget("10%"))."""
-    if settings.cache_pages or not budget_bytes:
+    """`settings` with a pool of the budget's pages, the cache within it, unless they set a pool
+    or a cache budget themselves (or `budget_bytes` is 0). At least one full-context request
+    fits. The app can start bounded the same way: with_budget(settings, model, parse_budget("10%"))."""
+    if settings.cache_pages or settings.pool_pages or not budget_bytes:
         return settings
-    return dataclasses.replace(settings, cache_pages=budget_pages(budget_bytes, model, settings.page_rows))
+    one_request = pages_for(model.config.context_length + CLOSING_SLACK, settings.page_rows) + 1
+    pages = max(budget_pages(budget_bytes, model, settings.page_rows), one_request)
+    return dataclasses.replace(settings, pool_pages=pages, cache_pages=pages)
 
 
 def describe(budget_bytes: int, pages: int, spec: str) -> str:
@@ -62,5 +70,5 @@ def describe(budget_bytes: int, pages: int, spec: str) -> str:
     if not budget_bytes:
         return "KV budget: none (the prefix cache keeps every prefix; --kv-budget to bound it)"
     share = f"{spec} of RAM" if spec.strip().endswith("%") else "--kv-budget"
-    return (f"KV budget {budget_bytes / 2**30:.2f} GiB ({share}): the prefix cache keeps at most {pages} "
-            f"pages and evicts the least recently used beyond them; running requests' pages come on top")
+    return (f"KV budget {budget_bytes / 2**30:.2f} GiB ({share}): a pool of {pages} pages for running "
+            f"requests and the prefix cache, which gives back its least recently used pages when full")

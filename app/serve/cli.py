@@ -30,8 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body; a larger one gets 413 (default %(default)s, 8 MiB)")
     p.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, metavar="SIZE",
-                   help="memory the prefix cache may keep: a share of RAM (10%%) or a size (2GiB, 500MB); "
-                        "0: none. --cache-pages, when given, wins (default %(default)s of RAM)")
+                   help="KV memory (the pool running requests and the prefix cache share): a share of "
+                        "RAM (10%%) or a size (2GiB, 500MB); 0: none. --pool-pages or --cache-pages, "
+                        "when given, win (default %(default)s of RAM)")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help="answer limit of a request that sets no max_tokens (default: the context, "
                         "as OpenAI's; a bounded --pool-pages reserves every page of it at admission)")
@@ -65,7 +66,7 @@ def run(args) -> int:
             raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
         if args.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-        kv_budget = 0 if settings.cache_pages else parse_budget(args.kv_budget)
+        kv_budget = 0 if settings.cache_pages or settings.pool_pages else parse_budget(args.kv_budget)
         publisher = publisher_from_args(args)  # binds now: a taken port fails before the model loads
     except ValueError as e:
         raise SystemExit(f"prefixlab serve: {e}") from None
@@ -97,7 +98,7 @@ def run(args) -> int:
             if server.engine.load_error:
                 raise SystemExit(f"prefixlab serve: cannot load model: {server.engine.load_error}")
             info = server.backend.info()
-            budget = describe(info["kv_budget_bytes"], info["cache_budget_pages"], args.kv_budget)
+            budget = describe(info["kv_budget_bytes"], info["kv_budget_pages"], args.kv_budget)
             print(f"prefixlab serve: {budget}", flush=True)
             print(f"prefixlab serve: ready; point clients at OPENAI_BASE_URL={server.url}/v1", flush=True)
             while server.http.is_alive() and not stop.wait(0.5):

@@ -111,13 +111,15 @@ def latest_row(scheduler) -> dict:
 
 
 def kv_budget_info(scheduler) -> dict:
-    """The cache's budget as /health shows it: pages, and bytes of this model's pages (0: none)."""
+    """The KV budget as /health shows it: the bounded pool's pages (else the cache's budget), and
+    their bytes for this model (0: none)."""
     if scheduler is None:
         return {}
-    pages = scheduler.settings.cache_pages if scheduler.settings.cache_enabled else 0
+    s = scheduler.settings
+    pages = s.pool_pages or (s.cache_pages if s.cache_enabled else 0)
     itemsize = scheduler.pool.k.dtype.itemsize if hasattr(scheduler.pool, "k") else 4
-    one = page_bytes(scheduler.model, scheduler.settings.page_rows, itemsize)
-    return {"kv_budget_bytes": pages * one, "cache_budget_pages": pages, "kv_page_bytes": one}
+    one = page_bytes(scheduler.model, s.page_rows, itemsize)
+    return {"kv_budget_bytes": pages * one, "kv_budget_pages": pages, "kv_page_bytes": one}
 
 
 class Server:
