@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from engine.kv_pool import KV_DTYPES
 from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerSettings
 from engine.stream import MAX_NEW_TOKENS
@@ -27,7 +28,7 @@ class Setting:
 
     name: str
     group: str              # pool | scheduler | sampling | server
-    kind: str               # int | float | bool | text | secret
+    kind: str               # int | float | bool | text | secret | choice
     default: object
     label: str
     tip: str
@@ -39,6 +40,7 @@ class Setting:
     decimals: int = 0
     special: str = ""       # what a spin box shows at its minimum (e.g. "0 (grows)")
     text: str = ""          # a check box's own text, or a line edit's placeholder
+    choices: tuple = ()     # a choice's values, as stored (a combo box shows them)
 
     def range_words(self) -> str:
         """The limits as a sentence's end: "above 0 and at most 1"."""
@@ -73,6 +75,19 @@ TABLE: tuple[Setting, ...] = (
             "Most pages the cache may keep; 0: no budget", 0, 1_000_000, special="0 (unbounded)"),
     Setting("cache_enabled", "pool", "bool", _S.cache_enabled, "Prefix cache",
             "Off: every prompt is prefilled in full (for comparison)", text="Reuse cached prefixes"),
+    Setting("kv_dtype", "pool", "choice", _S.kv_dtype, "KV page dtype",
+            "How pages store K and V: float16 halves the bytes per page (twice the pages in the same "
+            "memory); attention still computes in float32, and a hit still equals a miss exactly",
+            choices=tuple(KV_DTYPES)),
+    Setting("disk_tier_pages", "pool", "int", _S.disk_tier_pages, "Disk tier pages",
+            "Pages of a disk tier under the pool: a cached page about to be evicted moves to a "
+            "memory-mapped file and a later hit loads it back instead of recomputing it; 0: off",
+            0, 1_000_000, special="0 (off)"),
+    Setting("keep_cache", "pool", "bool", False, "Keep the cache across restarts",
+            "The cache is saved at quit (and by Run → Save the cache now) and loaded after the model "
+            "loads, so the first question after a restart hits. The file lives in the kv-cache folder "
+            "beside this app's settings file, one per model, page rows and dtype; a damaged file is "
+            "moved aside with one status line", text="Save at quit, load at start"),
     Setting("namespace", "pool", "text", "", "Namespace",
             "A salt for cache keys: prompts only share pages within one namespace", text="(none)"),
     Setting("max_streams", "scheduler", "int", _S.max_streams, "Max streams",

@@ -49,7 +49,8 @@ from .stream import (
 __all__ = ["MAX_NEW_TOKENS", "Batch", "FinishEvent", "QueueFull", "Request", "Scheduler",
            "SchedulerSettings", "Stream", "SubmitRefused", "TokenEvent"]
 
-POOL_FIELDS = ("page_rows", "pool_pages")  # settings that need a new pool, hence a new Scheduler
+# Settings that need a new pool (the pages' shape or storage), hence a new Scheduler
+POOL_FIELDS = ("page_rows", "pool_pages", "kv_dtype", "disk_tier_pages")
 # Ended requests whose records (and prompt tokens, for traces) are kept; older ones go, their
 # numbers stay in the running totals. A long-running server must not grow without end.
 MAX_ENDED_RECORDS = 10_000
@@ -86,9 +87,9 @@ class Scheduler:
         self.decode_tokens = 0
 
     def update_settings(self, settings: SchedulerSettings) -> None:
-        """Apply new knobs now; page_rows and pool_pages need a new pool (a new Scheduler)."""
+        """Apply new knobs now; POOL_FIELDS need a new pool (a new Scheduler)."""
         settings.validate()
-        for name in POOL_FIELDS + ("kv_dtype", "disk_tier_pages"):  # the pages' storage, too
+        for name in POOL_FIELDS:
             if getattr(settings, name) != getattr(self.settings, name):
                 raise ValueError(f"changing {name} needs a new KV pool: create a new Scheduler")
         self.settings = dataclasses.replace(settings)

@@ -147,6 +147,8 @@ class MainWindow(AskAndTell, QMainWindow):
         self.act_stop_all = a("&Stop all", "Esc", "stop", "Stop every stream (Esc)")
         self.act_flush = a("&Flush cache", icon_name="flush",
                            tip="Give back every cached page no stream is using")
+        self.act_save_cache = a("Save the &cache now", tip="Write the cache's chains to disk now "
+                                "(loaded after the model loads when Settings keeps the cache)")
         self.act_probe = a("&Probe selected prompt", "Ctrl+P",
                            tip="How far the selected prompt would match the cache")
         self.act_server = a("Ser&ver", tip="Serve the model over an OpenAI-compatible HTTP API "
@@ -187,7 +189,7 @@ class MainWindow(AskAndTell, QMainWindow):
         self.set_builtin_models([])
         run_menu = bar.addMenu("&Run")
         for act in (self.act_run_all, self.act_run_selected, self.act_stop_all, None, self.act_probe,
-                    self.act_flush, None, self.act_server, self.act_settings):
+                    self.act_flush, self.act_save_cache, None, self.act_server, self.act_settings):
             run_menu.addSeparator() if act is None else run_menu.addAction(act)
         view_menu = bar.addMenu("&View")
         for act in self.theme_actions.values():

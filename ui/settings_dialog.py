@@ -7,6 +7,7 @@ from collections.abc import Callable
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox,
+    QComboBox,
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
@@ -37,6 +38,10 @@ def setting_widget(row: dict) -> QWidget:
         w.setPlaceholderText(row["text"])
         if kind == "secret":
             w.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
+    elif kind == "choice":
+        w = QComboBox()
+        for value in row["choices"]:
+            w.addItem(str(value), value)
     elif kind == "float":
         w = QDoubleSpinBox()
         w.setDecimals(row["decimals"])
@@ -92,8 +97,8 @@ class SettingsDialog(QDialog):
         self.flush_button.setToolTip("Give back every cached page no stream is using")
         self.flush_button.clicked.connect(self.flush_requested)
         row.addWidget(self.flush_button)
-        note = QLabel("Changing page rows or pool pages makes a new pool (the cache starts empty) "
-                      "once no stream runs.")
+        note = QLabel("Changing page rows, pool pages, the page dtype or the disk tier makes a new "
+                      "pool (the cache starts empty) once no stream runs.")
         note.setObjectName("hint")
         note.setWordWrap(True)
         row.addWidget(note, 1)
@@ -124,6 +129,8 @@ class SettingsDialog(QDialog):
                 w.setText(str(value))
             elif isinstance(w, (QSpinBox, QDoubleSpinBox)):
                 w.setValue(value)
+            elif isinstance(w, QComboBox):
+                w.setCurrentIndex(max(0, w.findData(value)))
         self.spec_k.setEnabled(self.spec_enabled.isChecked())  # toggled does not fire when unchanged
 
     def values(self) -> dict:
@@ -135,6 +142,8 @@ class SettingsDialog(QDialog):
                 out[name] = w.isChecked()
             elif kind in ("text", "secret"):
                 out[name] = w.text().strip()
+            elif kind == "choice":
+                out[name] = w.currentData()
             else:
                 out[name] = round(w.value(), 4) if kind == "float" else w.value()
         return out

@@ -16,7 +16,7 @@ from engine.scheduler import POOL_FIELDS
 
 from ..report import load_report, snapshot_from_report
 from .engine_client import EngineClient
-from .settings import AppSettings, add_recent_model
+from .settings import AppSettings, add_recent_model, kept_cache_root
 from .transcript import Transcript
 from .turns import TurnBook
 
@@ -72,6 +72,7 @@ class Controller(QObject):
         self._flush_timer.setInterval(FLUSH_INTERVAL_MS)
         self._flush_timer.timeout.connect(self.flush_text)
         self._flush_timer.start()
+        self.client.set_cache_root(kept_cache_root(store))
         self.client.apply_settings(self.settings)
 
     def _connect_worker(self) -> None:
@@ -91,6 +92,7 @@ class Controller(QObject):
         w.probe_ready.connect(self._on_probe_ready)
         w.cache_flushed.connect(lambda n: self.status.emit(f"Flushed {n} cached page(s)", 5000))
         w.report_ready.connect(self._on_report_ready)
+        w.cache_note.connect(lambda line: self.status.emit(line, 10000))
 
     # state ------------------------------------------------------------------------
     @property

@@ -23,6 +23,8 @@ class EngineClient(QObject):
     _pin = Signal(int, bool)
     _report = Signal(object)
     _trace = Signal(str)
+    _cache_root = Signal(str)
+    _save_cache = Signal()
     _shutdown = Signal()
 
     def __init__(self, parent: QObject | None = None):
@@ -39,6 +41,8 @@ class EngineClient(QObject):
         self._pin.connect(self.worker.pin_chain)
         self._report.connect(self.worker.make_report)
         self._trace.connect(self.worker.save_trace)
+        self._cache_root.connect(self.worker.set_cache_root)
+        self._save_cache.connect(self.worker.save_cache)
         self._shutdown.connect(self.worker.shutdown)
         self._tags = 0
         self.thread.start()
@@ -79,6 +83,14 @@ class EngineClient(QObject):
     def save_trace(self, path: str) -> None:
         """Ask for the session's trace at `path`; the answer comes as `worker.trace_saved`."""
         self._trace.emit(path)
+
+    def set_cache_root(self, root: str) -> None:
+        """The folder kept caches live in (queued before any load, so it is set first)."""
+        self._cache_root.emit(root)
+
+    def save_cache(self) -> None:
+        """Save the cache now; the worker answers with `cache_note`."""
+        self._save_cache.emit()
 
     def shutdown(self) -> None:
         """Stop, quit() and wait() (docs/design.md §7); safe to call twice."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass, fields
 
@@ -26,6 +27,11 @@ def qsettings() -> QSettings:
     return QSettings(QSettings.Format.IniFormat, QSettings.Scope.UserScope, ORGANIZATION, APPLICATION)
 
 
+def kept_cache_root(store: QSettings) -> str:
+    """Where "Keep the cache across restarts" writes: kv-cache/ beside the settings file."""
+    return os.path.join(os.path.dirname(os.path.abspath(store.fileName())), "kv-cache")
+
+
 @dataclass
 class AppSettings:
     """Every preference the Settings dialog edits (defaults and limits: app/settings_table.py)."""
@@ -39,6 +45,9 @@ class AppSettings:
     spec_enabled: bool = default("spec_enabled")   # speculative decoding
     spec_k: int = default("spec_k")                # tokens drafted per stream and step
     namespace: str = default("namespace")
+    kv_dtype: str = default("kv_dtype")            # how pages store K/V: float32 | float16
+    disk_tier_pages: int = default("disk_tier_pages")  # 0: no disk tier
+    keep_cache: bool = default("keep_cache")       # save at quit, load after a model loads
     temperature: float = default("temperature")
     top_k: int = default("top_k")
     top_p: float = default("top_p")
@@ -71,6 +80,9 @@ class AppSettings:
                 normalize_endpoint(self.server_kv_events)
             except ValueError as e:
                 errs.append(f"{_label('server_kv_events')}: {e}")
+        for s in TABLE:
+            if s.choices and getattr(self, s.name) not in s.choices:
+                errs.append(f"{s.label} must be one of {', '.join(s.choices)}, got {getattr(self, s.name)!r}")
         if len(self.namespace) > 200 or any(ord(c) < 32 for c in self.namespace):
             errs.append(f"{_label('namespace')} must be at most 200 printable characters")
         return errs + self._fit_errors(bad)
@@ -103,7 +115,8 @@ class AppSettings:
         return SchedulerSettings(max_streams=self.max_streams, chunk_tokens=self.chunk_tokens,
                                  page_rows=self.page_rows, pool_pages=self.pool_pages or None,
                                  cache_pages=self.cache_pages, cache_enabled=self.cache_enabled,
-                                 spec_enabled=self.spec_enabled, spec_k=self.spec_k)
+                                 spec_enabled=self.spec_enabled, spec_k=self.spec_k,
+                                 kv_dtype=self.kv_dtype, disk_tier_pages=self.disk_tier_pages)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,

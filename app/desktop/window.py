@@ -79,6 +79,7 @@ class Desktop(QObject):
         w.act_run_selected.triggered.connect(self.run_selected)
         w.act_stop_all.triggered.connect(c.stop_all)
         w.act_flush.triggered.connect(c.flush_cache)
+        w.act_save_cache.triggered.connect(c.client.save_cache)
         w.act_probe.triggered.connect(self.probe_selected)
         w.act_settings.triggered.connect(self.open_settings)
         w.act_server.toggled.connect(self.server.set_on)

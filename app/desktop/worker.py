@@ -30,6 +30,7 @@ from ..model_info import model_info
 from ..probe import probe_prompt
 from ..report import build_report
 from .blas_share import leave_core_for_ui
+from .cache_keeper import CacheKeeper
 from .settings import AppSettings
 
 STATS_INTERVAL_S = 0.1        # stats_updated at most ~10 Hz: each costs both threads time
@@ -69,6 +70,7 @@ class EngineWorker(QObject):
     report_ready = Signal(str, object)   # path, report data (built here, rendered in the UI thread)
     trace_saved = Signal(str, str)       # path, "" when written, else why not
     served_submitted = Signal(list)      # [(request_id, client, preview, n_prompt), ...] from HTTP clients
+    cache_note = Signal(str)             # one line: the kept cache loaded, saved, or refused and why
     _woken = Signal()                    # a job or a cancel reached the loop (emitted on any thread)
 
     def __init__(self):
@@ -82,6 +84,7 @@ class EngineWorker(QObject):
         self._settings = AppSettings()
         self._pending_settings: AppSettings | None = None
         self._maker, self._maker_of = SnapshotMaker(), None
+        self.keeper = CacheKeeper()        # "Keep the cache across restarts": its folder, once set
         self._last_stats = 0.0
         self.busy = False
         self._quitting = False
@@ -205,6 +208,20 @@ class EngineWorker(QObject):
         self.cache_flushed.emit(n)
         self._emit_stats(force=True)
 
+    @Slot(str)
+    def set_cache_root(self, root: str) -> None:
+        """Where kept caches live (one folder per model, page rows and dtype under it)."""
+        self.keeper.root = root
+
+    @Slot()
+    @guarded
+    def save_cache(self) -> None:
+        """Save the cache now (Run → Save the cache now), whether or not it is kept at quit."""
+        if self.scheduler is None:
+            self.cache_note.emit("Cache not saved: no model is loaded")
+            return
+        self.cache_note.emit(self.keeper.save(self.scheduler))
+
     @Slot(int, bool)
     @guarded
     def pin_chain(self, chain_id: int, pinned: bool) -> None:
@@ -247,9 +264,12 @@ class EngineWorker(QObject):
 
     @Slot()
     def shutdown(self) -> None:
-        """Stop stepping and end the thread's event loop (the UI thread then waits)."""
+        """Stop stepping, keep the cache when asked to, and end the thread's event loop (the UI
+        thread then waits)."""
         self._quitting = True
         self._timer.stop()
+        if self._settings.keep_cache and self.scheduler is not None:
+            self.cache_note.emit(self.keeper.save(self.scheduler))
         QThread.currentThread().quit()
 
     # stepping ---------------------------------------------------------------
@@ -333,8 +353,14 @@ class EngineWorker(QObject):
     def _new_scheduler(self) -> None:
         if self.model is None:
             return
+        keep, old = self._settings.keep_cache, self.scheduler
+        if keep and old is not None:  # a new pool or model: the old cache is kept, not lost
+            self.cache_note.emit(self.keeper.save(old))
         self.loop.reset(Scheduler(self.model, self._settings.scheduler_settings()))
+        note = self.keeper.load(self.scheduler) if keep else ""  # before the first request
         self._scheduler_changed()
+        if note:
+            self.cache_note.emit(note)
 
     def _scheduler_changed(self) -> None:
         self._maker, self._maker_of = SnapshotMaker(), self.scheduler

@@ -1,0 +1,98 @@
+"""The app's pool settings for issue 24 (KV dtype, disk tier) and "Keep the cache across restarts":
+the worker on the tiny GGUF, the Settings dialog offscreen."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtWidgets import QComboBox  # noqa: E402
+
+from app import settings_table  # noqa: E402
+from app.cache_persist import FILE_NAME  # noqa: E402
+from app.desktop.cache_keeper import cache_dir  # noqa: E402
+from app.desktop.settings import AppSettings  # noqa: E402
+from app.desktop.worker import EngineWorker  # noqa: E402
+from tests.test_gui_worker import QUESTIONS, Recorder, job, run  # noqa: E402
+from ui.settings_dialog import SettingsDialog  # noqa: E402
+
+
+def _worker(path: str, root: str, **settings) -> EngineWorker:
+    w = EngineWorker()
+    w.rec = Recorder(w)
+    w.notes = []
+    w.cache_note.connect(w.notes.append)
+    w.set_cache_root(root)
+    w.apply_settings(AppSettings(page_rows=4, max_streams=2, chunk_tokens=32, **settings).to_dict())
+    w.load_model(path)
+    assert w.rec.model_loaded and not w.rec.failed, w.rec.failed
+    return w
+
+
+def test_kv_dtype_and_disk_tier_are_pool_settings_applied_by_a_new_scheduler(qapp, tiny_gguf_path, tmp_path):
+    w = _worker(tiny_gguf_path, str(tmp_path))
+    first = w.scheduler
+    assert first.pool.kv_dtype == "float32" and first.cache.tier is None
+    w.apply_settings(AppSettings(page_rows=4, max_streams=2, chunk_tokens=32, kv_dtype="float16",
+                                 disk_tier_pages=8).to_dict())
+    s = w.scheduler
+    assert s is not first and not w.rec.failed, w.rec.failed
+    assert s.pool.kv_dtype == "float16" and s.pool.bytes_per_page * 2 == first.pool.bytes_per_page
+    assert s.cache.tier.capacity == 8
+    assert w.rec.stats_updated[-1].kv_dtype == "float16" and w.rec.stats_updated[-1].disk_capacity == 8
+    bad = AppSettings(kv_dtype="bfloat16").errors()
+    assert bad == ["KV page dtype must be one of float32, float16, got 'bfloat16'"]
+    w._timer.stop()
+
+
+def test_the_dialog_offers_the_dtype_as_a_choice(qtbot):
+    values = AppSettings(kv_dtype="float16", disk_tier_pages=5, keep_cache=True).to_dict()
+    dlg = SettingsDialog(values, settings_table.rows(), lambda v: AppSettings.from_dict(v).errors())
+    qtbot.addWidget(dlg)
+    assert isinstance(dlg.kv_dtype, QComboBox) and dlg.kv_dtype.count() == 2
+    got = dlg.values()
+    assert (got["kv_dtype"], got["disk_tier_pages"], got["keep_cache"]) == ("float16", 5, True)
+    dlg.kv_dtype.setCurrentIndex(dlg.kv_dtype.findData("float32"))
+    assert dlg.values()["kv_dtype"] == "float32"
+    assert dlg.disk_tier_pages.specialValueText() == "0 (off)"
+
+
+def test_a_kept_cache_survives_a_restart_and_a_damaged_file_is_one_line(qapp, tiny_gguf_path, tmp_path):
+    root = str(tmp_path / "kv-cache")
+    w = _worker(tiny_gguf_path, root, keep_cache=True)
+    w.submit([job("a", QUESTIONS[0])])
+    run(w)
+    cold = w.rec.request_finished[-1]
+    assert cold.n_cached == 0
+    pages = len(w.scheduler.cache.pages)
+    w.shutdown()  # the quit path saves
+    assert w.notes[-1].endswith(f"saved {pages} page(s)"), w.notes
+    path = os.path.join(cache_dir(root, w.scheduler), FILE_NAME)
+    assert os.path.exists(path)
+
+    again = _worker(tiny_gguf_path, root, keep_cache=True)  # "after a restart"
+    assert again.notes and again.notes[-1].endswith(f"loaded {pages} page(s)"), again.notes
+    again.submit([job("b", QUESTIONS[0])])
+    run(again)
+    hit = again.rec.request_finished[-1]
+    assert hit.n_cached > 0 and hit.text == cold.text  # the first question after the restart hits
+    again.save_cache()  # Run -> Save the cache now
+    assert again.notes[-1].startswith("Cache ") and "saved" in again.notes[-1]
+    again._timer.stop()
+
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0xFF  # one flipped byte
+    open(path, "wb").write(bytes(data))
+    damaged = _worker(tiny_gguf_path, root, keep_cache=True)
+    assert len(damaged.notes) == 1 and "not loaded" in damaged.notes[0] and "corrupt" in damaged.notes[0]
+    assert not damaged.rec.failed and not damaged.scheduler.cache.pages
+    assert not os.path.exists(path)  # moved aside
+    damaged.submit([job("c", QUESTIONS[0])])
+    run(damaged)
+    assert damaged.rec.request_finished[-1].n_cached == 0
+    damaged._timer.stop()
+
+    off = _worker(tiny_gguf_path, root)  # not kept: nothing loaded, nothing said
+    assert off.notes == [] and not off.scheduler.cache.pages
+    off._timer.stop()
