@@ -28,6 +28,16 @@ class PageInfo:
     read_by: str = ""  # sliding-window models: which layers the owner's next step still reads it with
 
 
+@dataclass(slots=True)
+class TierPageInfo:
+    """What the page map shows of one page in the disk tier (oldest stored first)."""
+
+    slot: int
+    chain_id: int
+    first_position: int
+    text: str = ""
+
+
 @dataclass
 class Snapshot:
     """Everything the charts, page map and tables draw, copied out of the engine."""
@@ -47,6 +57,7 @@ class Snapshot:
     disk_capacity: int = 0       # 0: no disk tier
     disk_hit_pages: int = 0      # pages attached from the disk tier so far
     disk_load_s: float = 0.0     # the time loading them back took
+    disk_tier: list[TierPageInfo] = field(default_factory=list)  # the disk tier's pages
 
 
 def _read_by(cfg, in_window: bool) -> str:
@@ -63,6 +74,7 @@ class SnapshotMaker:
     def __init__(self):
         self._text_by_key: dict[int, str] = {}
         self._text_by_tokens: dict[tuple[int, ...], str] = {}  # private pages, while they live
+        self._tier_text: dict[int, str] = {}  # disk-tier pages' texts, by key, while they stay
 
     def take(self, scheduler, since_row: int = 0) -> Snapshot:
         cache, pool, tok = scheduler.cache, scheduler.pool, scheduler.model.tokenizer
@@ -114,13 +126,19 @@ class SnapshotMaker:
             seconds_saved=scheduler.seconds_saved(),
             kv_dtype=getattr(pool, "kv_dtype", "float32"),
             bytes_per_page=getattr(pool, "bytes_per_page", 0),
-            **_tier_fields(cache),
+            **self._tier_fields(cache, tok, rows),
         )
 
-
-def _tier_fields(cache) -> dict:
-    tier = cache.tier
-    if tier is None:
-        return {}
-    return {"disk_pages": len(tier), "disk_capacity": tier.capacity,
-            "disk_hit_pages": cache.counters.disk_hit_pages, "disk_load_s": tier.load_seconds}
+    def _tier_fields(self, cache, tok, rows: int) -> dict:
+        """The disk tier's counts and pages (each page's text decoded once while it stays)."""
+        tier = cache.tier
+        if tier is None:
+            return {}
+        old, texts = self._tier_text, {}
+        pages = []
+        for tp in tier.pages.values():
+            text = texts[tp.key] = old.get(tp.key) or tok.decode(list(tp.tokens))
+            pages.append(TierPageInfo(tp.slot, tp.chain_id, tp.depth * rows, text))
+        self._tier_text = texts
+        return {"disk_pages": len(tier), "disk_capacity": tier.capacity, "disk_tier": pages,
+                "disk_hit_pages": cache.counters.disk_hit_pages, "disk_load_s": tier.load_seconds}

@@ -3,6 +3,8 @@ file, and an attach loads them back before the tail's prefill."""
 
 from __future__ import annotations
 
+import html
+
 import numpy as np
 
 import engine as dl
@@ -105,6 +107,7 @@ def test_the_scheduler_hits_through_its_disk_tier(tiny_model):
 def test_the_cache_panel_shows_the_disk_tier_and_its_load_time(tiny_model, qtbot):
     from engine.snapshot import SnapshotMaker
     from ui.cache_panel import CachePanel
+    from ui.disk_tier_strip import TIER_COLOR
     system = "You answer questions about paint. " * 4
     sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, cache_pages=2, disk_tier_pages=256))
     loop = EngineLoop(sch)
@@ -117,6 +120,23 @@ def test_the_cache_panel_shows_the_disk_tier_and_its_load_time(tiny_model, qtbot
     panel.update_snapshot(snap)
     text = panel.summary.text()
     assert f"{snap.disk_pages:,} / 256 pages" in text and "loaded back in" in text and "recompute" in text
+    # the page's dtype and bytes
+    assert "float32" in text and f"{snap.bytes_per_page / 1024:,.0f} KiB each" in text
+    # the page map shows the tier: one cell per slot, the stored pages with their chain and text
+    strip = panel.disk_tier
+    assert not strip.isHidden() and strip.capacity == 256
+    assert len(strip.pages) == len(snap.disk_tier) == len(sch.cache.tier)
+    tp = next(iter(sch.cache.tier.pages.values()))
+    tip = strip.tooltip_text(tp.slot)
+    assert f"chain {tp.chain_id}" in tip and f"positions {tp.depth * 4}–{tp.depth * 4 + 3}" in tip
+    assert html.escape(tiny_model.tokenizer.decode(list(tp.tokens))) in tip
+    free = next(s for s in range(256) if s not in strip.pages)
+    assert strip.tooltip_text(free).endswith("empty")
+    middle = strip.cell_rect(tp.slot).center()
+    assert strip.slot_at(middle.x(), middle.y()) == tp.slot
+    assert strip.grab().toImage().pixelColor(middle).name() == TIER_COLOR
+    panel.clear()
+    assert strip.isHidden()
     # the hits chart counts hits by tier: the disk tier's under all of them
     from ui.charts import ChartsPanel
     charts = ChartsPanel()

@@ -17,6 +17,7 @@ from engine.snapshot import Snapshot
 
 from .chains_table import ChainsTable
 from .colors import theme_for
+from .disk_tier_strip import DiskTierStrip
 from .page_map import PageMap
 from .probe_view import ProbeView
 from .visibility import hidden_in_window
@@ -56,6 +57,7 @@ class CachePanel(QWidget):
         self.summary.setTextFormat(Qt.TextFormat.RichText)
         self.summary.setWordWrap(True)
         self.page_map = PageMap(self)
+        self.disk_tier = DiskTierStrip(self)  # under the pool's map, shown when there is a tier
         self.chains_table = ChainsTable(self)
         self.probe_view = ProbeView(self)
         self.probe_button = QPushButton("Explain miss for selected prompt", self)
@@ -66,7 +68,13 @@ class CachePanel(QWidget):
 
         splitter = QSplitter(Qt.Orientation.Vertical, self)
         splitter.setChildrenCollapsible(False)
-        splitter.addWidget(_section("KV POOL PAGES", self.page_map))
+        pages = QWidget()
+        pages_lay = QVBoxLayout(pages)
+        pages_lay.setContentsMargins(0, 0, 0, 0)
+        pages_lay.setSpacing(2)
+        pages_lay.addWidget(self.page_map, 1)
+        pages_lay.addWidget(self.disk_tier)
+        splitter.addWidget(_section("KV POOL PAGES", pages))
         splitter.addWidget(_section("CACHED CHAINS", self.chains_table))
         splitter.addWidget(_section("WHY IT MISSED", self.probe_view, self.probe_button))
         splitter.setStretchFactor(0, 5)
@@ -103,6 +111,8 @@ class CachePanel(QWidget):
     def _show_snapshot(self) -> None:
         self._shown = True
         self.page_map.set_snapshot(self._snapshot)
+        s = self._snapshot
+        self.disk_tier.set_tier(s.disk_tier, s.disk_capacity, s.page_rows)
         self.chains_table.set_chains(self._snapshot.chains)
         self._update_summary()
 
@@ -117,6 +127,7 @@ class CachePanel(QWidget):
         self._snapshot = None
         self._shown = True
         self.page_map.clear()
+        self.disk_tier.set_tier([], 0, 0)
         self.chains_table.set_chains([])
         self.probe_view.clear()
         self._update_summary()
