@@ -57,7 +57,33 @@ def test_load_plan_and_run(qtbot, tab, tmp_path):
     expected = whatif.run(open_trace(path), whatif.Knobs([None], [None, 4, 2], ["leaf-lru", "lru", "fifo"]),
                           workers=1)
     assert [r["token_hit_ratio"] for r in panel.chart.rows] == [r["token_hit_ratio"] for r in expected]
-    assert panel.table.item(0, 3).text() == f"{expected[0]['token_hit_ratio']:.2%}"
+    assert panel.table.item(0, 4).text() == f"{expected[0]['token_hit_ratio']:.2%}"
+
+
+def test_a_disk_tier_draws_two_tier_curves_beside_the_one_tier_curve(qtbot, tab, tmp_path):
+    from app.replay.sweep import configurations, run_sweep
+    panel, make = tab
+    path = hash_trace(tmp_path)
+    controller = make(lambda: path)
+    controller.load_trace()
+    qtbot.waitUntil(lambda: panel.run_button.isEnabled(), timeout=10_000)
+    panel.budgets.setText("inf, 2")
+    panel.disk_budgets.setText("4, 40")
+    for name, box in panel.policies.items():
+        box.setChecked(name == "leaf-lru")
+    qtbot.mouseClick(panel.run_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: panel.table.rowCount() == 4, timeout=20_000)  # the bound, then 2 + 0/4/40
+    rows = {(r["budget"], r["disk_budget"]): r["token_hit_ratio"] for r in panel.chart.rows}
+    assert set(rows) == {(None, None), (2, None), (2, 4), (2, 40)}
+    # the same code as `prefixlab replay --budget 2 --disk-budget 4,40`
+    cli = run_sweep(open_trace(path), configurations([None], [2], ["leaf-lru"], [None, 4, 40]), workers=1)
+    assert [rows[(2, r.disk_budget)] for r in cli] == [r.token_hit_ratio for r in cli]
+    assert rows[(2, None)] < rows[(2, 40)] <= rows[(None, None)]  # a second tier buys hits
+    names = [item.name() for item in panel.chart.capacity.getPlotItem().listDataItems()]
+    assert {"leaf-lru", "leaf-lru + 4 disk pages", "leaf-lru + 40 disk pages"} <= set(names)
+    assert [panel.table.item(i, 2).text() for i in range(4)] == ["-", "-", "4", "40"]
+    controller.run("", "inf, 2", ["lru"], "4, inf")
+    assert "disk tier" in panel.error.text() and "'inf'" in panel.error.text()
 
 
 def test_bad_trace_and_bad_knobs_show_errors(qtbot, tab, tmp_path):

@@ -29,17 +29,21 @@ def policy_color(policy: str, index: int = 0) -> QColor:
 
 
 Curve = tuple[list[float], list[float]]
+# Two-tier curves (a disk tier under the pool) wear their policy's colour in these dashes.
+DISK_STYLES = (Qt.PenStyle.DotLine, Qt.PenStyle.DashDotLine, Qt.PenStyle.DashDotDotLine)
 
 
-def curves(rows: list[dict]) -> tuple[dict[tuple[int, str], Curve], dict[int, float]]:
-    """(page_rows, policy) -> (budgets, hit ratios) over finite budgets, and page_rows -> the bound."""
-    lines: dict[tuple[int, str], list[tuple[float, float]]] = {}
+def curves(rows: list[dict]) -> tuple[dict[tuple[int, str, int], Curve], dict[int, float]]:
+    """(page_rows, policy, disk tier pages (0: none)) -> (budgets, hit ratios) over finite
+    budgets, and page_rows -> the bound."""
+    lines: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     bound: dict[int, float] = {}
     for r in rows:
         if r["budget"] is None:
             bound[r["page_rows"]] = max(bound.get(r["page_rows"], 0.0), r["token_hit_ratio"])
         else:
-            lines.setdefault((r["page_rows"], r["policy"]), []).append((r["budget"], r["token_hit_ratio"]))
+            key = (r["page_rows"], r["policy"], r.get("disk_budget") or 0)
+            lines.setdefault(key, []).append((r["budget"], r["token_hit_ratio"]))
     out = {}
     for key, pts in lines.items():
         pts.sort()
@@ -128,13 +132,17 @@ class WhatIfChart(PlotStack):
         self._clear()
         lines, bound = curves(self.rows)
         several_sizes = len({r["page_rows"] for r in self.rows}) > 1
-        policies = sorted({pol for _, pol in lines})
+        policies = sorted({pol for _, pol, _ in lines})
+        disks = sorted({d for _, _, d in lines if d})
         xs = [b for bs, _ in lines.values() for b in bs]
-        for (rows, policy), (budgets, ratios) in sorted(lines.items(), key=_engine_last):
+        for (rows, policy, disk), (budgets, ratios) in sorted(lines.items(), key=_engine_last):
             name = f"{policy}, {rows}-token pages" if several_sizes else policy
             pen = pg.mkPen(policy_color(policy, policies.index(policy)), width=2.2)
-            self.capacity.plot(budgets, [100 * r for r in ratios], pen=pen, symbol="o", symbolSize=6,
-                               symbolBrush=pen.color(), symbolPen=None, name=name)
+            if disk:  # a disk tier under each capacity: the same colour, its own dashes
+                name += f" + {disk:,} disk pages"
+                pen.setStyle(DISK_STYLES[disks.index(disk) % len(DISK_STYLES)])
+            self.capacity.plot(budgets, [100 * r for r in ratios], pen=pen, symbol="t" if disk else "o",
+                               symbolSize=6, symbolBrush=pen.color(), symbolPen=None, name=name)
         lo, hi = (min(xs), max(xs)) if xs else (1, 10)
         for rows, value in sorted(bound.items()):
             name = f"{BOUND_LABEL}, {rows}-token pages" if several_sizes else BOUND_LABEL
@@ -156,7 +164,7 @@ class WhatIfChart(PlotStack):
         for r in self.rows:
             if r["budget"] is None:
                 shown.setdefault("bound", r)
-            elif r["budget"] == self.over_time_budget:
+            elif r["budget"] == self.over_time_budget and not r.get("disk_budget"):
                 shown.setdefault(r["policy"], r)
         policies = sorted(k for k in shown if k != "bound")
         for key, r in sorted(shown.items(), key=lambda kv: (kv[0] == DEFAULT_POLICY, kv[0])):
@@ -175,8 +183,8 @@ class WhatIfChart(PlotStack):
 
 def _engine_last(item) -> tuple:
     """Draw the engine's own policy last, on top of any curve it coincides with."""
-    (rows, policy), _ = item
-    return rows, policy == DEFAULT_POLICY, policy
+    (rows, policy, disk), _ = item
+    return rows, policy == DEFAULT_POLICY, policy, disk
 
 
 def _top(rows: list[dict]) -> float:

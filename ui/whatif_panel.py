@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
 from .whatif import POLICY_COLORS, WhatIfChart
 from .whatif_cluster import CLUSTER_COLUMNS, ClusterChart, ClusterControls, cluster_cells
 
-COLUMNS = ("page size", "budget", "policy", "token hit ratio", "tokens saved", "hits", "evicted")
+COLUMNS = ("page size", "budget", "disk tier", "policy", "token hit ratio", "tokens saved", "hits", "evicted")
 
 
 def _budget_text(budget: int | None) -> str:
@@ -37,7 +37,7 @@ class WhatIfPanel(QWidget):
 
     load_requested = Signal()           # "Load trace…": the controller opens a file dialog
     session_requested = Signal()        # "This session": replay what the app just ran
-    run_requested = Signal(str, str, list)  # page sizes text, budgets text, policy names
+    run_requested = Signal(str, str, list, str)  # page sizes, budgets, policy names, disk tiers text
     cluster_requested = Signal(str, str, list)  # replicas text, budgets text, router names
 
     def __init__(self, parent: QWidget | None = None, policies=tuple(POLICY_COLORS)):
@@ -50,6 +50,10 @@ class WhatIfPanel(QWidget):
         self.page_rows.setPlaceholderText("the trace's own, e.g. 16,32,64")
         self.budgets = QLineEdit("inf")
         self.budgets.setPlaceholderText("pages: inf, 30000, 10000, ...")
+        self.disk_budgets = QLineEdit()
+        self.disk_budgets.setPlaceholderText("none; e.g. 10000, 30000")
+        self.disk_budgets.setToolTip("Pages of a disk tier under each capacity: evicted pages move there "
+                                     "and hit again; one curve per tier, beside the one-tier curve")
         self.policies = {name: QCheckBox(name) for name in policies}
         self.run_button = QPushButton("Run")
         self.progress = QProgressBar()
@@ -74,6 +78,7 @@ class WhatIfPanel(QWidget):
         form = QFormLayout()
         form.addRow("Page sizes (tokens)", self.page_rows)
         form.addRow("Capacities (pages)", self.budgets)
+        form.addRow("Disk tiers (pages)", self.disk_budgets)
         checks = QHBoxLayout()
         for box in self.policies.values():
             checks.addWidget(box)
@@ -133,7 +138,8 @@ class WhatIfPanel(QWidget):
         """Draw the sweep's rows (as `prefixlab replay --json` writes them) and list them."""
         self.show_error(None)
         self.chart.set_rows(rows)
-        self._show_table(COLUMNS, [(str(r["page_rows"]), _budget_text(r["budget"]), r["policy"],
+        self._show_table(COLUMNS, [(str(r["page_rows"]), _budget_text(r["budget"]),
+                                    f"{r['disk_budget']:,}" if r.get("disk_budget") else "-", r["policy"],
                                     f"{r['token_hit_ratio']:.2%}", f"{r['tokens_saved']:,}",
                                     f"{r['hits']:,} / {r['requests']:,}", f"{r['evicted']:,}") for r in rows])
         self._show_chart(self.chart)
@@ -161,4 +167,4 @@ class WhatIfPanel(QWidget):
     # what it asks for ------------------------------------------------------------------
     def _run(self) -> None:
         chosen = [name for name, box in self.policies.items() if box.isChecked()]
-        self.run_requested.emit(self.page_rows.text(), self.budgets.text(), chosen)
+        self.run_requested.emit(self.page_rows.text(), self.budgets.text(), chosen, self.disk_budgets.text())

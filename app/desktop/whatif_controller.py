@@ -74,9 +74,9 @@ class WhatIfController(QObject):
         self._set_busy(False)
         self._start(self._plan_job, path, "this session")
 
-    def run(self, page_rows: str, budgets: str, policies: list) -> None:
-        """Sweep the loaded trace at the knobs the panel shows."""
-        self._sweep(self._sweep_job, whatif.knobs_from_text, page_rows, budgets, list(policies))
+    def run(self, page_rows: str, budgets: str, policies: list, disk_budgets: str = "") -> None:
+        """Sweep the loaded trace at the knobs the panel shows (disk tiers: two-tier curves)."""
+        self._sweep(self._sweep_job, whatif.knobs_from_text, page_rows, budgets, list(policies), disk_budgets)
 
     def run_cluster(self, replicas: str, budgets: str, routers: list) -> None:
         """Replay the loaded trace over clusters of replicas behind routers (docs/design.md §13)."""

@@ -24,11 +24,13 @@ COMPARED_POLICIES = ("leaf-lru", "lru", "fifo")
 
 @dataclass
 class Knobs:
-    """What to sweep: page sizes (token traces), budgets in pages (None: infinite), policies."""
+    """What to sweep: page sizes (token traces), budgets in pages (None: infinite), policies, and
+    disk tiers under the budget (None: one tier; docs/design.md §12)."""
 
     page_rows: list[int | None] = field(default_factory=lambda: [None])
     budgets: list[int | None] = field(default_factory=lambda: [None])
     policies: list[str] = field(default_factory=lambda: [DEFAULT_POLICY])
+    disk_budgets: list[int | None] = field(default_factory=lambda: [None])
 
     def validate(self) -> None:
         bad = [p for p in self.policies if p not in POLICIES]
@@ -38,15 +40,27 @@ class Knobs:
             raise ValueError(f"budgets must be integers >= 1 or None (infinite), got {self.budgets!r}")
         if any(p is not None and (not isinstance(p, int) or p < 1) for p in self.page_rows):
             raise ValueError(f"page sizes must be integers >= 1, got {self.page_rows!r}")
+        if any(d is not None and (not isinstance(d, int) or d < 1) for d in self.disk_budgets) \
+                or not self.disk_budgets:
+            raise ValueError(f"disk tiers must be integers >= 1 (pages) or None, got {self.disk_budgets!r}")
 
 
-def knobs_from_text(page_rows: str, budgets: str, policies: list[str]) -> Knobs:
-    """The What-if fields as knobs: "16,32" (blank: the trace's own), "inf, 3000", policy names."""
+def knobs_from_text(page_rows: str, budgets: str, policies: list[str], disk_budgets: str = "") -> Knobs:
+    """The What-if fields as knobs: "16,32" (blank: the trace's own), "inf, 3000", policy names,
+    and disk tiers "10000, 30000" (each a curve beside the one-tier curve, always drawn)."""
     try:
         rows = [int(w) for w in page_rows.replace(" ", "").split(",") if w] or [None]
     except ValueError:
         raise ValueError(f"page sizes are integers separated by commas, got {page_rows!r}") from None
-    knobs = Knobs(rows, [parse_budget(w) for w in budgets.split(",") if w.strip()], list(policies))
+    disks: list[int | None] = [None]
+    for word in disk_budgets.split(","):
+        if word.strip():
+            disk = parse_budget(word)
+            if disk is None:
+                raise ValueError(f"a disk tier is an integer >= 1 (pages), got {word.strip()!r}")
+            disks.append(disk)
+    knobs = Knobs(rows, [parse_budget(w) for w in budgets.split(",") if w.strip()], list(policies),
+                  sorted(set(disks), key=lambda d: d or 0))
     knobs.validate()
     return knobs
 
@@ -85,6 +99,7 @@ def run(source: TraceSource, knobs: Knobs, workers: int | None = None,
     """Every configuration of the knobs, as rows (what `prefixlab replay --json` writes)."""
     knobs.validate()
     if source.hashed:
-        knobs = Knobs([None], knobs.budgets, knobs.policies)  # a hash-id trace has one page size
-    configs = configurations(knobs.page_rows, knobs.budgets, knobs.policies)
+        knobs = Knobs([None], knobs.budgets, knobs.policies, knobs.disk_budgets)  # one page size: its block
+    configs = configurations(knobs.page_rows, knobs.budgets, knobs.policies, knobs.disk_budgets)
+    configs = [c for c in configs if c.budget is not None or not c.disk_budget]  # nothing to evict
     return [r.to_json() for r in run_sweep(source, configs, workers=workers, progress=progress or False)]
