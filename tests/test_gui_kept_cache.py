@@ -66,8 +66,9 @@ def test_a_kept_cache_survives_a_restart_and_a_damaged_file_is_one_line(qapp, ti
     cold = w.rec.request_finished[-1]
     assert cold.n_cached == 0
     pages = len(w.scheduler.cache.pages)
-    w.shutdown()  # the quit path saves
+    w.save_cache()  # Run -> Save the cache now (the window's test below quits, which saves too)
     assert w.notes[-1].endswith(f"saved {pages} page(s)"), w.notes
+    w._timer.stop()
     path = os.path.join(cache_dir(root, w.scheduler), FILE_NAME)
     assert os.path.exists(path)
 
@@ -77,8 +78,6 @@ def test_a_kept_cache_survives_a_restart_and_a_damaged_file_is_one_line(qapp, ti
     run(again)
     hit = again.rec.request_finished[-1]
     assert hit.n_cached > 0 and hit.text == cold.text  # the first question after the restart hits
-    again.save_cache()  # Run -> Save the cache now
-    assert again.notes[-1].startswith("Cache ") and "saved" in again.notes[-1]
     again._timer.stop()
 
     data = bytearray(open(path, "rb").read())
@@ -96,3 +95,46 @@ def test_a_kept_cache_survives_a_restart_and_a_damaged_file_is_one_line(qapp, ti
     off = _worker(tiny_gguf_path, root)  # not kept: nothing loaded, nothing said
     assert off.notes == [] and not off.scheduler.cache.pages
     off._timer.stop()
+
+
+def test_the_window_keeps_the_cache_across_a_restart(open_desktop, qtbot, tiny_gguf_path):
+    """Settings keeps the cache; Run -> Save the cache now says so; quitting saves; the next
+    start loads it before the first request and says so in the status bar."""
+    from tests.gui_helpers import LOAD_TIMEOUT_MS, RUN_TIMEOUT_MS, set_settings
+    system, question = "You are a terse hardware store assistant.", [("a", "Do you sell hammers?")]
+
+    def start():
+        d = open_desktop(autoload=True, model_path=tiny_gguf_path)
+        d.window.show()
+        qtbot.waitUntil(lambda: d.controller.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+        return d
+
+    d = start()
+    set_settings(d, page_rows=4, max_new_tokens=4, keep_cache=True)
+    worker = d.controller.client.worker
+    qtbot.waitUntil(lambda: worker.scheduler.pool.page_rows == 4, timeout=10_000)  # the new pool
+    d.controller.run_all(system, question)
+    qtbot.waitUntil(lambda: len(d.controller.finished_records) == 1 and not d.controller.running,
+                    timeout=RUN_TIMEOUT_MS)
+    assert d.controller.finished_records[0].n_cached == 0
+    status = d.window.statusBar()
+    d.window.act_save_cache.trigger()
+    qtbot.waitUntil(lambda: "saved" in status.currentMessage(), timeout=10_000)
+    first_save = len(worker.scheduler.cache.pages)
+    assert status.currentMessage().endswith(f"saved {first_save} page(s)")
+    d.controller.run_all(system, [("b", "Where are the nails?")])  # cached after the save above
+    qtbot.waitUntil(lambda: len(d.controller.finished_records) == 2 and not d.controller.running,
+                    timeout=RUN_TIMEOUT_MS)
+    saved = len(worker.scheduler.cache.pages)
+    d.window.close()  # the quit saves too
+
+    again = start()
+    assert again.controller.settings.keep_cache
+    bar = again.window.statusBar()
+    qtbot.waitUntil(lambda: "loaded" in bar.currentMessage(), timeout=10_000)
+    loaded = int(bar.currentMessage().rsplit("loaded ", 1)[1].split()[0])
+    assert loaded >= saved > first_save  # what the quit wrote, not only the first save
+    again.controller.run_all(system, question)
+    qtbot.waitUntil(lambda: len(again.controller.finished_records) == 1 and not again.controller.running,
+                    timeout=RUN_TIMEOUT_MS)
+    assert again.controller.finished_records[0].n_cached > 0

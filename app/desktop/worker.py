@@ -159,8 +159,10 @@ class EngineWorker(QObject):
             self.model_load_failed.emit(f"{path or 'the bundled model'}: {type(error).__name__}: {error}")
             return
         self.model = model
-        self._new_scheduler()
+        note = self._new_scheduler()
         self.model_loaded.emit(model_info(model))
+        if note:  # after "Loaded ...", so the window's status bar ends on it
+            self.cache_note.emit(note)
 
     @Slot(str)
     @guarded
@@ -193,7 +195,7 @@ class EngineWorker(QObject):
             if s.has_work():
                 self._pending_settings = new
             else:
-                self._new_scheduler()
+                self._note(self._new_scheduler())
             return
         if live != s.settings:
             s.update_settings(live)
@@ -334,7 +336,7 @@ class EngineWorker(QObject):
             self.busy = False
             if self._pending_settings is not None:
                 self._pending_settings = None
-                self._new_scheduler()
+                self._note(self._new_scheduler())
             self.run_finished.emit()
 
     def _stop_everything(self) -> None:
@@ -350,17 +352,22 @@ class EngineWorker(QObject):
         if self.scheduler is not None and self.scheduler is not self._maker_of:
             self._scheduler_changed()
 
-    def _new_scheduler(self) -> None:
+    def _new_scheduler(self) -> str:
+        """A new Scheduler (new pool); with the cache kept, the old one saved and the new one
+        loaded before the first request. Returns the load's status line ("" when none)."""
         if self.model is None:
-            return
+            return ""
         keep, old = self._settings.keep_cache, self.scheduler
         if keep and old is not None:  # a new pool or model: the old cache is kept, not lost
-            self.cache_note.emit(self.keeper.save(old))
+            self._note(self.keeper.save(old))
         self.loop.reset(Scheduler(self.model, self._settings.scheduler_settings()))
-        note = self.keeper.load(self.scheduler) if keep else ""  # before the first request
+        note = self.keeper.load(self.scheduler) if keep else ""
         self._scheduler_changed()
-        if note:
-            self.cache_note.emit(note)
+        return note
+
+    def _note(self, line: str) -> None:
+        if line:
+            self.cache_note.emit(line)
 
     def _scheduler_changed(self) -> None:
         self._maker, self._maker_of = SnapshotMaker(), self.scheduler
