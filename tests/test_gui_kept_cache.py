@@ -138,3 +138,17 @@ def test_the_window_keeps_the_cache_across_a_restart(open_desktop, qtbot, tiny_g
     qtbot.waitUntil(lambda: len(again.controller.finished_records) == 1 and not again.controller.running,
                     timeout=RUN_TIMEOUT_MS)
     assert again.controller.finished_records[0].n_cached > 0
+
+
+def test_a_new_pool_waits_for_a_job_typed_just_before_it(qapp, tiny_gguf_path, tmp_path):
+    # The window queues the settings, then Run puts the job straight into the loop's inbox: the
+    # worker sees the settings with the job not yet drained. It must run, not be refused.
+    w = _worker(tiny_gguf_path, str(tmp_path))
+    first = w.scheduler
+    w.submit([job("a", QUESTIONS[0])])
+    w.apply_settings(AppSettings(page_rows=4, max_streams=2, chunk_tokens=32, kv_dtype="float16").to_dict())
+    assert w.scheduler is first
+    run(w)
+    assert not w.rec.request_refused and w.rec.request_finished[-1].finish_reason in ("stop", "length")
+    assert w.scheduler is not first and w.scheduler.pool.kv_dtype == "float16"
+    w._timer.stop()

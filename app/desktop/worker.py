@@ -192,7 +192,7 @@ class EngineWorker(QObject):
             return
         live = new.scheduler_settings()
         if any(getattr(live, f) != getattr(s.settings, f) for f in POOL_FIELDS):
-            if s.has_work():
+            if self.loop.has_work():  # a job typed just before waits in the inbox: let it run
                 self._pending_settings = new
             else:
                 self._note(self._new_scheduler())
