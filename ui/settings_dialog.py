@@ -76,11 +76,20 @@ class SettingsDialog(QDialog):
         self._kinds = {row["name"]: row["kind"] for row in table}
         self.result_values: dict | None = None
         lay = QVBoxLayout(self)
+        # Two columns (pool and scheduler | sampling and server): one column is taller than a
+        # 1280x800 screen.
+        columns = QHBoxLayout()
+        lay.addLayout(columns)
+        stacks = [QVBoxLayout(), QVBoxLayout()]
+        for stack in stacks:
+            columns.addLayout(stack, 1)
         forms = {}
-        for group, title in GROUPS.items():
+        for i, (group, title) in enumerate(GROUPS.items()):
             box = QGroupBox(title)
             forms[group] = QFormLayout(box)
-            lay.addWidget(box)
+            stacks[i // 2].addWidget(box)
+        for stack in stacks:
+            stack.addStretch(1)
         for row in table:
             w = setting_widget(row)
             setattr(self, row["name"], w)
