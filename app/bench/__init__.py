@@ -169,6 +169,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             if "decode" in sections or "batch" in sections:  # the batch speedup needs single-stream
                 batch = "batch" in sections
                 section("decode", lambda: bench_engine.decode_figures(m, quick, run_batch=batch))
+            if "batch" in sections:  # W8's own timeline: 8 streams' step over one's, and its peak RSS
+                from .w8_steps import w8_step_figures
+                section("w8_steps", lambda: w8_step_figures(path, tmp_cache if image_ready else None, quick))
             if "blas" in sections:
                 section("blas", lambda: bench_engine.blas_thread_figures(m, quick))
             if "peer" in sections:
@@ -250,8 +253,10 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     t = result["targets"]
     head = (f"prefixlab bench{' --quick' if result['quick'] else ''}: {m['cpu_model']}, "
-            f"{m['cpus_usable']} CPUs, numpy {m['numpy']} "
-            f"({m['blas'].get('name', '?')} {m['blas'].get('version', '')}), {m['timestamp']}")
+            f"{m['cpus_usable']} CPUs, {m.get('isa') or '?'}, numpy {m['numpy']} "
+            f"({m['blas'].get('name', '?')} {m['blas'].get('version', '')}, kernel "
+            f"{m['blas_runtime'].get('core', '?')}, {m['blas_runtime'].get('threads', '?')} threads), "
+            f"{m['timestamp']}")
     if result["model"].get("description"):
         head += f"\nmodel: {result['model'].get('name', '')}: {result['model']['description']}"
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
