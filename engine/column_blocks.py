@@ -11,9 +11,78 @@ no second copy of the weights is kept.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 COLUMN_BLOCK = 64
+
+
+class _Helper:
+    """One persistent thread that multiplies the second half of the blocks while the caller
+    does the first: OpenBLAS gives a 64-column block one core at best, so two cores read
+    the weights only when two threads each take half of the blocks."""
+
+    def __init__(self):
+        self._go, self._done = threading.Lock(), threading.Lock()
+        self._go.acquire()
+        self._done.acquire()
+        self._job: tuple | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._loop, name="column-blocks", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self._go.acquire()
+            try:
+                np.matmul(*self._job[:2], out=self._job[2])
+            except BaseException as e:  # noqa: BLE001 - handed to the caller in join()
+                self._error = e
+            self._done.release()
+
+    def start(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        self._job = (a, b, out)
+        self._go.release()
+
+    def join(self) -> None:
+        self._done.acquire()
+        self._job = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+_ways = 1                        # threads that share each column-block matmul (engine/threads.py sets it)
+_helper: _Helper | None = None
+_helper_lock = threading.Lock()  # the helper serves one matmul at a time
+
+
+def set_ways(n: int) -> None:
+    """Split each column-block matmul between `n` threads (1 or 2; the BLAS then runs 1 thread)."""
+    global _ways, _helper
+    _ways = min(2, max(1, int(n)))
+    if _ways > 1 and _helper is None:
+        _helper = _Helper()
+
+
+def ways() -> int:
+    """Threads each column-block matmul is split between now."""
+    return _ways
+
+
+def _blocks_matmul(a: np.ndarray, blocks: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """np.matmul(a, blocks, out=out) over [nb, K, 64] blocks, halves on two threads when set."""
+    nb = blocks.shape[0]
+    if _ways < 2 or nb < 2 or not _helper_lock.acquire(blocking=False):
+        return np.matmul(a, blocks, out=out)
+    try:
+        h = nb // 2
+        _helper.start(a, blocks[h:], out[h:])
+        np.matmul(a, blocks[:h], out=out[:h])
+        _helper.join()
+    finally:
+        _helper_lock.release()
+    return out
 
 
 def to_column_blocks(w: np.ndarray) -> np.ndarray | None:
@@ -63,9 +132,11 @@ class ColumnBlocks:
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [n, K] @ W [K, N] -> [n, N] for a 2-D W."""
+        nb, _, c = self.blocks.shape
         if len(x) == 1:  # a GEMV per block, written straight into [N/64, 64] = [N] order
-            return (x[0] @ self.blocks).reshape(1, -1)                         # [1, N]
-        return (x @ self.blocks).transpose(1, 0, 2).reshape(len(x), -1)        # [n, N]
+            return _blocks_matmul(x[0], self.blocks, np.empty((nb, c), np.float32)).reshape(1, -1)
+        out = _blocks_matmul(x, self.blocks, np.empty((nb, len(x), c), np.float32))  # [nb, n, 64]
+        return out.transpose(1, 0, 2).reshape(len(x), -1)                      # [n, N]
 
     @property
     def T(self) -> BlockRows:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import time
 
+from .column_blocks import set_ways
+
 # Passes of these many rows gain nothing from a second BLAS thread here: a decode step of 2-63
 # rows is bound by reading the weights (8 rows: 24 ms with one thread, 25 with two), while one
 # row's GEMV (35 -> 46 tok/s) and a prefill's GEMMs (362 -> 596 tok/s) do gain.
@@ -113,7 +115,11 @@ class BlasThreads:
         """Set the BLAS thread count for the next forward pass (only when it changes)."""
         n = self.choose(rows)
         if n != self._current:
-            self._controller.limit(limits=n)
+            # The weights are 64-column blocks (engine/column_blocks.py): OpenBLAS threads each
+            # small block call at a loss (128 rows: 2.3 s with 2 threads, 0.45-0.68 s with one),
+            # so the BLAS runs one thread and the blocks are split between n threads instead.
+            self._controller.limit(limits=1)
+            set_ways(n)
             self._current = n
         return n
 
