@@ -113,6 +113,23 @@ def machine_info() -> dict:
     }
 
 
+def peak_rss_mb() -> float:
+    """This process's peak RSS in MB: VmHWM (exec starts it afresh), else ru_maxrss.
+
+    ru_maxrss survives exec on Linux: a child started by a bench that already holds a model
+    would report the bench's own peak (1.2 GB measured) instead of its own.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6  # kB -> MB
+    except (OSError, ValueError):
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # Linux: KiB -> MB
+
+
 def child_env(**extra: str) -> dict:
     """The environment for a bench child process: this repo importable, plus `extra`."""
     env = dict(os.environ)

@@ -2,7 +2,7 @@
 stream's, and the run's peak RSS (issue "Performance").
 
 A child process loads the model, runs W8's eight questions at once (default scheduler
-settings, in-process, as `prefixlab run` does), notes its peak RSS (ru_maxrss: load + the
+settings, in-process, as `prefixlab run` does), notes its peak RSS (VmHWM: load + the
 W8 run), then runs W8's first question alone. Both medians come from the scheduler's own
 timeline, counting only pure decode steps (no prefill in the step) of 8 and of 1 streams.
 Run `python -m app.bench.w8_steps --child ...` only through `w8_step_figures`.
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 
 import numpy as np
 
-from .common import child_env, figure, ratio, target
+from .common import child_env, figure, peak_rss_mb, ratio, target
 
 ISSUE = "Performance"
 STREAMS = 8
@@ -57,7 +56,7 @@ def _child(path: str, max_new: int) -> dict:
     w8 = load_w8()
     prompts = [chat_prompt(m.tokenizer, turn_messages(w8.system, q)) for q in w8.prompts[:STREAMS]]
     many = _run(m, prompts, max_new)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # Linux: KiB -> MB
+    peak_mb = peak_rss_mb()
     one = _run(m, prompts[:1], max_new)
     return {"steps_8": many, "steps_1": one, "w8_peak_rss_mb": peak_mb, "max_new": max_new,
             "from_image": m.from_image}
@@ -79,7 +78,7 @@ def w8_step_figures(path: str, cache_dir: str | None, quick: bool) -> tuple[dict
                                     note=f"W8's median decode step of {STREAMS} streams "
                                          f"({_ms(med8)}) over one stream's ({_ms(med1)}), one process"),
         "w8_peak_rss_mb": figure(d["w8_peak_rss_mb"], "MB", ISSUE, **target("w8_peak_rss_mb"),
-                                 note=f"ru_maxrss of a process that loads the model and runs W8 "
+                                 note=f"peak RSS (VmHWM) of a process that loads the model and runs W8 "
                                       f"({STREAMS} questions, {max_new} tokens each)"),
     }
     return figures, {**d, "median_step_8_s": med8, "median_step_1_s": med1}
