@@ -11,6 +11,7 @@ no second copy of the weights is kept.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -63,6 +64,16 @@ def set_ways(n: int) -> None:
     _ways = min(2, max(1, int(n)))
     if _ways > 1 and _helper is None:
         _helper = _Helper()
+
+
+def _after_fork_in_child() -> None:
+    # a forked child has no helper thread: a split there would wait for it forever
+    global _ways, _helper, _helper_lock
+    _ways, _helper, _helper_lock = 1, None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def ways() -> int:

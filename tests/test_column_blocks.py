@@ -43,3 +43,16 @@ def test_a_width_that_is_not_a_multiple_of_64_stays_plain(weight):
     assert to_column_blocks(weight[:, :100]) is None
     x = np.ones((3, 96), dtype=np.float32)
     np.testing.assert_allclose(matmul(x, weight[:, :100]), x @ weight[:, :100], rtol=1e-5)
+
+
+def test_a_forked_child_multiplies_without_the_parents_helper_thread(weight):
+    import multiprocessing as mp
+    blocked = ColumnBlocks(to_column_blocks(weight))
+    x = np.ones((8, 96), dtype=np.float32)
+    column_blocks.set_ways(2)
+    try:
+        with mp.get_context("fork").Pool(1) as pool:  # would hang on the missing helper
+            got = pool.apply_async(matmul, (x, blocked)).get(timeout=60)
+    finally:
+        column_blocks.set_ways(1)
+    np.testing.assert_allclose(got, x @ weight, rtol=1e-5, atol=1e-5)
