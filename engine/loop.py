@@ -175,7 +175,6 @@ class EngineLoop:
             self._refuse(job, f"the request failed: {type(e).__name__}: {e}", 500, request)
             return False
         job.request_id, job.request, job.prompt = rid, request, request.prompt
-        job.submit_kwargs = {}  # its request holds the tokens now; the text may be large
         self._by_request[rid] = job
         job.send(Accepted(rid, len(request.prompt)))
         return True

@@ -132,3 +132,23 @@ def test_the_apps_server_traffic_is_advised_live(open_desktop, qtbot, tiny_gguf_
     assert rows[1]["upstream_cached_tokens"] > 0
     w.act_server.trigger()  # off: no more observing
     assert not d.advisor.following_server
+
+
+def test_served_requests_reach_the_advisor_as_their_chat_messages(tiny_model):
+    """The app's own server traffic is advised per message, as a proxy's recording would be."""
+    from app.desktop.advisor_controller import served_record
+    from engine.loop import EngineLoop, Job
+    from engine.scheduler import FinishEvent, Scheduler
+
+    loop = EngineLoop(Scheduler(tiny_model))
+    seen: list = []
+    loop.observers.append(lambda job, finish: seen.append(served_record(job, finish)))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    done: list = []
+    loop.submit(Job({"messages": messages, "max_new_tokens": 2}, done.append, client="http 127.0.0.1"))
+    loop.submit(Job({"user": "typed", "max_new_tokens": 2}, done.append))  # typed: not served
+    loop.run_until_done()
+    assert sum(isinstance(e, FinishEvent) for e in done) == 2
+    (line, typed) = seen
+    assert line["body"] == {"messages": messages} and typed is None
+    assert line["usage"]["prompt_tokens"] > 0

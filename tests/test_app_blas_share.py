@@ -1,6 +1,6 @@
 """The desktop app's worker leaves one core's BLAS thread to the UI thread, and gives it back."""
 
-from app import blas_share
+from app.desktop import blas_share
 from engine.threads import blas_threads
 
 

@@ -20,15 +20,17 @@ from ..replay.trace import TraceError
 
 
 def served_record(job, finish) -> dict | None:
-    """A request the app's server ran, as a trace line: its prompt as the token ids the engine ran
-    (the loop keeps no text once it has them), the engine's cached tokens where an upstream's
-    would stand. None for a typed prompt (they share the loop)."""
+    """A request the app's server ran, as a trace line: its chat messages (else the token ids the
+    engine ran), the engine's cached tokens where an upstream's would stand. None for a typed
+    prompt (they share the loop)."""
     if not job.client or not job.prompt:
         return None
     r = finish.record
     arrival = time.time() - (time.perf_counter() - job.arrival)  # the job's clock is perf_counter
     key = job.request.namespace if job.request is not None else ""
-    return {"timestamp": round(arrival * 1000, 3), "key": key, "body": {"prompt": list(job.prompt)},
+    messages = job.submit_kwargs.get("messages")
+    body = {"messages": messages} if messages else {"prompt": list(job.prompt)}
+    return {"timestamp": round(arrival * 1000, 3), "key": key, "body": body,
             "usage": {"prompt_tokens": r.n_prompt, "completion_tokens": r.n_gen,
                       "prompt_tokens_details": {"cached_tokens": r.n_cached}}}
 
