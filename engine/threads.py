@@ -5,7 +5,8 @@ process keeps a core busy, a two-thread GEMM waits for the slower thread on ever
 measured here, a decode step went from 70 ms (1 thread) to 900 ms (2 threads) with two
 busy processes on the 2-core machine. So before each forward pass the engine asks how
 many cores the rest of the machine leaves free (from /proc/stat, minus this process's own
-CPU time) and sets the BLAS thread count to that, at least 1.
+CPU time) and uses that many threads, at least 1: the weights' column-block matmuls split
+their blocks between them over a one-thread BLAS (engine/column_blocks.py).
 """
 
 from __future__ import annotations
