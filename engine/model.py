@@ -6,7 +6,6 @@ import numpy as np
 
 from .attention import AttentionPlan, attention_plan, paged_attention
 from .block_manager import SeqSlots
-from .column_blocks import matmul
 from .config import ModelConfig
 from .kv_pool import KVPool
 from .loader import Model, Weights
@@ -40,10 +39,24 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = Fal
     return out
 
 
+SMALL_BATCH = range(2, 17)  # rows for which the column-block layout beats a plain GEMM
+
+
 def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np.ndarray:
-    """x @ W (one layer's when `layer` is given), over the weight's one resident layout."""
+    """x @ W (one layer's when `layer` is given); 2-16 rows go through the column-block copy."""
     weight = getattr(w, name)
-    return matmul(x, weight if layer is None else weight[layer])            # [N, out]
+    if layer is not None:
+        weight = weight[layer]
+    if len(x) == 1:
+        # A GEMV reads the plain layout at full bandwidth (measured: decode 1.1-1.2x the
+        # 2-row GEMM over the blocks), and one stream then never maps the blocks at all.
+        return (x[0] @ weight)[None]                                         # [1, out]
+    blocks = w.blocked(name) if len(x) in SMALL_BATCH else None
+    if blocks is None:
+        return x @ weight                                                    # [N, out]
+    if layer is not None:
+        blocks = blocks[layer]
+    return (x @ blocks).transpose(1, 0, 2).reshape(len(x), -1)              # [N, out]
 
 
 def gelu_tanh(g: np.ndarray) -> np.ndarray:

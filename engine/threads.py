@@ -5,16 +5,13 @@ process keeps a core busy, a two-thread GEMM waits for the slower thread on ever
 measured here, a decode step went from 70 ms (1 thread) to 900 ms (2 threads) with two
 busy processes on the 2-core machine. So before each forward pass the engine asks how
 many cores the rest of the machine leaves free (from /proc/stat, minus this process's own
-CPU time) and uses that many threads, at least 1: the weights' column-block matmuls split
-their blocks between them over a one-thread BLAS (engine/column_blocks.py).
+CPU time) and sets the BLAS thread count to that, at least 1.
 """
 
 from __future__ import annotations
 
 import os
 import time
-
-from .column_blocks import set_ways
 
 # Passes of these many rows gain nothing from a second BLAS thread here: a decode step of 2-63
 # rows is bound by reading the weights (8 rows: 24 ms with one thread, 25 with two), while one
@@ -116,11 +113,7 @@ class BlasThreads:
         """Set the BLAS thread count for the next forward pass (only when it changes)."""
         n = self.choose(rows)
         if n != self._current:
-            # The weights are 64-column blocks (engine/column_blocks.py): OpenBLAS threads each
-            # small block call at a loss (128 rows: 2.3 s with 2 threads, 0.45-0.68 s with one),
-            # so the BLAS runs one thread and the blocks are split between n threads instead.
-            self._controller.limit(limits=1)
-            set_ways(n)
+            self._controller.limit(limits=n)
             self._current = n
         return n
 

@@ -19,9 +19,7 @@ import numpy as np
 
 from .atomic import atomic_dir
 
-# 2: index checksum; 3: head [d, vocab]; 5: architectures, one head copy; 6: blocks;
-# 7: the column blocks are the matmul weights' only copy (engine/column_blocks.py)
-IMAGE_VERSION = 7
+IMAGE_VERSION = 6  # 2: index checksum; 3: head [d, vocab]; 5: architectures, one head copy; 6: blocks
 ALIGN = 64
 CRC_BLOCK = 1 << 24
 

@@ -5,17 +5,11 @@ from __future__ import annotations
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from engine import column_blocks, threads
+from engine import threads
 
 
 def blas_count() -> int:
     return max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")
-
-
-def working_threads() -> int:
-    """Threads a weight matmul runs on: the column blocks' split, each over a 1-thread BLAS."""
-    assert blas_count() == 1, "OpenBLAS must not thread the small block calls itself"
-    return column_blocks.ways()
 
 
 @pytest.fixture
@@ -44,20 +38,19 @@ def test_threads_follow_the_free_cores(machine):
     try:
         chooser = threads.BlasThreads(max_threads=2)
         advance(machine, 1.0, others_busy_cores=0.0, own_cores=2.0)   # idle machine, we use both
-        assert chooser.fit() == 2 and working_threads() == 2
+        assert chooser.fit() == 2 and blas_count() == 2
         advance(machine, 1.0, others_busy_cores=1.0, own_cores=1.0)   # a compiler on one core
-        assert chooser.fit() == 1 and working_threads() == 1
+        assert chooser.fit() == 1 and blas_count() == 1
         advance(machine, 1.0, others_busy_cores=2.0, own_cores=0.5)   # both cores busy elsewhere
-        assert chooser.fit() == 1 and working_threads() == 1
+        assert chooser.fit() == 1 and blas_count() == 1
         advance(machine, 0.1, others_busy_cores=0.0, own_cores=2.0)   # too soon to re-read
         assert chooser.fit() == 1
         advance(machine, 1.0, others_busy_cores=0.0, own_cores=1.0)   # the others stopped
-        assert chooser.fit() == 2 and working_threads() == 2
+        assert chooser.fit() == 2 and blas_count() == 2
         chooser.pinned = 1                                           # the bench's diagnostic
-        assert chooser.fit() == 1 and working_threads() == 1
+        assert chooser.fit() == 1 and blas_count() == 1
     finally:
         threadpool_limits(before, user_api="blas")
-        column_blocks.set_ways(1)
 
 
 def test_a_loaded_machine_gets_one_thread_from_the_first_pass(machine):

@@ -4,7 +4,9 @@ Everything runs in one process (load/RSS and the UI figure in child processes) a
 ratio divides two numbers of the same run. The table shows each figure with its target;
 --json writes every figure, the raw measurements and the machine to a file.
 
-Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
+Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four;
+batch also runs W8 in a child process: batch8_step_ratio, its 8-stream over its 1-stream
+decode step, and w8_peak_rss_mb),
 cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
 the watcher's block events per second), serve ("OpenAI server": 8 streaming clients against
 `prefixlab serve` and llama-cpp-python's server; not in --quick), replay ("Trace replay": the
