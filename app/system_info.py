@@ -23,6 +23,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa() -> str | None:
+    """The widest x86 vector ISA the CPU offers ("AVX-512", "AVX2", "AVX"), from /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        return None
+    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")):
+        if flag in flags:
+            return name
+    return None
+
+
 def dist_version(*names: str) -> str | None:
     """The installed version of the first of these distributions that is installed, else None."""
     for name in names:

@@ -21,7 +21,7 @@ from app.bench.engine import prefill_flops
 ENGINE = ["prefill_tok_s", "prefill_gflop_s", "matmul_ref_gflop_s", "prefill_flops_fraction",
           "decode_tok_s", "decode_weight_gb_s", "mem_read_gb_s", "decode_bw_fraction",
           "batch_decode_tok_s", "batch_speedup", "cold_load_s", "warm_load_s", "peak_rss_gb",
-          "peak_rss_warm_gb", "peak_rss_cold_gb"]
+          "peak_rss_warm_gb", "peak_rss_cold_gb", "batch8_step_ratio", "w8_peak_rss_mb"]
 CACHE = ["attach_us_per_page", "insert_us_per_page", "evict_us_per_page"]
 SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_alone_hit_s",
          "ttft_alone_miss_s", "ttft_hit_miss_ratio", "burst_ttft_hit_mean_s", "burst_ttft_miss_mean_s",
@@ -119,6 +119,9 @@ def test_quick_bench_ratios_come_from_the_same_run(quick_run):
     assert close(f["decode_weight_gb_s"], f["decode_tok_s"] * quick_run["model"]["matmul_bytes"] / 1e9)
     assert d["decode"]["bandwidth_bytes"] >= 512 * 1024 ** 2
     assert close(f["batch_speedup"], f["batch_decode_tok_s"] / f["decode_tok_s"])
+    w8 = d["w8_steps"]  # W8's own timeline: pure decode steps of 8 streams and of one
+    assert w8["steps_8"] and w8["steps_1"] and w8["from_image"]
+    assert close(f["batch8_step_ratio"], w8["median_step_8_s"] / w8["median_step_1_s"])
     assert close(f["sched_wall_ratio"], f["sched_wall_cached_s"] / f["sched_wall_plain_s"])
     sd = d["scheduler"]
     assert close(f["spec_speedup_one_stream"], sd["one"]["wall_s"] / sd["one_spec"]["wall_s"])
@@ -173,6 +176,9 @@ def test_quick_bench_records_the_machine(quick_run):
     for key in ("timestamp", "cpu_model", "cpu_count", "numpy", "blas", "python", "versions"):
         assert m.get(key), key
     assert m["cpu_count"] >= 1 and m["blas"].get("name")
+    # where it ran, so two hosts' figures compare: the vector ISA, the BLAS kernel and its threads
+    assert "isa" in m and m["blas_runtime"].get("core") and m["blas_runtime"].get("threads")
+    assert (m["isa"] or "?") in bench.format_table(quick_run).splitlines()[0]
     assert quick_run["model"]["n_params"] > 0 and quick_run["model"]["matmul_bytes"] > 0
 
 

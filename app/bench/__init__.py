@@ -4,7 +4,9 @@ Everything runs in one process (load/RSS and the UI figure in child processes) a
 ratio divides two numbers of the same run. The table shows each figure with its target;
 --json writes every figure, the raw measurements and the machine to a file.
 
-Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four),
+Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four;
+batch also runs W8 in a child process: batch8_step_ratio, its 8-stream over its 1-stream
+decode step, and w8_peak_rss_mb),
 cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
 the watcher's block events per second), serve ("OpenAI server": 8 streaming clients against
 `prefixlab serve` and llama-cpp-python's server; not in --quick), replay ("Trace replay": the
@@ -169,6 +171,9 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
             if "decode" in sections or "batch" in sections:  # the batch speedup needs single-stream
                 batch = "batch" in sections
                 section("decode", lambda: bench_engine.decode_figures(m, quick, run_batch=batch))
+            if "batch" in sections:  # W8's own timeline: 8 streams' step over one's, and its peak RSS
+                from .w8_steps import w8_step_figures
+                section("w8_steps", lambda: w8_step_figures(path, tmp_cache if image_ready else None, quick))
             if "blas" in sections:
                 section("blas", lambda: bench_engine.blas_thread_figures(m, quick))
             if "peer" in sections:
@@ -250,8 +255,10 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     t = result["targets"]
     head = (f"prefixlab bench{' --quick' if result['quick'] else ''}: {m['cpu_model']}, "
-            f"{m['cpus_usable']} CPUs, numpy {m['numpy']} "
-            f"({m['blas'].get('name', '?')} {m['blas'].get('version', '')}), {m['timestamp']}")
+            f"{m['cpus_usable']} CPUs, {m.get('isa') or '?'}, numpy {m['numpy']} "
+            f"({m['blas'].get('name', '?')} {m['blas'].get('version', '')}, kernel "
+            f"{m['blas_runtime'].get('core', '?')}, {m['blas_runtime'].get('threads', '?')} threads), "
+            f"{m['timestamp']}")
     if result["model"].get("description"):
         head += f"\nmodel: {result['model'].get('name', '')}: {result['model']['description']}"
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"

