@@ -123,3 +123,35 @@ def test_a_job_that_breaks_its_own_submit_fails_alone_and_the_loop_goes_on(tiny_
     assert isinstance(bad, Refused) and bad.status in (400, 500) and bad.message
     assert isinstance(answers["good"][0], Accepted) and isinstance(answers["good"][-1], FinishEvent)
     assert loop.in_flight() == 0 and not loop.scheduler.has_work()
+
+
+def test_the_prefixlab_command_opens_the_window_and_the_tour(qapp, gui_settings, tiny_gguf_path):
+    """`prefixlab` (run_app): the window comes up on a first start with the tour's first step,
+    and closing it ends the app with its engine thread."""
+    import signal
+
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from app.desktop.gui import run_app
+    from ui.main_window import MainWindow
+    from ui.tour_panel import TourPanel
+
+    seen: list = []
+
+    def look_and_close() -> None:
+        windows = [w for w in QApplication.topLevelWidgets() if isinstance(w, MainWindow) and w.isVisible()]
+        if not windows:
+            QTimer.singleShot(100, look_and_close)
+            return
+        tours = windows[0].findChildren(TourPanel)
+        seen.append((windows[0], any(t.isVisible() for t in tours)))
+        windows[0].close()
+
+    before = signal.getsignal(signal.SIGINT)
+    QTimer.singleShot(200, look_and_close)
+    try:
+        assert run_app(tiny_gguf_path) == 0
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen and seen[0][1], "the window and the tour's first step were on screen"

@@ -37,7 +37,7 @@ def run_app(model_path: str | None) -> int:
     from PySide6.QtCore import QTimer
 
     app = make_app()
-    from ..desktop import Desktop
+    from .window import Desktop
     from .tour import maybe_start_tour
 
     desktop = Desktop(model_path=model_path)
