@@ -37,8 +37,8 @@ def run_app(model_path: str | None) -> int:
     from PySide6.QtCore import QTimer
 
     app = make_app()
-    from .window import Desktop
     from .tour import maybe_start_tour
+    from .window import Desktop
 
     desktop = Desktop(model_path=model_path)
     window = desktop.window
