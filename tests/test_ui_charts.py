@@ -34,13 +34,13 @@ def column(rows, name):
 
 
 def last_x(curve) -> float | None:
-    x = curve.getData()[0]
+    x = curve.getOriginalDataset()[0]
     return None if x is None or not len(x) else float(x[-1])
 
 
 def drawn(curve, xs) -> np.ndarray:
     """The value a step curve shows at each x (curves keep only the rows where a value changes)."""
-    cx, cy = curve.getData()
+    cx, cy = curve.getOriginalDataset()
     return cy[np.searchsorted(cx, xs, side="right") - 1]
 
 
@@ -175,9 +175,9 @@ def test_the_shown_charts_end_at_the_sessions_last_figures(run, panel, qtbot):
     panel.refresh()
     last = run.rows[-1]
     for name in ("hits", "prefill_saved", "prefill_computed"):  # each curve's last point: the last row
-        x, y = panel.curves[name].getData()
+        x, y = panel.curves[name].getOriginalDataset()
         assert (x[-1], y[-1]) == (last.wall_s, getattr(last, name)), name
-    assert panel.curves["hit_rate"].getData()[1][-1] == pytest.approx(100 * last.hit_rate)
+    assert panel.curves["hit_rate"].getOriginalDataset()[1][-1] == pytest.approx(100 * last.hit_rate)
     # and the hits chart shows that point once painted: its view reaches the last step and count
     view = panel.plot_widgets()["hits"].getPlotItem()
 
