@@ -152,3 +152,22 @@ def test_a_new_pool_waits_for_a_job_typed_just_before_it(qapp, tiny_gguf_path, t
     assert not w.rec.request_refused and w.rec.request_finished[-1].finish_reason in ("stop", "length")
     assert w.scheduler is not first and w.scheduler.pool.kv_dtype == "float16"
     w._timer.stop()
+
+
+def test_the_model_bar_names_the_pages_dtype_and_size(open_desktop, qtbot, tiny_gguf_path):
+    """The model bar shows the KV pages' dtype and bytes per page, and follows a change to float16."""
+    from tests.gui_helpers import LOAD_TIMEOUT_MS, set_settings
+    d = open_desktop(autoload=True, model_path=tiny_gguf_path)
+    d.window.show()
+    qtbot.waitUntil(lambda: d.controller.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    chip, worker = d.window.model_bar.chips["kv"], d.controller.client.worker
+
+    def shows(dtype: str) -> bool:
+        pool = worker.scheduler.pool
+        kib = pool.bytes_per_page / 1024
+        return pool.kv_dtype == dtype and chip.text() == f"KV {dtype} · {kib:,.0f} KiB/page"
+
+    qtbot.waitUntil(lambda: shows("float32"), timeout=10_000)
+    set_settings(d, kv_dtype="float16")
+    qtbot.waitUntil(lambda: shows("float16"), timeout=10_000)
+    assert chip.isVisible()

@@ -310,6 +310,7 @@ class MainWindow(AskAndTell, QMainWindow):
             self.charts.append(rows, snap.records, snap.prefill_tok_s)
         self.cache_panel.update_snapshot(snap)
         self.pool_label.setText(pool_summary(snap))
+        self.model_bar.set_kv_pages(snap.kv_dtype, snap.bytes_per_page)
 
     def show_report(self, report, snap, path: str) -> None:
         """A saved report's charts, pool and chains, until the next live data."""

@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushBu
 from .format import format_bytes, format_count
 from .theme import icon
 
-_DROP_ORDER = ("size", "context", "params", "arch", "quant")  # first dropped when space runs short
+_DROP_ORDER = ("size", "kv", "context", "params", "arch", "quant")  # first dropped when space runs short
 MIN_WIDTH = 320
 
 
@@ -39,6 +39,8 @@ class ModelBar(QFrame):
             "arch": _chip("Architecture"), "quant": _chip("Quantization of the weights"),
             "params": _chip("Parameters"), "context": _chip("Context length (tokens)"),
             "size": _chip("File size"),
+            "kv": _chip("KV pages: the dtype their K and V are stored in, and the bytes one page takes "
+                        "(every layer's K and V for its positions)"),
             "template": _chip("The model's chat template could not be used"),
         }
         for chip in self.chips.values():
@@ -83,8 +85,8 @@ class ModelBar(QFrame):
         self.chips["params"].setToolTip(f"{info['n_params']:,} parameters")
         self.chips["context"].setText(f"ctx {info['context_length']:,}")
         self.chips["size"].setText(format_bytes(info["file_size"]))
-        for chip in self.chips.values():
-            chip.show()
+        for key, chip in self.chips.items():
+            chip.setVisible(key != "kv" or bool(chip.text()))
         self._fit_chips()
         warning = info.get("template_warning", "")
         self.chips["template"].setText("⚠ Gemma turn template" if "Gemma" in warning
@@ -97,13 +99,22 @@ class ModelBar(QFrame):
             f"{info['file']} — {info['n_layers']} layers, d={info['d_model']}, {info['n_heads']} heads "
             f"({info['n_kv_heads']} KV), vocab {info['vocab_size']:,}; loaded {how}")
 
+    def set_kv_pages(self, dtype: str, bytes_per_page: int) -> None:
+        """The KV pool's page dtype and size, e.g. "KV float16 · 360 KiB/page" (from a snapshot)."""
+        chip = self.chips["kv"]
+        text = f"KV {dtype} · {bytes_per_page / 1024:,.0f} KiB/page" if bytes_per_page else ""
+        if text != chip.text():
+            chip.setText(text)
+            chip.setVisible(bool(text) and self.info is not None)
+            self._fit_chips()
+
     def _fit_chips(self) -> None:
         """Drop the least needed chips until the bar fits its width (a 1280-pixel window's toolbar
         otherwise hid the whole bar, model name included)."""
         if self.info is None:
             return
         for key in _DROP_ORDER:
-            self.chips[key].setVisible(True)
+            self.chips[key].setVisible(bool(self.chips[key].text()))
         for key in _DROP_ORDER:
             if self.layout().minimumSize().width() <= self.width():
                 break
