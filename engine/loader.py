@@ -13,10 +13,13 @@ from tokenizers import Tokenizer
 from .chat import checked_template
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .layout import COLUMN_BLOCK, to_column_blocks
+from .layout import choose as choose_layout
+from .layout import probe_arrays
 from .registry import resolve_model
 from .threads import blas_threads
 from .tokenizer import TextTokenizer, build_tokenizer
-from .weight_image import read_image, write_image
+from .weight_image import image_dir, read_image, release, write_image
 
 if TYPE_CHECKING:  # gguf (0.1 s to import) is needed only to build an image: imported then
     from .gguf_loader import GGUFFile
@@ -24,19 +27,9 @@ if TYPE_CHECKING:  # gguf (0.1 s to import) is needed only to build an image: im
 TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
 BIG_HEAD_BYTES = 256 << 20  # an output head this large is worth naming in the description
 
-COLUMN_BLOCK = 64
 BLOCKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "output_t")
-
-
-def to_column_blocks(w: np.ndarray) -> np.ndarray | None:
-    """w [..., K, N] as [..., N/64, K, 64] contiguous column blocks; None when N % 64 != 0."""
-    *lead, K, N = w.shape
-    if N % COLUMN_BLOCK:
-        return None
-    return np.ascontiguousarray(w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK).swapaxes(-3, -2))
-
-
 BLOCKS_SUFFIX = "@blocks"  # weight-image name of an array's column blocks
+SMALL_MODEL_BYTES = 16 << 20  # matrices this small sit in the caches: either layout does, plain stays
 
 
 @dataclass
@@ -60,22 +53,34 @@ class Weights:
     post_ffn_norm: np.ndarray | None = None   # [L, d]
     rope_freqs: np.ndarray | None = None      # [head_dim/2]: RoPE frequency divisors (Llama 3.1+)
 
-    column_blocks: dict = field(default_factory=dict, repr=False)  # from the image, or made on first use
+    # The one copy a forward pass reads (engine/layout.py): "plain", the arrays above, or
+    # "blocks", the image's [L,] N/64, K, 64 column blocks of BLOCKED_WEIGHTS. The other copy
+    # stays on disk, unread, so it never becomes resident.
+    layout: str = "plain"
+    column_blocks: dict = field(default_factory=dict, repr=False)
+    layout_record: dict = field(default_factory=dict, repr=False)  # how the layout was chosen
 
-    def blocked(self, name: str) -> np.ndarray | None:
-        """`name` ([L,] K, N) as [L,] N/64, K, 64 column blocks, or None when N is not a multiple of 64.
+    def blocks(self, name: str) -> np.ndarray | None:
+        """`name`'s column blocks when they are the copy read, else None (read the plain array)."""
+        return self.column_blocks.get(name) if self.layout == "blocks" else None
 
-        OpenBLAS runs a GEMM of 2-16 rows at a third of a GEMV's bandwidth, but a batch of
-        64-column blocks at full speed. The weight image stores them; otherwise made on first use.
-        """
-        if name not in self.column_blocks:
-            self.column_blocks[name] = to_column_blocks(getattr(self, name))
-        return self.column_blocks[name]
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """Embedding rows [N, d]; a tied embedding is read from the head's copy that is read."""
+        head = self.blocks("output_t") if self.token_embd is self.output else None
+        if head is None:
+            return np.asarray(self.token_embd[tokens], dtype=np.float32)      # [N, d]
+        return head[tokens // COLUMN_BLOCK, :, tokens % COLUMN_BLOCK]        # [N, d]
 
-    def prepare_batched(self) -> None:
-        """Make every small-batch copy now (~0.5 s), so the first batched step does not pay it."""
-        for name in BLOCKED_WEIGHTS:
-            self.blocked(name)
+    def choose_layout(self, folder: str, remeasure: bool = False) -> None:
+        """Read the layout this machine runs fastest (engine/layout.py), remembered in `folder`."""
+        if not self.column_blocks or self.matmul_bytes() < SMALL_MODEL_BYTES:
+            return
+        layers = {n: getattr(self, n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
+        probed: dict = {}
+        self.layout, self.layout_record = choose_layout(
+            folder, lambda: probed.setdefault("a", probe_arrays(layers, self.column_blocks)), remeasure)
+        if probed:  # the losing copy's probed pages leave this process's memory
+            release(probed["a"]["blocks" if self.layout == "plain" else "plain"])
 
     def matmul_bytes(self) -> int:
         """Bytes of weights one decode step reads (every matmul plus the output head)."""
@@ -131,8 +136,9 @@ def _transposed(a: np.ndarray, rows: int = 1024) -> np.ndarray:
     return out
 
 
-def _weight_arrays(gf: GGUFFile):
-    """Yield (name, float32 array) one at a time: dequantized, fused (QKV, gate+up), transposed for `x @ W`.
+def _weight_arrays(gf: GGUFFile, with_blocks: bool = False):
+    """Yield (name, float32 array) one at a time: dequantized, fused (QKV, gate+up), transposed for `x @ W`;
+    with_blocks (the weight image) adds each matrix's column blocks.
 
     One at a time keeps a cold load's peak memory near the largest array, not the whole model.
     """
@@ -176,8 +182,8 @@ def _weight_arrays(gf: GGUFFile):
         if name == "rope_freqs" and not (arr > 0).all():
             raise ModelLoadError(f"{gf.path}: rope_freqs.weight has a factor <= 0")
         yield name, arr
-        blocks = to_column_blocks(arr) if name in BLOCKED_WEIGHTS else None
-        if blocks is not None:  # stored, so a warm start neither copies nor holds a second set
+        blocks = to_column_blocks(arr) if with_blocks and name in BLOCKED_WEIGHTS else None
+        if blocks is not None:  # on disk beside the plain array: the layout probe picks one to read
             yield name + BLOCKS_SUFFIX, blocks
 
 
@@ -254,7 +260,7 @@ def _build(info: dict, arrays: dict[str, np.ndarray], path: str, size: int, t0: 
 def _image_arrays(gf: GGUFFile, info: dict) -> dict[str, np.ndarray] | None:
     """Write the weight image array by array, then memory-map it; None when the cache is unwritable."""
     try:
-        write_image(gf.path, gf.header_bytes, _weight_arrays(gf), info)
+        write_image(gf.path, gf.header_bytes, _weight_arrays(gf, with_blocks=True), info)
     except OSError:
         return None  # an unwritable cache only costs speed and memory
     mapped = read_image(gf.path)
@@ -264,6 +270,13 @@ def _image_arrays(gf: GGUFFile, info: dict) -> dict[str, np.ndarray] | None:
 def load_model(path: str | os.PathLike | None = None, use_image: bool = True) -> Model:
     """Load a GGUF: a file, a built-in model's name ("gemma3-270m"), or the bundled SmolLM2 when None."""
     t0 = time.perf_counter()
+    model = _load(path, use_image, t0)
+    model.weights.choose_layout(image_dir(model.path))
+    model.load_seconds = time.perf_counter() - t0
+    return model
+
+
+def _load(path: str | os.PathLike | None, use_image: bool, t0: float) -> Model:
     blas_threads()  # its first look at the machine's free cores spans the load
     path = resolve_model(path)
     if use_image and os.path.isfile(path):

@@ -8,6 +8,7 @@ from .attention import AttentionPlan, attention_plan, paged_attention
 from .block_manager import SeqSlots
 from .config import ModelConfig
 from .kv_pool import KVPool
+from .layout import blocks_matmul, plain_matmul
 from .loader import Model, Weights
 
 
@@ -39,24 +40,13 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = Fal
     return out
 
 
-SMALL_BATCH = range(2, 17)  # rows for which the column-block layout beats a plain GEMM
-
-
 def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np.ndarray:
-    """x @ W (one layer's when `layer` is given); 2-16 rows go through the column-block copy."""
+    """x @ W (one layer's when `layer` is given), from the one layout this machine reads (engine/layout.py)."""
+    blocks = w.blocks(name)
+    if blocks is not None:
+        return blocks_matmul(x, blocks if layer is None else blocks[layer])  # [N, out]
     weight = getattr(w, name)
-    if layer is not None:
-        weight = weight[layer]
-    if len(x) == 1:
-        # A GEMV reads the plain layout at full bandwidth (measured: decode 1.1-1.2x the
-        # 2-row GEMM over the blocks), and one stream then never maps the blocks at all.
-        return (x[0] @ weight)[None]                                         # [1, out]
-    blocks = w.blocked(name) if len(x) in SMALL_BATCH else None
-    if blocks is None:
-        return x @ weight                                                    # [N, out]
-    if layer is not None:
-        blocks = blocks[layer]
-    return (x @ blocks).transpose(1, 0, 2).reshape(len(x), -1)              # [N, out]
+    return plain_matmul(x, weight if layer is None else weight[layer])     # [N, out]
 
 
 def gelu_tanh(g: np.ndarray) -> np.ndarray:
@@ -165,7 +155,7 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
     angles = layer_angles(cfg, positions, w.rope_freqs)             # per layer: [N, hd/2] x 2
     slots = page_slots(pool.page_rows, sessions, counts)
     plan = attention_plan(pool.page_rows, sessions, counts)
-    x = np.asarray(w.token_embd[tokens], dtype=np.float32)          # [N, d]
+    x = w.embed(tokens)                                              # [N, d]
     if cfg.scale_embeddings:
         x = x * np.float32(cfg.embed_scale)                          # [N, d]
     for layer in range(cfg.n_layers):

@@ -63,8 +63,6 @@ class Scheduler:
         self.settings = dataclasses.replace(settings) if settings else SchedulerSettings()
         self.settings.validate()
         self.model = model
-        if self.settings.max_streams > 1:
-            model.weights.prepare_batched()  # now, not inside the first batched step's TTFT
         self.pool = create_kv_pool(model, self.settings.page_rows, self.settings.pool_pages,
                                    kv_dtype=self.settings.kv_dtype)
         self.cache = create_prefix_cache(max_pages=self.settings.cache_pages,
@@ -93,8 +91,6 @@ class Scheduler:
             if getattr(settings, name) != getattr(self.settings, name):
                 raise ValueError(f"changing {name} needs a new KV pool: create a new Scheduler")
         self.settings = dataclasses.replace(settings)
-        if settings.max_streams > 1:
-            self.model.weights.prepare_batched()
         self.cache.max_pages = settings.cache_pages
         self.cache.enforce_budget()
 

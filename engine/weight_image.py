@@ -11,7 +11,9 @@ half-second re-read (any write to the file moves its ctime, which no user can se
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import zlib
 
@@ -163,3 +165,22 @@ def read_image(gguf_path: str) -> tuple[dict[str, np.ndarray], dict] | None:
         return arrays, meta["info"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+_MADV_DONTNEED = 4  # Linux: drop these pages from this process; a mapped file's come back on the next read
+
+
+def release(arrays) -> None:
+    """Give back the resident pages of read-only arrays over the image's map (the layout probe's
+    loser), so a copy that is never read again does not count in this process's memory."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    page = mmap.PAGESIZE
+    for a in arrays:
+        if a.flags.writeable or not a.nbytes:  # never anonymous memory: DONTNEED would zero it
+            continue
+        start = a.ctypes.data // page * page
+        end = -(-(a.ctypes.data + a.nbytes) // page) * page
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)

@@ -120,7 +120,8 @@ def _model_facts(m) -> dict:
     return {"name": m.name, "arch": m.arch, "quant": m.quant, "n_params": m.n_params,
             "file_size": m.file_size, "matmul_bytes": m.weights.matmul_bytes(),
             "from_image": m.from_image, "config": dict(m.config.__dict__),
-            "description": m.describe(), "quant_mix": m.quant_mix}
+            "description": m.describe(), "quant_mix": m.quant_mix,
+            "layout": {"layout": m.weights.layout, **m.weights.layout_record}}
 
 
 def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTIONS, log=None) -> dict:

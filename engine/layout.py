@@ -1,0 +1,139 @@
+"""Which weight layout this machine's BLAS runs fastest, measured once and kept with the weight image.
+
+Two layouts, and only one is ever read (docs/design.md §11): "plain" ([K, N] for `x @ W`) and
+"blocks" ([N/64, K, 64] column blocks). Which wins depends on the CPU's BLAS kernels: on a 2-core
+EPYC with OpenBLAS's SkylakeX kernels a decode step of 8 rows over the blocks took 28 ms against
+60 ms as plain GEMMs, and one row (padded to two: a GEMV over blocks runs on one core) 18.6 ms
+against the plain GEMV's 20.1 ms; on another host the plain GEMV read 43 GB/s and the blocks a
+third of that. So the engine measures both on the model's own matrix shapes (well under a second)
+the first time it maps an image on a machine, and keeps the answer in the image's folder.
+The probe reads the first layers of both copies; the loser's pages are then given back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import numpy as np
+
+from .atomic import atomic_write
+
+LAYOUTS = ("plain", "blocks")
+COLUMN_BLOCK = 64
+PROBE_BYTES = 96 << 20   # per layout: thrice a 32 MB L3, so the probe reads memory as decode does
+PROBE_ROUNDS = 7         # medians of interleaved rounds; the first round is a warm-up
+BATCH_ROWS = 8           # the burst this project exists for: eight streams decoding together
+BLOCKS_MIN_GAIN = 0.85   # blocks must make 8 rows this much cheaper...
+BLOCKS_MAX_LOSS = 1.10   # ...and cost one row at most this much more, or plain stays
+LAYOUT_FILE = "layout.json"
+ENV = "PREFIXLAB_LAYOUT"  # "plain" or "blocks" forces one; unset or "auto" measures
+
+
+def to_column_blocks(w: np.ndarray) -> np.ndarray | None:
+    """w [..., K, N] as [..., N/64, K, 64] contiguous column blocks; None when N % 64 != 0."""
+    *lead, K, N = w.shape
+    if N % COLUMN_BLOCK:
+        return None
+    return np.ascontiguousarray(w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK).swapaxes(-3, -2))
+
+
+def blocks_matmul(x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """x [N, K] @ W given as blocks [N/64, K, 64]: [N, out]. One row goes as two (BLAS's
+    small-matrix GEMM kernels, which use both cores; a GEMV over 64-column blocks uses one)."""
+    if len(x) == 1:
+        x2 = np.zeros((2, x.shape[1]), dtype=np.float32)                   # [2, K]
+        x2[0] = x[0]
+        return np.matmul(x2, blocks)[:, 0].reshape(1, -1)                  # [1, out]
+    return np.matmul(x, blocks).transpose(1, 0, 2).reshape(len(x), -1)   # [N, out]
+
+
+def plain_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [N, K] @ w [K, N_out]; one row as a GEMV (reads the plain layout at full bandwidth)."""
+    return (x[0] @ w)[None] if len(x) == 1 else x @ w                     # [N, out]
+
+
+def machine_key() -> str:
+    """What the measurement depends on: the CPU, the BLAS kernel and its threads, NumPy."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    from threadpoolctl import threadpool_info
+    blas = next((f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')}"
+                 for i in threadpool_info() if i.get("user_api") == "blas"), "unknown BLAS")
+    return f"{cpu} | {os.cpu_count()} cores | {blas} | numpy {np.__version__}"
+
+
+def probe_arrays(plain: dict[str, np.ndarray], blocks: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]]:
+    """Each layout's first layers of the model's own matrices, PROBE_BYTES of them, in step order."""
+    names = [n for n in plain if blocks.get(n) is not None]
+    per_layer = sum(plain[n][0].nbytes for n in names) or 1
+    layers = range(min(len(plain[names[0]]), max(1, PROBE_BYTES // per_layer))) if names else range(0)
+    return {"plain": [plain[n][i] for i in layers for n in names],
+            "blocks": [blocks[n][i] for i in layers for n in names]}
+
+
+def measure(arrays: dict[str, list[np.ndarray]]) -> dict:
+    """Seconds of one pass over each layout's matrices, for 1 and 8 rows: the fastest round
+    (load only ever adds time), rounds interleaved so a burst of load hits every candidate alike."""
+    run = {"plain": plain_matmul, "blocks": blocks_matmul}
+    times: dict[str, list[float]] = {}
+    for rnd in range(PROBE_ROUNDS + 1):
+        for name, ws in arrays.items():
+            for rows in (1, BATCH_ROWS):
+                xs = {k: np.full((rows, k), 0.5, dtype=np.float32) for k in {w.shape[-2] for w in ws}}
+                t0 = time.perf_counter()
+                for w in ws:
+                    run[name](xs[w.shape[-2]], w)
+                if rnd:
+                    times.setdefault(f"{name}_{rows}", []).append(time.perf_counter() - t0)
+    return {k: min(v) for k, v in times.items()}
+
+
+def winner(times: dict) -> str:
+    """The layout to keep: blocks only when they clearly speed up the burst and barely slow one stream."""
+    gain = times["blocks_8"] <= BLOCKS_MIN_GAIN * times["plain_8"]
+    loss = times["blocks_1"] <= BLOCKS_MAX_LOSS * times["plain_1"]
+    return "blocks" if gain and loss else "plain"
+
+
+def choose(folder: str | None, arrays, remeasure: bool = False) -> tuple[str, dict]:
+    """(layout, record): forced by $PREFIXLAB_LAYOUT, else remembered in `folder` for this
+    machine, else measured now on `arrays()` (probe_arrays) and remembered (an unwritable
+    folder only costs a re-measure)."""
+    forced = os.environ.get(ENV, "auto").strip().lower()
+    if forced in LAYOUTS:
+        return forced, {"layout": forced, "source": f"${ENV}"}
+    if forced != "auto":
+        raise ValueError(f"${ENV}: expected auto, plain or blocks, got {forced!r}")
+    key, path = machine_key(), os.path.join(folder, LAYOUT_FILE) if folder else None
+    known = _read(path)
+    if not remeasure and isinstance(known.get(key), dict) and known[key].get("layout") in LAYOUTS:
+        return known[key]["layout"], {**known[key], "source": "remembered"}
+    t0 = time.perf_counter()
+    times = measure(arrays())
+    record = {"layout": winner(times), "seconds": {k: round(v, 6) for k, v in times.items()},
+              "probe_s": round(time.perf_counter() - t0, 3), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if path:
+        known[key] = record
+        try:
+            atomic_write(path, lambda fh: fh.write(json.dumps(known, indent=1).encode()))
+        except OSError:
+            pass
+    return record["layout"], {**record, "source": "measured"}
+
+
+def _read(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}

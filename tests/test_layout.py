@@ -1,0 +1,125 @@
+"""The weight layout: measured once per machine, remembered with the image, one copy read."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import engine
+from engine import layout, weight_image
+from engine.block_manager import SeqSlots
+from engine.api import create_kv_pool
+from engine.model import forward
+
+
+def _logits(model, prompts):
+    """Last-token logits of several fresh sessions in one forward pass."""
+    pool = create_kv_pool(model, 16, 64)
+    sessions, nxt = [], 0
+    for p in prompts:
+        need = -(-len(p) // 16)
+        sessions.append(SeqSlots(page_table=list(range(nxt, nxt + need)), n_past=0))
+        nxt += need
+    return forward(model, pool, sessions, prompts)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (8, 1), (1, 20), (4, 9)])
+def test_both_layouts_compute_the_same_logits(real_model, shape):
+    """A decode row, a batch of 3 or 8, a 20-token prefill and a mix: same logits either way."""
+    n_seq, n_tok = shape
+    rng = np.random.default_rng(n_seq * 100 + n_tok)
+    prompts = [rng.integers(1, 40000, size=n_tok).tolist() for _ in range(n_seq)]
+    w = real_model.weights
+    assert set(w.column_blocks) >= {"wqkv", "wo", "w_gate_up", "w_down", "output_t"}
+    before = w.layout
+    try:
+        w.layout = "plain"
+        plain = _logits(real_model, prompts)
+        w.layout = "blocks"
+        blocks = _logits(real_model, prompts)
+    finally:
+        w.layout = before
+    scale = np.abs(plain).max()
+    np.testing.assert_allclose(blocks, plain, rtol=0, atol=2e-4 * scale)
+    assert (blocks.argmax(-1) == plain.argmax(-1)).all()
+
+
+def test_a_tied_embedding_is_read_from_the_head_blocks(real_model):
+    w = real_model.weights
+    tokens = np.array([0, 1, 63, 64, 12345, w.output.shape[0] - 1])
+    before = w.layout
+    try:
+        w.layout = "blocks"
+        np.testing.assert_array_equal(w.embed(tokens), w.token_embd[tokens])
+    finally:
+        w.layout = before
+
+
+def test_the_winner_keeps_blocks_only_when_they_pay_for_the_burst_and_barely_cost_one_stream():
+    base = {"plain_1": 10.0, "plain_8": 30.0}
+    assert layout.winner({**base, "blocks_1": 10.5, "blocks_8": 20.0}) == "blocks"
+    assert layout.winner({**base, "blocks_1": 13.0, "blocks_8": 20.0}) == "plain"  # one stream slower
+    assert layout.winner({**base, "blocks_1": 9.0, "blocks_8": 28.0}) == "plain"   # the burst no faster
+
+
+def test_the_layout_is_measured_once_then_remembered_for_this_machine(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    plain = {"wqkv": rng.standard_normal((2, 64, 192), dtype=np.float32)}
+    blocks = {"wqkv": layout.to_column_blocks(plain["wqkv"])}
+    calls = []
+
+    def arrays():
+        calls.append(1)
+        return layout.probe_arrays(plain, blocks)
+
+    monkeypatch.delenv(layout.ENV, raising=False)
+    first, rec = layout.choose(str(tmp_path), arrays)
+    assert rec["source"] == "measured" and set(rec["seconds"]) == {"plain_1", "plain_8", "blocks_1", "blocks_8"}
+    assert first == layout.winner(rec["seconds"])
+    again, rec2 = layout.choose(str(tmp_path), arrays)
+    assert (again, rec2["source"], len(calls)) == (first, "remembered", 1)
+    saved = json.loads((tmp_path / layout.LAYOUT_FILE).read_text())
+    assert saved[layout.machine_key()]["layout"] == first
+    _, rec3 = layout.choose(str(tmp_path), arrays, remeasure=True)  # on demand
+    assert rec3["source"] == "measured" and len(calls) == 2
+    monkeypatch.setenv(layout.ENV, "blocks")
+    assert layout.choose(str(tmp_path), arrays)[0] == "blocks" and len(calls) == 2
+    monkeypatch.setenv(layout.ENV, "fastest")
+    with pytest.raises(ValueError, match="PREFIXLAB_LAYOUT.*'fastest'"):
+        layout.choose(str(tmp_path), arrays)
+
+
+_RSS_CHILD = textwrap.dedent("""
+    import json, numpy as np, engine
+    from tests.test_layout import _logits
+    def rss():
+        return int([ln for ln in open("/proc/self/status") if ln.startswith("VmRSS")][0].split()[1]) << 10
+    m = engine.load_model()
+    _logits(m, [[5]]); _logits(m, [[7]] * 8); _logits(m, [list(range(1, 40))])
+    print(json.dumps({"layout": m.weights.layout, "rss": rss(), "weights": m.weights.matmul_bytes(),
+                      "source": m.weights.layout_record.get("source")}))
+""")
+
+
+@pytest.mark.parametrize("forced", ["plain", "blocks", "auto"])
+def test_only_one_copy_of_the_weights_becomes_resident(forced, tmp_path):
+    """Decode rows, a batch of 8 and a prefill all read one copy; the probe's loser is given back."""
+    env = {**os.environ, layout.ENV: forced, "PREFIXLAB_CACHE_DIR": os.environ["PREFIXLAB_CACHE_DIR"]}
+    if forced == "auto":  # a machine the image has not met: measured now
+        folder = weight_image.image_dir(engine.default_model_path())
+        if os.path.exists(os.path.join(folder, layout.LAYOUT_FILE)):
+            os.unlink(os.path.join(folder, layout.LAYOUT_FILE))
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if forced != "auto":
+        assert got["layout"] == forced
+    else:
+        assert got["source"] == "measured"
+    # one copy is ~540 MB; both would be ~1,080 MB. The rest of the process stays under 300 MB.
+    assert got["rss"] < got["weights"] + (300 << 20), got
