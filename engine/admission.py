@@ -32,10 +32,11 @@ def can_take(pool: BlockManager, cache: PrefixCache, pages: int) -> bool:
     return pool.num_free_pages + cache.num_evictable() >= pages
 
 
-def must_wait(s: Stream, streams: list[Stream], cache: PrefixCache, page_rows: int) -> bool:
-    """True while another stream is computing pages of this prompt that the cache lacks
-    (a prompt prefilling, or a finished turn's closing tokens): the request shares them
-    once they are published instead of computing them twice."""
+def computing(s: Stream, streams: list[Stream], cache: PrefixCache,
+              page_rows: int) -> tuple[Stream, int] | None:
+    """(the stream, its pages this prompt shares) while another stream is computing pages of
+    this prompt that the cache lacks (a prompt prefilling, or a finished turn's closing tokens);
+    None when none is. The request shares those pages instead of computing them twice."""
     cached = prefix_probe(cache, s.prompt, s.record.namespace).matched_pages
     for other in streams:
         if other.record.namespace != s.record.namespace or other.session is None:
@@ -44,8 +45,40 @@ def must_wait(s: Stream, streams: list[Stream], cache: PrefixCache, page_rows: i
         if other.session.n_past < len(target):
             shared = min(common_prefix(s.prompt, target) // page_rows, attach_cap(len(s.prompt), page_rows))
             if shared > cached:
-                return True
-    return False
+                return other, shared
+    return None
+
+
+def can_lend(owner: Stream, pages: int, page_rows: int, chunk_tokens: int) -> bool:
+    """A stream prefilling its own prompt lends pages it has yet to write when its next pass
+    can write them all, so the borrower joins that pass instead of waiting for the next one
+    (docs/design.md §4). A closing turn, a stream leaving, or a borrower itself does not lend."""
+    return (owner.prefilling and owner.cancel_requested is None and owner.lender is None
+            and pages * page_rows - owner.session.n_past <= chunk_tokens)
+
+
+def unsettled(s: Stream) -> bool:
+    """True while pages this stream borrowed are unwritten: it may read them in their pass only."""
+    return s.lender is not None and s.lender.session.n_past < s.borrowed
+
+
+def settle_borrowers(active: list[Stream], pool: BlockManager,
+                     cache: PrefixCache) -> tuple[int, list[Stream]]:
+    """Borrowers whose pages are written now read them as any and count as the cache hits they
+    would have been had they waited: (tokens they saved, those whose lender is leaving before
+    writing them, which start over from the queue)."""
+    saved, orphans = 0, []
+    for s in [s for s in active if s.lender is not None]:
+        if not unsettled(s):
+            s.lender = None
+            n_pages = s.borrowed // pool.page_rows
+            page = pool.table(s.session)[n_pages - 1]
+            cache.count_shared(page, n_pages, s.borrowed)
+            s.record.chain_hit = cache.chain_of(page)
+            saved += s.borrowed
+        elif s.lender.cancel_requested and not s.cancel_requested:
+            orphans.append(s)
+    return saved, orphans
 
 
 def plan_prefill(active: list[Stream], leaving: set[int],
@@ -58,12 +91,16 @@ def plan_prefill(active: list[Stream], leaving: set[int],
     """
     waiting = [s for s in active if s.prefilling and s.id not in leaving]
     waiting.sort(key=lambda s: len(s.prompt) - s.session.n_past)  # stable: ties keep admission order
-    budget, plan = chunk_tokens, []
-    for s in waiting:
+    budget, plan, reach = chunk_tokens, [], {}
+    # a borrower goes after the others, and only into a pass its lender's piece writes the pages in
+    for s in [s for s in waiting if not unsettled(s)] + [s for s in waiting if unsettled(s)]:
         if budget == 0:
             break
+        if unsettled(s) and reach.get(s.lender.id, 0) < s.borrowed:
+            continue
         n = s.session.n_past
         piece = s.prompt[n:n + budget]
         plan.append((s, piece))
+        reach[s.id] = n + len(piece)
         budget -= len(piece)
     return plan

@@ -104,6 +104,7 @@ class BlockManager:
         self._free: list[int] = list(range(start - 1, -1, -1))  # pop() gives the lowest id
         self._seqs: dict[int, _Seq] = {}
         self.caches: list = []  # prefix caches bound to these pages (they evict on request)
+        self.lent: set[int] = set()  # shared before their owner wrote them: see `lend`
 
     # counts -----------------------------------------------------------
     @property
@@ -177,6 +178,7 @@ class BlockManager:
         self._refcount = None
         if self.refs[page] == 0:
             self._free.append(page)
+            self.lent.discard(page)
 
     def add_cache(self, cache) -> None:
         """Bind a prefix cache: it evicts when a bounded manager runs out of pages."""
@@ -236,9 +238,9 @@ class BlockManager:
             pages = s._seq.pages
             start = s.n_past
             for i in range(start // rows, pages_for(start + n, rows)):
-                if self.refs[pages[i]] != 1:
+                if self.refs[pages[i]] != 1 and pages[i] not in self.lent:
                     # The one shared-page write guard: a shared page is immutable, and
-                    # writing into it would corrupt every holder.
+                    # writing into it would corrupt every holder (a lent page is written by its owner).
                     raise RuntimeError(f"refusing to write K/V into shared or free page {pages[i]} "
                                        f"of session {s.id}")
         return [SeqSlots(list(s._seq.pages), s.n_past) for s in sessions]
@@ -250,6 +252,8 @@ class BlockManager:
             if pages_for(len(seq.tokens) + len(toks), self.page_rows) > len(seq.pages):
                 raise RuntimeError(f"session {s.id}: committing tokens past its allocated pages")
             seq.tokens.extend(int(t) for t in toks)
+            if self.lent:  # written now: immutable like any shared page
+                self.lent.difference_update(seq.pages[:len(seq.tokens) // self.page_rows])
 
     def rollback(self, s: Session, n_tokens: int) -> None:
         """Forget the session's last `n_tokens` evaluated tokens (rejected speculative drafts).
@@ -285,6 +289,15 @@ class BlockManager:
             self.retain(page)
         seq.pages.extend(pages)
         seq.tokens.extend(int(t) for t in tokens)
+
+    def lend(self, owner: Session, borrower: Session, n_pages: int, tokens: list[int]) -> None:
+        """Share the owner's first `n_pages` with a fresh session before the owner has written
+        them all (docs/design.md §4): the owner's pass writes them, the write guard lets it, and
+        the scheduler lets the borrower read them only in that pass or later."""
+        seq = self._live(owner)
+        pages = seq.pages[:n_pages]
+        self.lent.update(pages[len(seq.tokens) // self.page_rows:])
+        self.attach(borrower, pages, tokens)
 
     def free_session(self, s: Session) -> None:
         """Release every page of the session; a cache over its budget gives pages back now."""

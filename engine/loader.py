@@ -13,9 +13,8 @@ from tokenizers import Tokenizer
 from .chat import checked_template
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .layout import COLUMN_BLOCK, to_column_blocks
+from .layout import COLUMN_BLOCK, probe_arrays, to_column_blocks
 from .layout import choose as choose_layout
-from .layout import probe_arrays
 from .registry import resolve_model
 from .threads import blas_threads
 from .tokenizer import TextTokenizer, build_tokenizer

@@ -41,7 +41,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = Fal
 
 
 def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np.ndarray:
-    """x @ W (one layer's when `layer` is given), from the one layout this machine reads (engine/layout.py)."""
+    """x @ W (one layer's when `layer` is given), in the one layout this machine reads (engine/layout.py)."""
     blocks = w.blocks(name)
     if blocks is not None:
         return blocks_matmul(x, blocks if layer is None else blocks[layer])  # [N, out]

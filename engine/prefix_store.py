@@ -344,6 +344,18 @@ class PrefixCache(ProbeIndex, TierMixin):
             self.counters.tokens_saved += n
         return n
 
+    def count_shared(self, page: int, n_pages: int, n_tokens: int) -> None:
+        """Count a prompt that shared `n_pages` another session was computing (the scheduler lent
+        them; `page` is the deepest, now cached) as the hit it would have been had it waited."""
+        self.counters.queries += 1
+        chain = self.chains.get(self.chain_of(page))
+        if chain is not None:
+            chain.hits += 1
+            chain.last_hit_at = time.time()
+        self.counters.hits += 1
+        self.counters.hit_pages += n_pages
+        self.counters.tokens_saved += n_tokens
+
     def chain_list(self) -> list[ChainRecord]:
         """Snapshots (copies) of every chain that still has a live page, oldest first."""
         return [copy.copy(c) for c in self.chains.values() if c.pages_live > 0]

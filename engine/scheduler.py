@@ -6,8 +6,8 @@ the forward pass never allocates), and plans the pass: every decoding stream's n
 one prefill chunk of at most `chunk_tokens` prompt tokens, and the closing tokens of turns
 that finished in the step before. `postprocess` samples, publishes each full prompt page to
 the cache as soon as it is computed, finishes streams, and donates and releases sessions.
-Admission is prefix-aware: a request whose uncached prefix another stream is computing
-waits for those pages instead of computing them twice.
+Admission is prefix-aware: a request whose uncached prefix another stream is computing shares
+those pages instead of computing them twice, joining the pass that writes them (or waiting).
 
 The scheduler knows requests (token ids), not chat: conversations live in the chat front end
 (engine/conversations.py), and every front end reaches the scheduler through the one owner
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .admission import can_take, must_wait, plan_prefill
+from .admission import can_lend, can_take, computing, plan_prefill, settle_borrowers
 from .api import create_kv_pool, create_session, eval_batch
 from .loader import Model
 from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
@@ -221,14 +221,14 @@ class Scheduler:
         return batch
 
     def _admit(self) -> None:
-        self.waiting_for_pages = None
+        self.waiting_for_pages, rows = None, self.settings.page_rows
         for s in list(self._queue):
             if len(self._active) >= self.settings.max_streams:
                 return
-            if s.cancel_requested or (self.settings.cache_enabled and must_wait(
-                    s, self.streams(), self.cache, self.settings.page_rows)):
+            busy = self.settings.cache_enabled and computing(s, self.streams(), self.cache, rows)
+            if s.cancel_requested or (busy and not can_lend(*busy, rows, self.settings.chunk_tokens)):
                 continue
-            need = s.pages_needed(self.settings.page_rows)
+            need = s.pages_needed(rows)
             if not can_take(self.pool, self.cache, need):
                 if not self.streams():
                     raise RuntimeError(f"request {s.id} needs {need} pages that an idle pool of "
@@ -239,7 +239,11 @@ class Scheduler:
             s.session = create_session(self.model, self.pool)
             s.admitted_at = time.perf_counter()
             s.record.queue_wait_s = s.admitted_at - s.arrival
-            if self.settings.cache_enabled:
+            if busy:  # joins the pass that writes the shared pages (docs/design.md §4)
+                s.lender, s.borrowed = busy[0], busy[1] * rows
+                self.pool.lend(s.lender.session, s.session, busy[1], s.prompt[:s.borrowed])
+                s.record.n_cached = s.borrowed  # counted as saved once the pages are written
+            elif self.settings.cache_enabled:
                 matched = prefix_attach(self.cache, self.pool, s.session, s.prompt, s.record.namespace)
                 if matched:
                     s.record.chain_hit = self.cache.chain_of(s.session.page_table[-1])
@@ -267,6 +271,13 @@ class Scheduler:
                 self._publish(s, s.prompt)  # as soon as computed, so concurrent prompts share
             if not s.prefilling:
                 events += self._sample(s, logits[base + j])
+        saved, orphans = settle_borrowers(self._active, self.pool, self.cache)
+        self.prefill_saved += saved
+        for s in orphans:  # their lender left before writing what they borrowed
+            self._active.remove(s)
+            self.pool.free_session(s.session)
+            s.session, s.lender, s.borrowed, s.record.n_cached = None, None, 0, 0
+            self._queue.appendleft(s)
         for s in batch.closing:
             self._closing.remove(s)
             self._donate_and_release(s)
@@ -350,7 +361,7 @@ class Scheduler:
     def _donate_and_release(self, s: Stream) -> None:
         """Publish what the session evaluated (a cancelled stream: what ran), then release it."""
         donated = self.pool.tokens(s.session)
-        if self.settings.cache_enabled:
+        if self.settings.cache_enabled and s.lender is None:  # a borrower's unwritten pages are no prefix
             self._publish(s, donated)
         s.closing = []
         self.pool.free_session(s.session)

@@ -154,6 +154,8 @@ class Stream:
                                          # "stop" (the server cut the answer at a stop string)
     finish_reason: str | None = None
     closing: list[int] = field(default_factory=list)  # the finished turn's unevaluated tail
+    lender: Stream | None = None       # the stream whose unwritten prompt pages this one shares
+    borrowed: int = 0                  # ...and how many positions: it joins the pass that writes them
 
     @property
     def id(self) -> int:

@@ -26,7 +26,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "watch_block_events_per_s": (50_000, ">="), "watch_ui_stall_ms": (100, "<="),
     # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
     "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),
-    "peer_w8_wall_ratio": (0.8, "<="),
+    "peer_w8_wall_ratio": (0.7, "<="),  # issue 22: was 0.8 (issue "Performance")
     # W8's own timeline (issue 22): a decode step of 8 streams over one stream's, and the run's peak RSS
     "batch8_step_ratio": (1.8, "<="), "w8_peak_rss_mb": (700.0, "<="),
     # bench section "w8" (issue "Performance"): whole `prefixlab run` processes
