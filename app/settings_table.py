@@ -77,7 +77,7 @@ TABLE: tuple[Setting, ...] = (
             "bar shows it)",
             0, 1_000_000, special="0 (KV budget)"),
     Setting("cache_pages", "pool", "int", _S.cache_pages, "Cache budget (pages)",
-            "Most pages the cache may keep; 0: no budget of its own (a bounded pool bounds it)",
+            "Most pages the cache may keep, within the pool; 0: no budget of its own (the pool's bound)",
             0, 1_000_000, special="0 (the pool's)"),
     Setting("cache_enabled", "pool", "bool", _S.cache_enabled, "Prefix cache",
             "Off: every prompt is prefilled in full (for comparison)", text="Reuse cached prefixes"),

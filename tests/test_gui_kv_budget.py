@@ -33,8 +33,8 @@ def test_app_settings_bound_the_pool_for_a_model_unless_set(tiny_model):
     s = AppSettings().scheduler_settings(tiny_model)
     assert s.pool_pages == s.cache_pages == _default_pages(tiny_model, rows)
     assert AppSettings(pool_pages=77).scheduler_settings(tiny_model).pool_pages == 77
-    own_cache = AppSettings(cache_pages=5).scheduler_settings(tiny_model)
-    assert (own_cache.pool_pages, own_cache.cache_pages) == (None, 5)
+    own_cache = AppSettings(cache_pages=5).scheduler_settings(tiny_model)  # a cache budget within the pool
+    assert (own_cache.pool_pages, own_cache.cache_pages) == (s.pool_pages, 5)
     f16 = AppSettings(kv_dtype="float16").scheduler_settings(tiny_model)
     assert f16.pool_pages in (2 * s.pool_pages, 2 * s.pool_pages + 1)  # half the bytes per page
     assert AppSettings().scheduler_settings().pool_pages is None  # no model: nothing to size
@@ -86,3 +86,10 @@ def test_explicit_pool_pages_win_and_zero_goes_back_to_the_budget(window, qtbot,
     qtbot.waitUntil(lambda: worker.scheduler.settings.pool_pages == pages, timeout=10_000)
     assert worker.scheduler.settings.cache_pages == pages
     qtbot.waitUntil(lambda: f"(10% of RAM): {pages:,} pages" in chip.toolTip(), timeout=10_000)
+
+    # A cache budget alone stays within the budget's pool: a live change, the pool (and cache) kept.
+    sched = worker.scheduler
+    set_settings(d, cache_pages=100)
+    qtbot.waitUntil(lambda: sched.cache.max_pages == 100, timeout=10_000)
+    assert worker.scheduler is sched and sched.settings.pool_pages == pages
+    qtbot.waitUntil(lambda: "the cache at most 100" in chip.toolTip(), timeout=10_000)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from PySide6.QtCore import QSettings
 
@@ -39,7 +39,7 @@ class AppSettings:
 
     page_rows: int = default("page_rows")
     pool_pages: int = default("pool_pages")        # 0: the default KV budget's pages
-    cache_pages: int = default("cache_pages")      # cache budget in pages; 0: within the pool
+    cache_pages: int = default("cache_pages")      # cache budget in pages; 0: the whole pool
     max_streams: int = default("max_streams")
     chunk_tokens: int = default("chunk_tokens")    # engine/stream.py says why
     cache_enabled: bool = default("cache_enabled")
@@ -112,27 +112,33 @@ class AppSettings:
 
     # engine arguments -------------------------------------------------------
     def scheduler_settings(self, model=None) -> SchedulerSettings:
-        """The engine scheduler's settings these preferences choose. For a `model`, pool and cache
-        pages left at 0 become the default KV budget's (a share of RAM, as `prefixlab serve`
-        starts with): the app's cache must not keep every prefix forever."""
+        """The engine scheduler's settings these preferences choose. For a `model`, a pool left at
+        0 pages gets the default KV budget's (a share of RAM, as `prefixlab serve` starts with):
+        the app's cache must not keep every prefix forever. A cache budget stays within it."""
         s = SchedulerSettings(max_streams=self.max_streams, chunk_tokens=self.chunk_tokens,
                               page_rows=self.page_rows, pool_pages=self.pool_pages or None,
                               cache_pages=self.cache_pages, cache_enabled=self.cache_enabled,
                               spec_enabled=self.spec_enabled, spec_k=self.spec_k,
                               kv_dtype=self.kv_dtype, disk_tier_pages=self.disk_tier_pages)
-        return s if model is None else with_budget(s, model, parse_budget(DEFAULT_KV_BUDGET))
+        if model is None or self.pool_pages:
+            return s
+        # the pool's bound alone comes from the budget, so a cache budget is a live change
+        bounded = with_budget(replace(s, cache_pages=0), model, parse_budget(DEFAULT_KV_BUDGET))
+        if bounded.pool_pages is None:  # this system does not say its RAM: no budget
+            return s
+        return replace(bounded, cache_pages=min(self.cache_pages, bounded.pool_pages) or bounded.pool_pages)
 
     def kv_budget(self, scheduler) -> dict:
         """The KV budget `scheduler` runs under, with its one line for the window and reports:
         "KV budget 2.35 GiB (10% of RAM): 3,190 pages"."""
         info = budget_info(scheduler)
-        own = self.pool_pages or self.cache_pages
-        source = "Settings" if own else share_words(DEFAULT_KV_BUDGET)
+        if scheduler.settings.pool_pages is None:
+            return {**info, "kv_budget_bytes": 0,
+                    "line": "KV budget: none, the pool grows (Settings → Pool pages bounds it)"}
+        source = "Settings" if self.pool_pages else share_words(DEFAULT_KV_BUDGET)
         line = headline(info["kv_budget_bytes"], info["kv_budget_pages"], source)
-        if not self.pool_pages and self.cache_pages:
-            line += " for the cache; running requests may grow the pool beyond it"
-        elif not info["kv_budget_bytes"]:
-            line += ": the pool grows and the cache keeps every prefix (set Pool pages to bound it)"
+        if scheduler.settings.cache_pages < info["kv_budget_pages"] and scheduler.settings.cache_enabled:
+            line += f", the cache at most {scheduler.settings.cache_pages:,}"
         return {**info, "line": line}
 
     def sampling(self) -> SamplingParams:
