@@ -62,7 +62,6 @@ class Controller(QObject):
         self.advice_of = lambda: None  # the Advisor tab's advice (the desktop wires it) for reports
         self.last_error: str | None = None
         self.last_probe: dict | None = None
-        self.kv_budget_info: dict = {}    # the latest AppSettings.kv_budget (reports list its line)
         self.opened_report = None
         self.last_report_paths: list[str] = []
         self.book = TurnBook()
@@ -89,7 +88,7 @@ class Controller(QObject):
         w.request_finished.connect(self._on_request_finished)
         w.stats_updated.connect(self._on_stats)
         w.scheduler_reset.connect(self._on_scheduler_reset)
-        w.kv_budget.connect(self._on_kv_budget)
+        w.kv_budget.connect(self.kv_budget)  # signal to signal: queued into the UI thread too
         w.run_finished.connect(self._on_run_finished)
         w.failed.connect(lambda message: self.report_error("Engine error", message))
         w.probe_ready.connect(self._on_probe_ready)
@@ -313,15 +312,8 @@ class Controller(QObject):
         self._rows_seen = 0
         self.snapshot = None
         self.scheduler_reset.emit()
-        pool = settings.get("pool_pages") or "growing"
-        budget = self.kv_budget_info.get("line", "")
-        self.status.emit(f"New KV pool: {settings.get('page_rows')} rows per page, {pool} pages"
-                         f"{f' ({budget})' if budget else ''}; the cache is empty", 6000)
-
-    @Slot(dict)
-    def _on_kv_budget(self, info: dict) -> None:
-        self.kv_budget_info = info
-        self.kv_budget.emit(info)
+        self.status.emit(f"New KV pool: {settings.get('page_rows')} rows per page, "
+                         f"{settings.get('pool_pages') or 'growing'} pages; the cache is empty", 6000)
 
     @Slot()
     def _on_run_finished(self) -> None:
