@@ -10,6 +10,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from app.desktop.settings import AppSettings  # noqa: E402
 from app.serve.budget import DEFAULT_KV_BUDGET  # noqa: E402
+from engine.chat import CLOSING_SLACK  # noqa: E402
 from tests.gui_helpers import set_settings  # noqa: E402
 from ui.format import format_bytes  # noqa: E402
 
@@ -24,7 +25,7 @@ def _default_pages(model, page_rows: int) -> int:
     """Pages of 10% of this machine's RAM (at least one full-context request's)."""
     assert DEFAULT_KV_BUDGET == "10%"
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    one_request = -(-(model.config.context_length + 8) // page_rows) + 1
+    one_request = -(-(model.config.context_length + CLOSING_SLACK) // page_rows) + 1
     return max(ram // 10 // _page_bytes(model, page_rows), one_request)
 
 
