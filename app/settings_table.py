@@ -14,6 +14,8 @@ from engine.sampler import SamplingParams
 from engine.scheduler import SchedulerSettings
 from engine.stream import MAX_NEW_TOKENS
 
+from .serve.budget import DEFAULT_KV_BUDGET
+
 # The window alone departs from the engine's sampling defaults, here: it starts with
 # llama.cpp's long-standing 1.1 repetition penalty, because small models tend to loop in
 # greedy answers. The engine, `prefixlab run` and the server keep 1.0 (off), as OpenAI
@@ -70,9 +72,13 @@ TABLE: tuple[Setting, ...] = (
     Setting("page_rows", "pool", "int", _S.page_rows, "Page rows",
             "Positions per KV page: the cache shares whole pages only", 1, 4096),
     Setting("pool_pages", "pool", "int", 0, "Pool pages",
-            "Pages in the pool; 0 lets the pool grow", 0, 1_000_000, special="0 (grows)"),
+            "Pages in the pool (running requests and the prefix cache share them); 0: the default KV "
+            f"budget, {DEFAULT_KV_BUDGET} of this machine's RAM, as prefixlab serve starts with (the model "
+            "bar shows it)",
+            0, 1_000_000, special="0 (KV budget)"),
     Setting("cache_pages", "pool", "int", _S.cache_pages, "Cache budget (pages)",
-            "Most pages the cache may keep; 0: no budget", 0, 1_000_000, special="0 (unbounded)"),
+            "Most pages the cache may keep, within the pool; 0: no budget of its own (the pool's bound)",
+            0, 1_000_000, special="0 (the pool's)"),
     Setting("cache_enabled", "pool", "bool", _S.cache_enabled, "Prefix cache",
             "Off: every prompt is prefilled in full (for comparison)", text="Reuse cached prefixes"),
     Setting("kv_dtype", "pool", "choice", _S.kv_dtype, "KV page dtype",

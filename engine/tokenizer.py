@@ -15,6 +15,10 @@ from .errors import ModelLoadError
 UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(7)
 SPM_SPACE = "\u2581"  # SentencePiece's visible space marker
 TOKENIZER_MODELS = ("gpt2", "llama")
+# Texts this long are encoded with the GIL released (TextTokenizer.encode says why). Shorter ones
+# keep plain `encode`: `encode_batch` starts tokenizers' thread pool, and a process forked after
+# that (replay's sweep workers) prints a warning.
+LONG_TEXT_CHARS = 1 << 16
 
 # GPT-2 style split used by llama.cpp's "llama-bpe" (Llama 3) pre-tokenizer.
 LLAMA3_SPLIT = (
@@ -173,7 +177,11 @@ class TextTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text are parsed; no BOS."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(text) < LONG_TEXT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # `encode` holds the GIL throughout: a 6 MB prompt stalled every other thread (the
+        # server's event loop, /health included) for 8 s. `encode_batch` lets it go; same ids.
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     @property
     def prompt_prefix_ids(self) -> list[int]:

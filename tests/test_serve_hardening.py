@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from app.serve.guard import DEFAULT_MAX_BODY_BYTES
 from tests.serve_helpers import pages_held_by_sessions, scheduler_on, start_server, wait_idle
 
 pytestmark = pytest.mark.model
@@ -99,6 +100,48 @@ def test_a_20_mb_body_is_413_while_health_answers(server):
     r = result["r"]
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert max(health_s) < HEALTH_GENEROUS_S, health_s
+    still_serves(server)
+
+
+def test_a_large_prompt_under_the_limit_is_tokenized_while_health_answers(server, real_model, monkeypatch):
+    """A 6.5 MB prompt (under the 8 MiB body limit) keeps the tokenizer busy for seconds; /health
+    requests sent meanwhile are answered meanwhile (no time threshold: their order against the
+    tokenizer's start and end), and the prompt itself ends as a clean error object."""
+    tok, spans = real_model.tokenizer, []
+    encode_prompt = tok.encode_prompt
+
+    def timed(text: str) -> list[int]:
+        t0 = time.perf_counter()
+        try:
+            return encode_prompt(text)
+        finally:
+            spans.append((t0, time.perf_counter(), len(text)))
+
+    monkeypatch.setattr(tok, "encode_prompt", timed)
+    prompt = "".join(f"item{i % 5000} costs {i % 97} " for i in range(400_000))
+    raw = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+    assert 6_000_000 < len(raw) < DEFAULT_MAX_BODY_BYTES
+    result, health = {}, []  # health: (sent, answered)
+
+    def send() -> None:
+        result["r"] = post(server, "/v1/completions", raw)
+        result["done"] = time.perf_counter()
+
+    big = threading.Thread(target=send)
+    big.start()
+    while big.is_alive():
+        sent = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=120).status_code == 200
+        health.append((sent, time.perf_counter()))
+    big.join()
+    [(start, end)] = [(t0, t1) for t0, t1, n in spans if n == len(prompt)]
+    during = [h for h in health if start < h[0] and h[1] < end]  # sent and answered while tokenizing
+    assert len(during) >= 3, (start, end, health)
+    assert max(answered for _, answered in during) < end < result["done"]
+    r = result["r"]
+    assert r.status_code == 400 and "Traceback" not in r.text, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "context" in error["message"], error
     still_serves(server)
 
 

@@ -42,6 +42,7 @@ from .window_state import THEME_KEY, default_size, restore_window, save_window
 
 DEFAULT_SPLIT = [290, 470, 640]  # the charts need ~600 px
 DROP_SUFFIXES = (".gguf", ".json")
+POOL_TIP = "KV pool pages by state, cached chains, hits and prefill saved"
 
 
 class MainWindow(AskAndTell, QMainWindow):
@@ -256,7 +257,7 @@ class MainWindow(AskAndTell, QMainWindow):
         sb = self.statusBar()
         self.state_label = QLabel("starting")
         self.pool_label = QLabel("no pool yet")
-        self.pool_label.setToolTip("KV pool pages by state, cached chains, hits and prefill saved")
+        self.pool_label.setToolTip(POOL_TIP)
         self.server_label = QLabel("")
         self.server_label.setToolTip("The OpenAI-compatible server: point clients at this base URL")
         sb.addPermanentWidget(self.server_label)
@@ -286,6 +287,11 @@ class MainWindow(AskAndTell, QMainWindow):
             self.state_label.setText(f"● running {running} stream(s)")
         else:
             self.state_label.setText("idle" if ready else "no model")
+
+    def show_kv_budget(self, info: dict) -> None:
+        """The KV budget the pool runs under: a model bar chip, and its line in the pool's tip."""
+        self.model_bar.set_kv_budget(info.get("kv_budget_bytes", 0), info.get("line", ""))
+        self.pool_label.setToolTip(f"{POOL_TIP}\n{info.get('line', '')}")
 
     def show_server(self, base_url: str) -> None:
         """The server's base URL in the status bar ("" when it is off)."""

@@ -8,7 +8,8 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushBu
 from .format import format_bytes, format_count
 from .theme import icon
 
-_DROP_ORDER = ("size", "kv", "context", "params", "arch", "quant")  # first dropped when space runs short
+# first dropped when space runs short
+_DROP_ORDER = ("size", "kv", "budget", "context", "params", "arch", "quant")
 MIN_WIDTH = 320
 
 
@@ -41,6 +42,7 @@ class ModelBar(QFrame):
             "size": _chip("File size"),
             "kv": _chip("KV pages: the dtype their K and V are stored in, and the bytes one page takes "
                         "(every layer's K and V for its positions)"),
+            "budget": _chip("The KV budget: memory for the pool's pages"),
             "template": _chip("The model's chat template could not be used"),
         }
         for chip in self.chips.values():
@@ -85,14 +87,12 @@ class ModelBar(QFrame):
         self.chips["params"].setToolTip(f"{info['n_params']:,} parameters")
         self.chips["context"].setText(f"ctx {info['context_length']:,}")
         self.chips["size"].setText(format_bytes(info["file_size"]))
-        for key, chip in self.chips.items():
-            chip.setVisible(key != "kv" or bool(chip.text()))
-        self._fit_chips()
         warning = info.get("template_warning", "")
         self.chips["template"].setText("⚠ Gemma turn template" if "Gemma" in warning
                                        else "⚠ plain ChatML template")
         self.chips["template"].setToolTip(warning)
-        self.chips["template"].setVisible(bool(warning))
+        self.chips["template"].setVisible(bool(warning))  # before the fit: it measures the bar
+        self._fit_chips()
         how = "from the prepared weight image" if info.get("from_image") else "from the GGUF"
         self.status.setText(f"loaded in {info['load_seconds']:.2f} s")
         self.status.setToolTip(
@@ -107,6 +107,17 @@ class ModelBar(QFrame):
             chip.setText(text)
             chip.setVisible(bool(text) and self.info is not None)
             self._fit_chips()
+
+    def set_kv_budget(self, budget_bytes: int, line: str) -> None:
+        """The KV budget the pool runs under: "KV ≤ 2.3 GiB", its whole line in the tip
+        ("KV budget 2.35 GiB (10% of RAM): 3,190 pages"; the pool grows without one)."""
+        chip = self.chips["budget"]
+        chip.setText(f"KV ≤ {format_bytes(budget_bytes)}" if budget_bytes else "KV unbounded")
+        chip.setToolTip(f"{line}\nRunning requests and the prefix cache share these pages; the cache gives "
+                        "back its least recently used pages when they run short. Settings → Pool pages "
+                        "sets your own")
+        chip.setVisible(self.info is not None)
+        self._fit_chips()
 
     def _fit_chips(self) -> None:
         """Drop the least needed chips until the bar fits its width (a 1280-pixel window's toolbar

@@ -44,6 +44,7 @@ class Controller(QObject):
     request_finished = Signal(object)     # RequestRecord
     stats = Signal(object, list, bool)    # Snapshot, its new timeline rows, whether to redraw all
     scheduler_reset = Signal()
+    kv_budget = Signal(dict)              # the KV budget the pool runs under (AppSettings.kv_budget)
     probe_ready = Signal(dict)
     report_opened = Signal(object, object, str)  # Report, its Snapshot, the path
     run_done = Signal()
@@ -87,6 +88,7 @@ class Controller(QObject):
         w.request_finished.connect(self._on_request_finished)
         w.stats_updated.connect(self._on_stats)
         w.scheduler_reset.connect(self._on_scheduler_reset)
+        w.kv_budget.connect(self.kv_budget)  # signal to signal: queued into the UI thread too
         w.run_finished.connect(self._on_run_finished)
         w.failed.connect(lambda message: self.report_error("Engine error", message))
         w.probe_ready.connect(self._on_probe_ready)
@@ -310,9 +312,8 @@ class Controller(QObject):
         self._rows_seen = 0
         self.snapshot = None
         self.scheduler_reset.emit()
-        pool = settings.get("pool_pages") or "growing"
-        self.status.emit(f"New KV pool: {settings.get('page_rows')} rows per page, {pool} pages; "
-                         "the cache is empty", 6000)
+        self.status.emit(f"New KV pool: {settings.get('page_rows')} rows per page, "
+                         f"{settings.get('pool_pages') or 'growing'} pages; the cache is empty", 6000)
 
     @Slot()
     def _on_run_finished(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from PySide6.QtCore import QSettings
 
@@ -14,6 +14,7 @@ from engine.scheduler import SchedulerSettings
 from engine.stream import reserved_positions
 
 from ..kv_wire import normalize_endpoint
+from ..serve.budget import DEFAULT_KV_BUDGET, budget_info, headline, parse_budget, share_words, with_budget
 from ..settings_table import SETTINGS, TABLE, default
 from .secrets import load_api_key, save_api_key
 
@@ -37,8 +38,8 @@ class AppSettings:
     """Every preference the Settings dialog edits (defaults and limits: app/settings_table.py)."""
 
     page_rows: int = default("page_rows")
-    pool_pages: int = default("pool_pages")        # 0: the pool grows
-    cache_pages: int = default("cache_pages")      # cache budget in pages; 0: unbounded
+    pool_pages: int = default("pool_pages")        # 0: the default KV budget's pages
+    cache_pages: int = default("cache_pages")      # cache budget in pages; 0: the whole pool
     max_streams: int = default("max_streams")
     chunk_tokens: int = default("chunk_tokens")    # engine/stream.py says why
     cache_enabled: bool = default("cache_enabled")
@@ -110,13 +111,35 @@ class AppSettings:
             raise ValueError("; ".join(errs))
 
     # engine arguments -------------------------------------------------------
-    def scheduler_settings(self) -> SchedulerSettings:
-        """The engine scheduler's settings these preferences choose (0 pool pages: a growing pool)."""
-        return SchedulerSettings(max_streams=self.max_streams, chunk_tokens=self.chunk_tokens,
-                                 page_rows=self.page_rows, pool_pages=self.pool_pages or None,
-                                 cache_pages=self.cache_pages, cache_enabled=self.cache_enabled,
-                                 spec_enabled=self.spec_enabled, spec_k=self.spec_k,
-                                 kv_dtype=self.kv_dtype, disk_tier_pages=self.disk_tier_pages)
+    def scheduler_settings(self, model=None) -> SchedulerSettings:
+        """The engine scheduler's settings these preferences choose. For a `model`, a pool left at
+        0 pages gets the default KV budget's (a share of RAM, as `prefixlab serve` starts with):
+        the app's cache must not keep every prefix forever. A cache budget stays within it."""
+        s = SchedulerSettings(max_streams=self.max_streams, chunk_tokens=self.chunk_tokens,
+                              page_rows=self.page_rows, pool_pages=self.pool_pages or None,
+                              cache_pages=self.cache_pages, cache_enabled=self.cache_enabled,
+                              spec_enabled=self.spec_enabled, spec_k=self.spec_k,
+                              kv_dtype=self.kv_dtype, disk_tier_pages=self.disk_tier_pages)
+        if model is None or self.pool_pages:
+            return s
+        # the pool's bound alone comes from the budget, so a cache budget is a live change
+        bounded = with_budget(replace(s, cache_pages=0), model, parse_budget(DEFAULT_KV_BUDGET))
+        if bounded.pool_pages is None:  # this system does not say its RAM: no budget
+            return s
+        return replace(bounded, cache_pages=min(self.cache_pages, bounded.pool_pages) or bounded.pool_pages)
+
+    def kv_budget(self, scheduler) -> dict:
+        """The KV budget `scheduler` runs under, with its one line for the window and reports:
+        "KV budget 2.35 GiB (10% of RAM): 3,190 pages"."""
+        info = budget_info(scheduler)
+        if scheduler.settings.pool_pages is None:
+            return {**info, "kv_budget_bytes": 0,
+                    "line": "KV budget: none, the pool grows (Settings → Pool pages bounds it)"}
+        source = "Settings" if self.pool_pages else share_words(DEFAULT_KV_BUDGET)
+        line = headline(info["kv_budget_bytes"], info["kv_budget_pages"], source)
+        if scheduler.settings.cache_pages < info["kv_budget_pages"] and scheduler.settings.cache_enabled:
+            line += f", the cache at most {scheduler.settings.cache_pages:,}"
+        return {**info, "line": line}
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,

@@ -117,6 +117,7 @@ class Desktop(QObject):
         self.server.changed.connect(w.show_server)
         c.stats.connect(w.show_stats)
         c.scheduler_reset.connect(w.charts.clear)
+        c.kv_budget.connect(w.show_kv_budget)
         c.probe_ready.connect(w.cache_panel.show_probe)
         w.cache_panel.pin_requested.connect(c.client.pin_chain)  # the worker pins; snapshots show it
         c.report_opened.connect(w.show_report)

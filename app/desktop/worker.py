@@ -63,6 +63,7 @@ class EngineWorker(QObject):
     model_load_failed = Signal(str)
     model_checked = Signal(str, str)     # path, "" when it opens as a model, else why it does not
     scheduler_reset = Signal(dict)       # a new Scheduler (new pool, empty cache): its settings
+    kv_budget = Signal(dict)             # the KV budget it runs under: AppSettings.kv_budget
     run_finished = Signal()
     failed = Signal(str)
     probe_ready = Signal(dict)
@@ -190,7 +191,7 @@ class EngineWorker(QObject):
         s = self.scheduler
         if s is None:
             return
-        live = new.scheduler_settings()
+        live = new.scheduler_settings(self.model)  # the same budget as the running pool's
         if any(getattr(live, f) != getattr(s.settings, f) for f in POOL_FIELDS):
             if self.loop.has_work():  # a job typed just before waits in the inbox: let it run
                 self._pending_settings = new
@@ -199,6 +200,7 @@ class EngineWorker(QObject):
             return
         if live != s.settings:
             s.update_settings(live)
+            self.kv_budget.emit(new.kv_budget(s))
             self._emit_stats(force=True)
 
     @Slot()
@@ -248,7 +250,8 @@ class EngineWorker(QObject):
             raise RuntimeError("no model is loaded, so there is nothing to report")
         report = build_report(self.scheduler, self.model, request.get("system", ""),
                               self._settings.sampling(), request.get("title", ""),
-                              namespace=self._settings.namespace)
+                              namespace=self._settings.namespace,
+                              kv_budget=self._settings.kv_budget(self.scheduler)["line"])
         self.report_ready.emit(request["path"], report)
 
     @Slot(str)
@@ -360,7 +363,7 @@ class EngineWorker(QObject):
         keep, old = self._settings.keep_cache, self.scheduler
         if keep and old is not None:  # a new pool or model: the old cache is kept, not lost
             self._note(self.keeper.save(old))
-        self.loop.reset(Scheduler(self.model, self._settings.scheduler_settings()))
+        self.loop.reset(Scheduler(self.model, self._settings.scheduler_settings(self.model)))
         note = self.keeper.load(self.scheduler) if keep else ""
         self._scheduler_changed()
         return note
@@ -371,6 +374,7 @@ class EngineWorker(QObject):
 
     def _scheduler_changed(self) -> None:
         self._maker, self._maker_of = SnapshotMaker(), self.scheduler
+        self.kv_budget.emit(self._settings.kv_budget(self.scheduler))
         self.scheduler_reset.emit(self.scheduler.settings.to_dict())
         self._emit_stats(force=True)
 

@@ -72,6 +72,8 @@ class ReportSettings(msgspec.Struct, kw_only=True):
     # Speculative decoding; None: a report written before these were recorded.
     spec_enabled: bool | None = None
     spec_k: int | None = None   # tokens drafted per stream and step, at most
+    # The KV budget's line ("KV budget 2.35 GiB (10% of RAM): 3,190 pages"); "": not recorded.
+    kv_budget: str = ""
 
 
 class Totals(msgspec.Struct, kw_only=True):
@@ -222,7 +224,7 @@ def _page_map(scheduler) -> PageMapState:
 
 
 def build_report(scheduler, model: Model, system_prompt: str, sampling: SamplingParams | None,
-                 title: str = "", *, namespace: str | None = None) -> Report:
+                 title: str = "", *, namespace: str | None = None, kv_budget: str = "") -> Report:
     """Copy everything a report shows out of a scheduler (call it between steps, on its thread)."""
     s = scheduler.settings
     records = [dataclasses.replace(r) for r in scheduler.records()]
@@ -235,7 +237,7 @@ def build_report(scheduler, model: Model, system_prompt: str, sampling: Sampling
         cache_pages=s.cache_pages, cache_enabled=s.cache_enabled, max_streams=s.max_streams,
         max_queue=s.max_queue, chunk_tokens=s.chunk_tokens, namespace=namespace,
         sampling=dataclasses.replace(sampling) if sampling is not None else SamplingParams(),
-        spec_enabled=s.spec_enabled, spec_k=s.spec_k)
+        spec_enabled=s.spec_enabled, spec_k=s.spec_k, kv_budget=kv_budget)
     return Report(
         title=title or f"PrefixLab session report: {model.name}",
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -200,6 +200,7 @@ def _settings_rows(s) -> list[tuple[str, str, str]]:
         ("page rows (positions per page)", s.page_rows),
         ("pool pages", s.pool_pages if s.pool_pages is not None else f"grows (now {s.pool_capacity})"),
         ("cache budget (pages)", s.cache_pages if s.cache_pages else "unbounded"),
+        *([("KV budget", s.kv_budget)] if s.kv_budget else []),
         ("prefix cache", "on" if s.cache_enabled else "off"), ("max streams", s.max_streams),
         ("max queue", s.max_queue), ("chunk tokens", s.chunk_tokens),
         ("speculative decoding", "not recorded" if s.spec_enabled is None else

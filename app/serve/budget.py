@@ -4,7 +4,8 @@ Without one, a long-running server keeps every prefix it ever saw and its pool o
 (300 distinct chats took it from 0.7 to 1.9 GB). A cache budget alone was not enough: the
 pool grows by doubling, so 1,000 chats under a 2.5 GB cache budget held a 3 GB pool. So the
 budget bounds the pool itself: running requests and the cache share it, and the cache
-gives pages back (least recently used first) when a request needs them.
+gives pages back (least recently used first) when a request needs them. The desktop app
+starts bounded by the same rule (app/desktop/settings.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import dataclasses
 import os
 import re
 
+import numpy as np
+
 from engine.block_manager import pages_for
 from engine.chat import CLOSING_SLACK
+from engine.kv_pool import KV_DTYPES, kv_dtype_name
 
 DEFAULT_KV_BUDGET = "10%"  # of physical RAM
 _SIZE = re.compile(r"^\s*(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>%|[kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -49,9 +53,9 @@ def page_bytes(model, page_rows: int, itemsize: int = 4) -> int:
     return 2 * c.n_layers * page_rows * c.n_kv_heads * c.head_dim * itemsize
 
 
-def budget_pages(budget_bytes: int, model, page_rows: int) -> int:
+def budget_pages(budget_bytes: int, model, page_rows: int, itemsize: int = 4) -> int:
     """Cache pages that fit the budget (at least 1; 0 for no budget)."""
-    return max(1, budget_bytes // page_bytes(model, page_rows)) if budget_bytes > 0 else 0
+    return max(1, budget_bytes // page_bytes(model, page_rows, itemsize)) if budget_bytes > 0 else 0
 
 
 def with_budget(settings, model, budget_bytes: int):
@@ -61,14 +65,38 @@ def with_budget(settings, model, budget_bytes: int):
     if settings.cache_pages or settings.pool_pages or not budget_bytes:
         return settings
     one_request = pages_for(model.config.context_length + CLOSING_SLACK, settings.page_rows) + 1
-    pages = max(budget_pages(budget_bytes, model, settings.page_rows), one_request)
+    itemsize = np.dtype(KV_DTYPES[kv_dtype_name(settings.kv_dtype)]).itemsize  # float16: twice the pages
+    pages = max(budget_pages(budget_bytes, model, settings.page_rows, itemsize), one_request)
     return dataclasses.replace(settings, pool_pages=pages, cache_pages=pages)
+
+
+def budget_info(scheduler) -> dict:
+    """The KV budget a scheduler runs under: the bounded pool's pages (else the cache's budget),
+    and their bytes at its pool's dtype (0: none). /health and the app's window show it."""
+    if scheduler is None:
+        return {}
+    s = scheduler.settings
+    pages = s.pool_pages or (s.cache_pages if s.cache_enabled else 0)
+    itemsize = scheduler.pool.k.dtype.itemsize if hasattr(scheduler.pool, "k") else 4
+    one = page_bytes(scheduler.model, s.page_rows, itemsize)
+    return {"kv_budget_bytes": pages * one, "kv_budget_pages": pages, "kv_page_bytes": one}
+
+
+def share_words(spec: str) -> str:
+    """Where a budget came from: "10% of RAM" for a share, else the option that set it."""
+    return f"{spec} of RAM" if spec.strip().endswith("%") else "--kv-budget"
+
+
+def headline(budget_bytes: int, pages: int, source: str) -> str:
+    """"KV budget 2.35 GiB (10% of RAM): 3,190 pages" ("KV budget: none" without one)."""
+    if not budget_bytes:
+        return "KV budget: none"
+    return f"KV budget {budget_bytes / 2**30:.2f} GiB ({source}): {pages:,} pages"
 
 
 def describe(budget_bytes: int, pages: int, spec: str) -> str:
     """The startup line's words: size, where it came from, pages."""
     if not budget_bytes:
         return "KV budget: none (the prefix cache keeps every prefix; --kv-budget to bound it)"
-    share = f"{spec} of RAM" if spec.strip().endswith("%") else "--kv-budget"
-    return (f"KV budget {budget_bytes / 2**30:.2f} GiB ({share}): a pool of {pages} pages for running "
-            f"requests and the prefix cache, which gives back its least recently used pages when full")
+    return (f"{headline(budget_bytes, pages, share_words(spec))} for running requests and the prefix "
+            f"cache, which gives back its least recently used pages when full")

@@ -12,7 +12,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .budget import page_bytes
+from .budget import budget_info
 from .engine_loop import EngineThread
 from .guard import DEFAULT_MAX_BODY_BYTES
 from .protocol import DEFAULT_MAX_TOKENS, error_body
@@ -110,18 +110,6 @@ def latest_row(scheduler) -> dict:
     return rows[-1].to_dict() if rows else {}
 
 
-def kv_budget_info(scheduler) -> dict:
-    """The KV budget as /health shows it: the bounded pool's pages (else the cache's budget), and
-    their bytes for this model (0: none)."""
-    if scheduler is None:
-        return {}
-    s = scheduler.settings
-    pages = s.pool_pages or (s.cache_pages if s.cache_enabled else 0)
-    itemsize = scheduler.pool.k.dtype.itemsize if hasattr(scheduler.pool, "k") else 4
-    one = page_bytes(scheduler.model, s.page_rows, itemsize)
-    return {"kv_budget_bytes": pages * one, "kv_budget_pages": pages, "kv_page_bytes": one}
-
-
 class Server:
     """`prefixlab serve` as an object: the engine loop on its thread over `factory()`, behind the HTTP app."""
 
@@ -141,7 +129,7 @@ class Server:
         return s.model if s is not None else None
 
     def _info(self) -> dict:
-        return kv_budget_info(self.engine.scheduler)
+        return budget_info(self.engine.scheduler)
 
     def _stats(self) -> dict:
         return latest_row(self.engine.scheduler)
