@@ -11,8 +11,8 @@ import pytest
 
 import engine
 from engine import layout, weight_image
-from engine.block_manager import SeqSlots
 from engine.api import create_kv_pool
+from engine.block_manager import SeqSlots
 from engine.model import forward
 
 
@@ -78,7 +78,8 @@ def test_the_layout_is_measured_once_then_remembered_for_this_machine(tmp_path, 
 
     monkeypatch.delenv(layout.ENV, raising=False)
     first, rec = layout.choose(str(tmp_path), arrays)
-    assert rec["source"] == "measured" and set(rec["seconds"]) == {"plain_1", "plain_8", "blocks_1", "blocks_8"}
+    assert rec["source"] == "measured"
+    assert set(rec["seconds"]) == {"plain_1", "plain_8", "blocks_1", "blocks_8"}
     assert first == layout.winner(rec["seconds"])
     again, rec2 = layout.choose(str(tmp_path), arrays)
     assert (again, rec2["source"], len(calls)) == (first, "remembered", 1)

@@ -11,7 +11,7 @@ HITS = [SHARED + [9, 10, 11], SHARED + [12, 13]]
 MAX_NEW = 6
 
 
-def answers(loop: EngineLoop, prompts: list[list[int]], between=None) -> tuple[list[list[int]], list[list], list[int]]:
+def answers(loop: EngineLoop, prompts: list[list[int]], between=None) -> tuple[list, list, list[int]]:
     """Submit together, step to the end (checking the pool), return each greedy answer, each
     step's events and the request ids; `between(step_no, ids)` runs after every step."""
     ids = [loop.submit_now(prompt=p, max_new_tokens=MAX_NEW, stop_ids=[]) for p in prompts]
