@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from .atomic import atomic_write
+from .errors import ModelLoadError
 
 LAYOUTS = ("plain", "blocks")
 COLUMN_BLOCK = 64
@@ -29,7 +30,7 @@ BATCH_ROWS = 8           # the burst this project exists for: eight streams deco
 BLOCKS_MIN_GAIN = 0.85   # blocks must make 8 rows this much cheaper...
 BLOCKS_MAX_LOSS = 1.10   # ...and cost one row at most this much more, or plain stays
 LAYOUT_FILE = "layout.json"
-ENV = "PREFIXLAB_LAYOUT"  # "plain" or "blocks" forces one; unset or "auto" measures
+ENV = "PREFIXLAB_LAYOUT"  # "plain" or "blocks" forces one; "remeasure" measures again; unset or "auto"
 
 
 def to_column_blocks(w: np.ndarray) -> np.ndarray | None:
@@ -109,8 +110,9 @@ def choose(folder: str | None, arrays, remeasure: bool = False) -> tuple[str, di
     forced = os.environ.get(ENV, "auto").strip().lower()
     if forced in LAYOUTS:
         return forced, {"layout": forced, "source": f"${ENV}"}
-    if forced != "auto":
-        raise ValueError(f"${ENV}: expected auto, plain or blocks, got {forced!r}")
+    if forced not in ("auto", "remeasure"):
+        raise ModelLoadError(f"${ENV}: expected auto, remeasure, plain or blocks, got {forced!r}")
+    remeasure = remeasure or forced == "remeasure"
     key, path = machine_key(), os.path.join(folder, LAYOUT_FILE) if folder else None
     known = _read(path)
     if not remeasure and isinstance(known.get(key), dict) and known[key].get("layout") in LAYOUTS:

@@ -17,6 +17,13 @@ import json  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+# CI runs the fuzz targets on a fixed sequence of examples, so a red run is reproducible and a
+# green one repeatable; locally they explore afresh each run (HYPOTHESIS_PROFILE=ci to replay).
+hypothesis_settings.register_profile("ci", derandomize=True)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
+                                 or ("ci" if os.environ.get("CI") else "default"))
 
 import engine  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402

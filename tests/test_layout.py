@@ -85,12 +85,13 @@ def test_the_layout_is_measured_once_then_remembered_for_this_machine(tmp_path, 
     assert (again, rec2["source"], len(calls)) == (first, "remembered", 1)
     saved = json.loads((tmp_path / layout.LAYOUT_FILE).read_text())
     assert saved[layout.machine_key()]["layout"] == first
-    _, rec3 = layout.choose(str(tmp_path), arrays, remeasure=True)  # on demand
+    monkeypatch.setenv(layout.ENV, "remeasure")  # on demand
+    _, rec3 = layout.choose(str(tmp_path), arrays)
     assert rec3["source"] == "measured" and len(calls) == 2
     monkeypatch.setenv(layout.ENV, "blocks")
     assert layout.choose(str(tmp_path), arrays)[0] == "blocks" and len(calls) == 2
     monkeypatch.setenv(layout.ENV, "fastest")
-    with pytest.raises(ValueError, match="PREFIXLAB_LAYOUT.*'fastest'"):
+    with pytest.raises(engine.ModelLoadError, match="PREFIXLAB_LAYOUT.*'fastest'"):
         layout.choose(str(tmp_path), arrays)
 
 

@@ -57,6 +57,9 @@ def broken(report, tmp_path, change) -> str:
     (lambda d: d["timeline"][0].__setitem__("capacity", -64), ["timeline[0].capacity"]),
     (lambda d: d["pages"].__setitem__("capacity", 10**9), ["pages.capacity"]),
     (lambda d: d["settings"].__setitem__("page_rows", "16"), ["settings.page_rows"]),
+    # a lone surrogate escape (found by the report fuzz target): text no UTF-8 file can hold
+    (lambda d: d["model"].__setitem__("name", "x\ud800y"), ["model.name", "unpaired surrogate"]),
+    (lambda d: d["requests"][0].__setitem__("text", "\udfff"), ["requests[0].text", "surrogate"]),
 ])
 def test_an_out_of_range_report_is_refused_naming_the_field(report, tmp_path, change, words):
     message = broken(report, tmp_path, change)

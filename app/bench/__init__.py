@@ -262,6 +262,12 @@ def format_table(result: dict) -> str:
             f"{m['timestamp']}")
     if result["model"].get("description"):
         head += f"\nmodel: {result['model'].get('name', '')}: {result['model']['description']}"
+        lay = result["model"].get("layout") or {}
+        if lay.get("seconds"):  # engine/layout.py: which copy of the weights this machine reads
+            ms = "; ".join(f"{k} {v * 1e3:.1f} ms" for k, v in lay["seconds"].items())
+            head += f"\nweights read as: {lay['layout']} ({lay.get('source')}: {ms})"
+        elif lay:
+            head += f"\nweights read as: {lay.get('layout')} ({lay.get('source') or 'not measured'})"
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
                                                             if t["missed"] else "")]
     peer = result["details"].get("peer")

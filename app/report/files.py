@@ -226,7 +226,32 @@ def report_from_json(raw: bytes) -> Report:
         raise _Bad(f"not UTF-8 text (byte {e.start})") from e
     except json.JSONDecodeError as e:
         raise _Bad(f"not valid JSON (line {e.lineno}: {e.msg})") from e
+    where = _surrogate_field(data)
+    if where is not None:  # JSON's \ud800 escapes decode to text no UTF-8 file or widget can hold
+        raise _Bad(f"field '{where}': text holds an unpaired surrogate (\\ud800-\\udfff)")
     return report_from_dict(data)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogate_field(value, where: str = "") -> str | None:
+    """The dotted path of the first key or string holding an unpaired surrogate, or None."""
+    stack = [(value, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return at or "(top level)"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                path = f"{at}.{k}" if at else str(k)
+                if _SURROGATE.search(k):
+                    return path
+                stack.append((item, path))
+        elif isinstance(v, list):
+            stack.extend((item, f"{at}[{i}]") for i, item in enumerate(v))
+    return None
 
 
 def load_report(path: str | os.PathLike) -> Report:
