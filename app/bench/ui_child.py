@@ -101,7 +101,7 @@ class _Headless:
         from engine.scheduler import Scheduler
 
         self.model = engine.load_model(model_path or None)
-        self.sch = Scheduler(self.model, settings.scheduler_settings())
+        self.sch = Scheduler(self.model, settings.scheduler_settings(self.model))  # the app's KV budget too
         self.loop = EngineLoop(self.sch)
         self.sampling = settings.sampling()
         self.scenario = scenario
