@@ -20,6 +20,25 @@ def _chip(tooltip: str) -> QLabel:
     return label
 
 
+class WholeTextLabel(QLabel):
+    """Its words whole or not at all: the space left beside the chips clipped "loaded in
+    0.31 s" to "lo" (the tooltip keeps the details either way)."""
+
+    _whole = ""
+
+    def set_whole_text(self, text: str) -> None:
+        self._whole = text
+        self._fit()
+
+    def _fit(self) -> None:
+        fits = self.fontMetrics().horizontalAdvance(self._whole) <= self.width()
+        self.setText(self._whole if fits else "")
+
+    def resizeEvent(self, e) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(e)
+        self._fit()
+
+
 class ModelBar(QFrame):
     """Shows the loaded model; while a load runs, a busy indicator and the file being loaded."""
 
@@ -54,7 +73,7 @@ class ModelBar(QFrame):
         self.progress.setTextVisible(False)
         self.progress.hide()
         lay.addWidget(self.progress)
-        self.status = QLabel()
+        self.status = WholeTextLabel()
         self.status.setObjectName("hint")
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         lay.addWidget(self.status, 1)
@@ -69,7 +88,7 @@ class ModelBar(QFrame):
 
     def set_loading(self, what: str) -> None:
         self.progress.show()
-        self.status.setText(f"Loading {what}…")
+        self.status.set_whole_text(f"Loading {what}…")
         self.open_button.setEnabled(False)
 
     def set_model(self, info: dict) -> None:
@@ -94,7 +113,7 @@ class ModelBar(QFrame):
         self.chips["template"].setVisible(bool(warning))  # before the fit: it measures the bar
         self._fit_chips()
         how = "from the prepared weight image" if info.get("from_image") else "from the GGUF"
-        self.status.setText(f"loaded in {info['load_seconds']:.2f} s")
+        self.status.set_whole_text(f"loaded in {info['load_seconds']:.2f} s")
         self.status.setToolTip(
             f"{info['file']} — {info['n_layers']} layers, d={info['d_model']}, {info['n_heads']} heads "
             f"({info['n_kv_heads']} KV), vocab {info['vocab_size']:,}; loaded {how}")
@@ -144,7 +163,7 @@ class ModelBar(QFrame):
         """A load failed: stop the busy bar; the previous model's details stay."""
         self.progress.hide()
         self.open_button.setEnabled(True)
-        self.status.setText("load failed; kept the previous model" if self.info else "no model loaded")
+        self.status.set_whole_text("load failed; kept the previous model" if self.info else "no model loaded")
 
     def summary(self) -> str:
         """One line: name, architecture, quantization, parameters, context (tests and reports)."""
