@@ -204,13 +204,16 @@ class EngineLoop:
                 job.probe = prefix_probe(s.cache, prompt, namespace)
                 job.probed_at = stamp
 
-    def step(self) -> list:
+    def step(self, drain: bool = True) -> list:
         """Drain, run one scheduler step if there is work, dispatch; return the step's events.
 
         A step that raises fails the open jobs (500) and reaps their streams; the loop lives on
         (on a fresh scheduler if even reaping failed) and `StepFailed` says what happened.
+        `drain=False` when the caller drained just before and announced what it took: a job
+        taken here would send its first tokens before the caller had said it was accepted.
         """
-        self.drain()
+        if drain:
+            self.drain()
         s = self.scheduler
         if s is None or not s.has_work():
             return []

@@ -114,8 +114,9 @@ def test_the_window_keeps_the_cache_across_a_restart(open_desktop, qtbot, tiny_g
     worker = d.controller.client.worker
     qtbot.waitUntil(lambda: worker.scheduler.pool.page_rows == 4, timeout=10_000)  # the new pool
     d.controller.run_all(system, question)
-    qtbot.waitUntil(lambda: len(d.controller.finished_records) == 1 and not d.controller.running,
-                    timeout=RUN_TIMEOUT_MS)
+    # the turn's closing tokens run a step after its finish and donate pages: wait for them too
+    qtbot.waitUntil(lambda: len(d.controller.finished_records) == 1 and not d.controller.running
+                    and not worker.busy, timeout=RUN_TIMEOUT_MS)
     assert d.controller.finished_records[0].n_cached == 0
     status = d.window.statusBar()
     d.window.act_save_cache.trigger()

@@ -286,8 +286,8 @@ class EngineWorker(QObject):
             return
         try:
             served = self.loop.drain()
-            self._emit_submitted(served)
-            self._emit_events(self.loop.step())
+            self._emit_submitted(served)  # before the step's tokens: a card drops pieces it cannot place
+            self._emit_events(self.loop.step(drain=False))
         except StepFailed as e:  # the loop recovered; say so, and end the cards it reaped
             self.failed.emit(f"scheduler step: {e}")
             self._emit_events(e.events)
