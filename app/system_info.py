@@ -6,21 +6,11 @@ import os
 import platform
 from importlib import metadata
 
+from engine.machine import blas_runtime, cpu_model  # noqa: F401 - defined once, in the engine
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Distributions whose versions a report records (PySide6 under either wheel name, below).
 VERSIONED = ("numpy", "gguf", "tokenizers", "jinja2", "pyqtgraph")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform says."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_isa() -> str | None:
@@ -72,19 +62,6 @@ def machine() -> dict:
     return {"platform": platform.platform(), "machine": platform.machine(),
             "processor": platform.processor(), "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "python_implementation": platform.python_implementation()}
-
-
-def blas_runtime() -> dict:
-    """The BLAS NumPy loaded, as threadpoolctl finds it: library, version, threads, core type."""
-    import numpy  # noqa: F401 - threadpoolctl sees only libraries already loaded
-    from threadpoolctl import threadpool_info
-
-    for info in threadpool_info():
-        if info.get("user_api") == "blas":
-            return {"library": info.get("filepath"), "api": info.get("internal_api"),
-                    "version": info.get("version"), "threads": info.get("num_threads"),
-                    "core": info.get("architecture")}
-    return {}
 
 
 def about_versions() -> dict[str, str]:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 
 import numpy as np
 
 from .atomic import atomic_write
 from .errors import ModelLoadError
+from .machine import blas_runtime, cpu_model
 
 LAYOUTS = ("plain", "blocks")
 COLUMN_BLOCK = 64
@@ -58,16 +58,9 @@ def plain_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def machine_key() -> str:
     """What the measurement depends on: the CPU, the BLAS kernel and its threads, NumPy."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    from threadpoolctl import threadpool_info
-    blas = next((f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')}"
-                 for i in threadpool_info() if i.get("user_api") == "blas"), "unknown BLAS")
-    return f"{cpu} | {os.cpu_count()} cores | {blas} | numpy {np.__version__}"
+    blas = blas_runtime()
+    return (f"{cpu_model()} | {os.cpu_count()} cores | {blas.get('api')} {blas.get('version')} "
+            f"{blas.get('core')} | numpy {np.__version__}")
 
 
 def probe_arrays(plain: dict[str, np.ndarray], blocks: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]]:
@@ -103,22 +96,22 @@ def winner(times: dict) -> str:
     return "blocks" if gain and loss else "plain"
 
 
-def choose(folder: str | None, arrays, remeasure: bool = False) -> tuple[str, dict]:
+def choose(folder: str | None, arrays: dict[str, list[np.ndarray]]) -> tuple[str, dict]:
     """(layout, record): forced by $PREFIXLAB_LAYOUT, else remembered in `folder` for this
-    machine, else measured now on `arrays()` (probe_arrays) and remembered (an unwritable
-    folder only costs a re-measure)."""
+    machine, else measured now on `arrays` (probe_arrays: views, read only when measured) and
+    remembered (an unwritable folder only costs a re-measure)."""
     forced = os.environ.get(ENV, "auto").strip().lower()
     if forced in LAYOUTS:
         return forced, {"layout": forced, "source": f"${ENV}"}
     if forced not in ("auto", "remeasure"):
         raise ModelLoadError(f"${ENV}: expected auto, remeasure, plain or blocks, got {forced!r}")
-    remeasure = remeasure or forced == "remeasure"
+    remeasure = forced == "remeasure"
     key, path = machine_key(), os.path.join(folder, LAYOUT_FILE) if folder else None
     known = _read(path)
     if not remeasure and isinstance(known.get(key), dict) and known[key].get("layout") in LAYOUTS:
         return known[key]["layout"], {**known[key], "source": "remembered"}
     t0 = time.perf_counter()
-    times = measure(arrays())
+    times = measure(arrays)
     record = {"layout": winner(times), "seconds": {k: round(v, 6) for k, v in times.items()},
               "probe_s": round(time.perf_counter() - t0, 3), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     if path:

@@ -70,16 +70,15 @@ class Weights:
             return np.asarray(self.token_embd[tokens], dtype=np.float32)      # [N, d]
         return head[tokens // COLUMN_BLOCK, :, tokens % COLUMN_BLOCK]        # [N, d]
 
-    def choose_layout(self, folder: str, remeasure: bool = False) -> None:
+    def choose_layout(self, folder: str) -> None:
         """Read the layout this machine runs fastest (engine/layout.py), remembered in `folder`."""
         if not self.column_blocks or self.matmul_bytes() < SMALL_MODEL_BYTES:
             return
         layers = {n: getattr(self, n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
-        probed: dict = {}
-        self.layout, self.layout_record = choose_layout(
-            folder, lambda: probed.setdefault("a", probe_arrays(layers, self.column_blocks)), remeasure)
-        if probed:  # the losing copy's probed pages leave this process's memory
-            release(probed["a"]["blocks" if self.layout == "plain" else "plain"])
+        probed = probe_arrays(layers, self.column_blocks)
+        self.layout, self.layout_record = choose_layout(folder, probed)
+        if self.layout_record["source"] == "measured":  # the loser's probed pages leave memory
+            release(probed["blocks" if self.layout == "plain" else "plain"])
 
     def matmul_bytes(self) -> int:
         """Bytes of weights one decode step reads (every matmul plus the output head)."""
