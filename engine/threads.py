@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import time
 
+from . import split
+
 # Passes of these many rows gain nothing from a second BLAS thread here: a decode step of 2-63
 # rows is bound by reading the weights (8 rows: 24 ms with one thread, 25 with two), while one
 # row's GEMV (35 -> 46 tok/s) and a prefill's GEMMs (362 -> 596 tok/s) do gain.
@@ -115,6 +117,7 @@ class BlasThreads:
         if n != self._current:
             self._controller.limit(limits=n)
             self._current = n
+            split.set_parts(n)  # a big matrix's column blocks go to as many threads
         return n
 
 
