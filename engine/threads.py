@@ -101,23 +101,26 @@ class BlasThreads:
         total = os.cpu_count() or self.cores
         self.free = max(0.0, min(float(self.cores), total - others))
 
-    def choose(self, rows: int = 1) -> int:
-        """Threads for the next forward pass of `rows` rows: the free cores, at least 1."""
+    def choose(self, rows: int = 1, capped: bool = True) -> int:
+        """Threads for the next forward pass of `rows` rows: the free cores, at least 1
+        (`capped`: at most `batch_cap` on BANDWIDTH_ROWS passes, for BLAS's spinning threads)."""
         if self.pinned is not None:
             return self.pinned
         self._refresh()
         cap = self.max_threads
-        if self.batch_cap is not None and rows in BANDWIDTH_ROWS:
+        if capped and self.batch_cap is not None and rows in BANDWIDTH_ROWS:
             cap = min(cap, self.batch_cap)
         return max(1, min(cap, int(self.free + 0.35)))
 
     def fit(self, rows: int = 1) -> int:
-        """Set the BLAS thread count for the next forward pass (only when it changes)."""
+        """Set the BLAS thread count for the next forward pass (only when it changes), and
+        share the output head among the free cores (engine/split.py): its helpers sleep
+        between jobs rather than spin, so the app's cap for its UI does not apply to them."""
         n = self.choose(rows)
         if n != self._current:
             self._controller.limit(limits=n)
             self._current = n
-            split.set_parts(n)  # a big matrix's column blocks go to as many threads
+        split.set_parts(self.choose(rows, capped=False))
         return n
 
 

@@ -75,3 +75,22 @@ def test_the_first_short_window_replaces_the_load_averages_guess(machine):
     assert chooser.choose() == 2             # the machine is idle now: both cores
     advance(machine, threads.FIRST_SAMPLE_S + 0.01, others_busy_cores=2.0, own_cores=0.0)
     assert chooser.choose() == 2             # later windows are the usual SAMPLE_S long
+
+
+def test_the_apps_ui_core_cap_leaves_the_heads_sharing_to_the_free_cores(machine):
+    """The app caps BLAS at one thread on decode passes (its spinning threads would stall the
+    UI); the output head's helpers sleep between jobs, so the head still goes to both cores,
+    and a machine whose other core is busy shares it with nobody."""
+    from engine import split
+
+    before = blas_count()
+    try:
+        chooser = threads.BlasThreads(max_threads=2)
+        chooser.batch_cap = 1
+        advance(machine, 1.0, others_busy_cores=0.0, own_cores=1.0)
+        assert chooser.fit(rows=8) == 1 and blas_count() == 1 and split._parts == 2
+        advance(machine, 1.0, others_busy_cores=1.0, own_cores=1.0)
+        assert chooser.fit(rows=8) == 1 and split._parts == 1
+    finally:
+        threadpool_limits(before, user_api="blas")
+        split.set_parts(1)
