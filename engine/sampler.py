@@ -84,8 +84,10 @@ class Sampler:
         recent = (history or [])[-p.repeat_last_n:] if p.repeat_last_n else []
         logits = apply_repeat_penalty(np.asarray(logits, dtype=np.float32), recent, p.repeat_penalty)
         # finite logits keep every probability finite (inf - inf is the NaN numpy refuses to draw
-        # from); a NaN logit (a broken model) becomes the least likely token, never the chosen one
-        logits = np.nan_to_num(logits, nan=_F32.min, posinf=_F32.max, neginf=_F32.min)
+        # from); a NaN logit (a broken model) becomes the least likely token, never the chosen one.
+        # One isfinite pass first: nan_to_num's three passes and copy cost 0.12 ms a token.
+        if not np.isfinite(logits).all():
+            logits = np.nan_to_num(logits, nan=_F32.min, posinf=_F32.max, neginf=_F32.min)
         if p.temperature <= 0:
             return int(np.argmax(logits))
         ids, vals = filter_candidates(logits, p)
