@@ -16,6 +16,7 @@ import ctypes
 import json
 import mmap
 import os
+import shutil
 import zlib
 
 import numpy as np
@@ -110,7 +111,20 @@ def write_image(gguf_path: str, header_bytes: int, arrays, info: dict) -> str:
         with open(os.path.join(tmp, "index.json"), "w", encoding="utf-8") as fh:
             json.dump(meta, fh)
     _write_stamp(final, crc)
+    _drop_older_versions(final)
     return final
+
+
+def _drop_older_versions(final: str) -> None:
+    """Remove the images an older PrefixLab wrote of the very same GGUF (same size, mtime and
+    checksum): each is as big as the weights, and this version never reads them. Newer versions'
+    images stay, so two versions sharing a cache each keep their own."""
+    _, rest = os.path.basename(final).split("-", 1)
+    root = os.path.dirname(final)
+    for name in os.listdir(root):
+        version, _, key = name.partition("-")
+        if key == rest and version[1:].isdigit() and version[0] == "v" and int(version[1:]) < IMAGE_VERSION:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 STAMP = "verified.json"

@@ -304,3 +304,20 @@ def test_image_matrices_sit_on_huge_page_boundaries_and_the_map_asks_for_huge_pa
     assert (arrays["tail"].ctypes.data - base) % weight_image.ALIGN == 0
     if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
         assert "hg" in _vm_flags(arrays["big"].ctypes.data)   # MADV_HUGEPAGE on the image's map
+
+
+def test_a_new_image_format_removes_the_older_formats_images_of_the_same_gguf(gguf, cache):
+    """An upgrade rewrites the image once; the old format's copy (as big as the weights) goes,
+    while another GGUF's image and a newer version's stay."""
+    root = weight_image.cache_root()
+    key = weight_image.image_key(str(gguf)).split("-", 1)[1]
+    older, newer, other = (os.path.join(root, f"v{weight_image.IMAGE_VERSION - 1}-{key}"),
+                           os.path.join(root, f"v{weight_image.IMAGE_VERSION + 1}-{key}"),
+                           os.path.join(root, f"v{weight_image.IMAGE_VERSION - 1}-1-2-0000abcd"))
+    for folder in (older, newer, other):
+        os.makedirs(folder)
+        with open(os.path.join(folder, "weights.bin"), "wb") as fh:
+            fh.write(b"\0" * 64)
+    engine.load_model(gguf)
+    assert sorted(os.listdir(root)) == sorted(os.path.basename(f) for f in
+                                              (weight_image.image_dir(str(gguf)), newer, other))
