@@ -54,7 +54,7 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     assert cached[1] > 0 and cached[2] > 0, cached
     for card, n in zip(cards, cached, strict=True):
         n_prompt = card.turns[-1].record["n_prompt"]
-        assert card.badge_cache.text() == f"cached {n} of {n_prompt}"
+        assert card.badge_cache.text() == f"cached {n}/{n_prompt}"
         assert card.badge_ttft.text().startswith("TTFT ")
         assert card.badge_reason.text() == card.turns[-1].reason
     assert w.requests_table.rowCount() == 3

@@ -129,7 +129,7 @@ def test_settings_theme_geometry_and_transcripts_survive_a_restart(open_desktop,
     assert [t for _, t in w2.prompt_list.prompts()] == ["First question?", "Second question?"]
     restored = w2.streams.card(uid)
     assert restored is not None and restored.answer_text() == "An answer that was cut."
-    assert "[stopped]" in restored.transcript_text() and restored.badge_cache.text() == "cached 16 of 20"
+    assert "[stopped]" in restored.transcript_text() and restored.badge_cache.text() == "cached 16/20"
     assert recent_models(d2.store)[0] == "/models/a.gguf"
     # New prompts never reuse a restored uid.
     assert w2.prompt_list.add_prompt("Third?") not in {u for u, _ in w2.prompt_list.prompts()[:2]}
@@ -157,7 +157,7 @@ def test_settings_and_transcripts_saved_by_version_0_1_load(open_desktop, gui_se
     card = w.streams.card("p1")
     assert [(t.user, t.answer, t.reason) for t in card.turns] == [
         ("First question?", "An answer.", "stop"), ("And a follow-up?", "Cut short", "cancelled")]
-    assert card.badge_cache.text() == "cached 32 of 40" and card.transcript_text().endswith("[stopped]")
+    assert card.badge_cache.text() == "cached 32/40" and card.transcript_text().endswith("[stopped]")
     # The restored conversation goes on where it was: its completed turn, then the new question.
     assert card.transcript.history_messages("More?") == [
         {"role": "system", "content": "A shared system prompt."},

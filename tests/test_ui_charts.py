@@ -273,14 +273,15 @@ def test_refresh_draws_every_chart_even_mid_way_through_a_staggered_one(run, pan
 
 
 def test_each_hit_has_its_ttft_without_the_cache_beside_it(run, panel):
-    # The estimate: the hit's queue wait plus its whole prompt at the session's measured prefill rate.
+    # The estimate: the hit's TTFT plus its cached tokens at the session's measured prefill rate.
     rate = run.scheduler.prefill_rate()
     assert rate > 0
     panel.set_data(run.rows, run.records, rate)
     hits = sorted((r for r in run.records if r.n_cached > 0 and r.ttft_s is not None), key=lambda r: r.id)
     est_x, est_y = panel.series("ttft_no_cache")
     np.testing.assert_array_equal(est_x, [r.id for r in hits])
-    np.testing.assert_allclose(est_y, [r.queue_wait_s + r.n_prompt / rate for r in hits])
+    np.testing.assert_allclose(est_y, [r.ttft_s + r.n_cached / rate for r in hits])
+    assert np.all(est_y > [r.ttft_s for r in hits])  # never below the hit's own bar
     # Drawn beside the hit's own bar, and labelled as an estimate in the legend.
     from ui.charts import ChartsPanel  # noqa: F401 - the panel fixture made one
     bars = panel._charts.bars
@@ -292,3 +293,30 @@ def test_each_hit_has_its_ttft_without_the_cache_beside_it(run, panel):
     # Without a measured rate there is nothing to estimate.
     panel.set_data(run.rows, run.records)
     assert len(panel.series("ttft_no_cache")[0]) == 0
+
+
+@pytest.mark.parametrize("pool", ["thousands", "snug"])
+def test_pool_chart_shows_the_pages_in_use_even_in_a_pool_of_thousands(run, panel, qtbot, pool):
+    """The KV budget sizes the app's pool in thousands of pages: the chart zooms to the pages
+    in use (their bands must not shrink to a line at the foot of the free band) and names the
+    pool's size; a pool they fill a good part of is shown whole."""
+    import dataclasses
+
+    held = max(r.capacity - r.pages_free for r in run.rows)
+    cap = 3428 if pool == "thousands" else held + held // 2
+    rows = [dataclasses.replace(r, capacity=cap, pages_free=cap - (r.capacity - r.pages_free))
+            for r in run.rows]
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.set_data(rows, run.records)
+    pw = panel.plot_widgets()["pool"]
+    for _ in range(3):  # pyqtgraph fits ranges at paint time
+        pw.viewport().repaint()
+        qtbot.wait(10)
+    high = pw.getPlotItem().vb.viewRange()[1][1]
+    assert high >= held
+    if pool == "snug":
+        assert high >= cap
+    else:
+        assert high <= max(3 * held, 40) < cap / 10
+    assert f"{cap:,}" in pw.getPlotItem().getAxis("left").labelText

@@ -98,6 +98,12 @@ class _IntAxis(pg.AxisItem):
         return [str(int(round(v))) for v in values]
 
 
+def pool_ceiling(capacity: float, in_use: float) -> float:
+    """The top of the pool chart: the whole pool while what is in use fills a good part of it,
+    else twice the most pages ever in use (at least 32), so a big pool's few used pages show."""
+    return capacity if in_use * 4 >= capacity else min(capacity, max(2 * in_use, 32.0))
+
+
 class ChartSet:
     """The five plot widgets and their items; ChartsPanel owns one, exports make their own."""
 
@@ -164,26 +170,32 @@ class ChartSet:
         item.opts["autoDownsampleFactor"] = 1.0
         return item
 
-    def _area(self, chart: str, name: str, brush, z: float) -> pg.PlotDataItem:
+    def _area(self, chart: str, name: str, brush, z: float, ignore_bounds: bool = False) -> pg.PlotDataItem:
         """A fill-only curve down to 0. Its own item, so the line's pen never strokes the
         fill's vertical ends; pyqtgraph downsamples it like any curve (FillBetweenItem
         rebuilds full-resolution polygons on every change: seconds for 20k rows)."""
         area = self._lean(pg.PlotDataItem(pen=_CLEAR, stepMode=STEP, fillLevel=0, fillBrush=brush))
         area.setZValue(z)
-        self.widgets[chart].addItem(area)
+        self.widgets[chart].addItem(area, ignoreBounds=ignore_bounds)
         self.areas[name] = area
         return area
 
     def _build_pool(self) -> None:
         item = self.widgets["pool"].getPlotItem()
         # Stacked areas: each band is its cumulative level filled down to 0, opaque, the
-        # higher levels behind the lower ones.
+        # higher levels behind the lower ones. The free band does not size the view: a pool
+        # sized by the KV budget (thousands of pages) would flatten the pages in use into a
+        # line at its foot; an invisible ceiling (pool_ceiling) sizes it instead.
         for i, name in enumerate(STACK):
-            area = self._area("pool", name, series_color(name), z=-10 - i)
+            free = name == "pages_free"
+            area = self._area("pool", name, series_color(name), z=-10 - i, ignore_bounds=free)
             top = self._lean(pg.PlotDataItem(pen=pg.mkPen(series_color(name), width=1.2), stepMode=STEP))
-            item.addItem(top)
+            item.addItem(top, ignoreBounds=free)
             self.legends["pool"].addItem(area, LABELS[name])
             self.curves[name] = top
+        self.pool_ceiling = self._lean(pg.PlotDataItem(pen=_CLEAR))
+        self._pool_label_cap = 0.0
+        item.addItem(self.pool_ceiling)
         item.setLabel("left", "pages")
         item.setLabel("bottom", "wall time (s)")
 
@@ -303,7 +315,13 @@ class ChartSet:
             self.bars[name].setOpts(x=ids + offset, height=secs, width=width)
         if buf.n:
             cap = float(buf.column("capacity").max())
-            self.widgets["pool"].getPlotItem().vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)
+            item = self.widgets["pool"].getPlotItem()
+            item.vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)
+            held = float((level - buf.column("pages_free")).max())  # pages ever not free
+            self.pool_ceiling.setData([x[0], x[-1]], [pool_ceiling(cap, held)] * 2)
+            if cap != self._pool_label_cap:  # a new label relays out and repaints the axis
+                self._pool_label_cap = cap
+                item.setLabel("left", f"pages (pool {cap:,.0f})")
         self.sync_rate()
 
     def _set_step(self, name: str, x: np.ndarray, y: np.ndarray) -> None:

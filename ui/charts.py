@@ -183,7 +183,7 @@ class ChartsPanel(QWidget):
         done = sorted((r for r in records if r.ttft_s is not None), key=lambda r: r.id)
         hits = [r for r in done if r.n_cached > 0]
         misses = [r for r in done if r.n_cached == 0]
-        est = [(r.id, ttft_without_cache(r.queue_wait_s, r.n_prompt, prefill_tok_s)) for r in hits]
+        est = [(r.id, ttft_without_cache(r.ttft_s, r.n_cached, prefill_tok_s)) for r in hits]
         est = [(i, s) for i, s in est if s is not None]
 
         def cols(pairs):

@@ -293,7 +293,8 @@ class StreamView(QFrame):
     def _cache_badge(self, n_cached: int, n_prompt: int) -> None:
         kind = "cache" if n_cached else "nocache"
         pct = 100 * hit_rate(n_cached, n_prompt - n_cached)
-        _set_badge(self.badge_cache, f"cached {n_cached} of {n_prompt}", kind,
+        # short: the four badges share a card's width (a longer one was clipped in a narrow column)
+        _set_badge(self.badge_cache, f"cached {n_cached}/{n_prompt}", kind,
                    f"{n_cached} of the prompt's {n_prompt} tokens came from the prefix cache ({pct:.0f}%)")
 
     def _show_record_badges(self, turn) -> None:

@@ -57,8 +57,9 @@ def caption(f: dict) -> str:
                 f"(the cache and B).")
     if s == "prefill_b":
         return (f"B prefilled only its <b>{f['tail']}</b>-token tail, in <b>{_ms(f['seconds'])}</b>; its "
-                f"whole prompt of {f['n_prompt']} tokens would take ≈ {_ms(f['whole_estimate'])} at this "
-                f"session's prefill rate (the TTFT chart: B's bar beside its estimate without the cache).")
+                f"whole prompt of {f['n_prompt']} tokens would take ≈ {_ms(f['whole_estimate'])}: the tail "
+                f"plus the cached tokens at this session's prefill rate (the TTFT chart: B's bar beside "
+                f"its estimate without the cache).")
     if s == "chains":
         chains = "; ".join(f"chain #{c['id']}: {c['n_tokens']} tokens, {c['pages_live']} pages live, "
                            f"{c['hits']} hit(s)" for c in f["chains"]) or "no chain"

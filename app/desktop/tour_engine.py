@@ -161,7 +161,7 @@ class TourEngine:
         secs = self._prefill(B, tail)
         rate = self.prefill_rate()  # the session's, as the TTFT chart's estimate uses it
         return {"tail": len(tail), "seconds": secs, "n_prompt": len(self.prompts[B]),
-                "whole_estimate": ttft_without_cache(0.0, len(self.prompts[B]), rate),
+                "whole_estimate": ttft_without_cache(secs, len(self.prompts[B]) - len(tail), rate),
                 "pages": len(s.page_table)}
 
     def _chains(self) -> dict:

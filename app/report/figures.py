@@ -53,7 +53,7 @@ CHART_CAPTIONS = {
     "hits": "Cache hits (cumulative) and hit rate = saved / (saved + computed)",
     "prefill": "Prefill tokens computed and saved by the cache (cumulative)",
     "ttft": "Time to first token per request: misses, cache hits, and beside each hit its estimated TTFT "
-            "without the cache (queue wait + whole prompt at the measured prefill rate)",
+            "without the cache (its TTFT + its cached tokens at the measured prefill rate)",
 }
 
 

@@ -125,7 +125,7 @@ REQUEST_COLUMNS = [
     ("queue_wait_s", "Queue wait", fmt_s, "time from submit to admission"),
     ("ttft_s", "TTFT", fmt_s, "time from arrival (submit) to the first token, queue wait included"),
     ("ttft_no_cache_s", "TTFT w/o cache (est.)", fmt_s,
-     "a cache hit's estimated TTFT without the cache: its queue wait plus its whole prompt at this "
+     "a cache hit's estimated TTFT without the cache: its TTFT plus its cached tokens at this "
      "session's measured prefill rate"),
     ("decode_tps", "Tok/s", fmt_rate, "decode tokens per second of this request"),
     ("spec_acceptance", "Drafts acc.", fmt_pct,
@@ -175,7 +175,7 @@ def _ttft_no_cache(r, totals) -> float | None:
     """A hit's estimated TTFT without the cache (None for a miss or an unfinished request)."""
     if r.n_cached <= 0 or r.ttft_s is None:
         return None
-    return ttft_without_cache(r.queue_wait_s, r.n_prompt, totals.prefill_tok_s)
+    return ttft_without_cache(r.ttft_s, r.n_cached, totals.prefill_tok_s)
 
 
 def _kv(pairs) -> list[tuple[str, str, str]]:
