@@ -123,7 +123,8 @@ def _drop_older_versions(final: str) -> None:
     root = os.path.dirname(final)
     for name in os.listdir(root):
         version, _, key = name.partition("-")
-        if key == rest and version[1:].isdigit() and version[0] == "v" and int(version[1:]) < IMAGE_VERSION:
+        older = version.startswith("v") and version[1:].isdigit() and int(version[1:]) < IMAGE_VERSION
+        if key == rest and older:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
@@ -173,10 +174,8 @@ def read_image(gguf_path: str) -> tuple[dict[str, np.ndarray], dict] | None:
             if file_crc(data_path) != meta["data_crc"]:
                 return None
             _write_stamp(folder, meta["data_crc"])
-        mapped = np.memmap(data_path, dtype=np.uint8, mode="r")
-        _huge_pages(mapped)
-        # A plain ndarray over the map: memmap's Python-level indexing hooks cost ~0.6 ms a token.
-        blob = np.asarray(mapped)
+        # A plain read-only ndarray over the map (np.memmap's Python-level hooks cost ~0.6 ms a token)
+        blob = np.frombuffer(_map_huge(data_path), dtype=np.uint8)
         arrays = {}
         for name, spec in meta["arrays"].items():
             shape = tuple(int(x) for x in spec["shape"])
@@ -190,15 +189,16 @@ def read_image(gguf_path: str) -> tuple[dict[str, np.ndarray], dict] | None:
         return None
 
 
-def _huge_pages(mapped: np.memmap) -> None:
-    """Ask for 2 MiB pages when the kernel reads the image in (HUGE_PAGE says why); best effort."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    raw = getattr(mapped, "_mmap", None)
-    if advice is not None and raw is not None:
+def _map_huge(path: str) -> mmap.mmap:
+    """The file mapped read-only, advised to come in as 2 MiB pages (HUGE_PAGE says why)."""
+    with open(path, "rb") as fh:
+        raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
-            raw.madvise(advice)
+            raw.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass  # a kernel without transparent huge pages: 4 KiB pages, as before
+    return raw
 
 
 _MADV_DONTNEED = 4  # Linux: drop these pages from this process; a mapped file's come back on the next read

@@ -317,7 +317,7 @@ class ChartSet:
             cap = float(buf.column("capacity").max())
             item = self.widgets["pool"].getPlotItem()
             item.vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)
-            held = float((level - buf.column("pages_free")).max())  # pages ever not free
+            held = float((buf.column("capacity") - buf.column("pages_free")).max())  # pages ever not free
             self.pool_ceiling.setData([x[0], x[-1]], [pool_ceiling(cap, held)] * 2)
             if cap != self._pool_label_cap:  # a new label relays out and repaints the axis
                 self._pool_label_cap = cap
