@@ -40,6 +40,8 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
 
     set_settings(d, max_new_tokens=8)
     uids = type_prompts(qtbot, d.window, PROMPTS)
+    at_end = []  # the charts back off during a run; when it ends they show its last step at once
+    c.run_done.connect(lambda: at_end.append(w.charts.curves["hits"].getOriginalDataset()[0][-1]))
     w.act_run_all.trigger()
     qtbot.waitUntil(lambda: len(c.finished_records) == 3, timeout=RUN_TIMEOUT_MS)
     qtbot.waitUntil(lambda: not c.running and c.snapshot is not None, timeout=10_000)
@@ -67,6 +69,8 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
         x, y = w.charts.series(name)
         np.testing.assert_allclose(x, [r.wall_s for r in rows])
         np.testing.assert_allclose(y, [getattr(r, name) for r in rows])
+    qtbot.waitUntil(lambda: bool(at_end), timeout=10_000)
+    assert at_end[-1] == rows[-1].wall_s
     states = sched.page_states()
     expected = {PAGE_STATE_NAMES[s]: int(n) for s, n in enumerate(np.bincount(states, minlength=4))}
     w.tabs.setCurrentWidget(w.cache_panel)  # a hidden tab draws only once shown

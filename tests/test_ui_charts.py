@@ -320,3 +320,49 @@ def test_pool_chart_shows_the_pages_in_use_even_in_a_pool_of_thousands(run, pane
     else:
         assert high <= max(3 * held, 40) < cap / 10
     assert f"{cap:,}" in pw.getPlotItem().getAxis("left").labelText
+
+
+def test_a_refresh_fits_the_ranges_from_its_own_columns_before_any_paint(run, panel, qtbot, monkeypatch):
+    """The UI thread shares the GIL with the engine worker, so a frame must be cheap: a refresh
+    fits each timeline chart's range from the columns it plotted, at once (fitted at paint time,
+    the new range repaints every plot's axes a second time), without pyqtgraph's walk over each
+    item's data, and to the same view that walk gives."""
+    import pyqtgraph as pg
+
+    panel.show()
+    qtbot.waitExposed(panel)
+    walked = []
+    real = pg.PlotDataItem.dataBounds
+    monkeypatch.setattr(pg.PlotDataItem, "dataBounds",
+                        lambda self, *a, **k: (walked.append(self), real(self, *a, **k))[1])
+    panel.set_data(run.rows, run.records)  # no paint in between
+    end = run.rows[-1].wall_s
+    views = {name: panel.plot_widgets()[name].getPlotItem().vb
+             for name in ("pool", "cache", "hits", "prefill")}
+    fitted = {name: vb.viewRange() for name, vb in views.items()}
+    assert walked == []
+    for name, vb in views.items():
+        (x0, x1), (y0, y1) = fitted[name]
+        assert x0 <= run.rows[0].wall_s and x1 >= end, name
+        own = pg.ViewBox.childrenBounds(vb)  # pyqtgraph's walk over the same items
+        span = np.array([x1 - x0, y1 - y0])
+        np.testing.assert_allclose(vb.childrenBounds(), own, rtol=0, atol=0.03 * span.max(), err_msg=name)
+        np.testing.assert_allclose(np.array(vb.childrenBounds())[:, 1], np.array(own)[:, 1],
+                                   rtol=0.03, err_msg=name)
+
+
+def test_snapshots_with_nothing_new_cost_no_frame_and_a_run_end_draws_at_once(run, panel, qtbot):
+    """An idle snapshot (a flush, a pin) has no rows for the charts: no frame. During a run the
+    charts back off (up to seconds between frames on a slow machine), so the run's end draws now."""
+    panel.show()
+    qtbot.waitExposed(panel)
+    half = len(run.rows) // 2
+    panel.set_data(run.rows[:half], run.records)
+    start = panel.frames
+    panel.append([], run.records)
+    assert not panel.refresh_pending
+    panel.append(run.rows[half:], run.records)
+    assert panel.refresh_pending and panel.frames == start
+    panel.settle()
+    assert panel.frames == start + 1
+    assert last_x(panel.curves["hits"]) == run.rows[-1].wall_s

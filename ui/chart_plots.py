@@ -70,8 +70,8 @@ class _Swatch(pg.ItemSample):
 class _PlotWidget(pg.PlotWidget):
     """A PlotWidget that adds up how long it paints (the refresh timer backs off by it).
 
-    One data refresh costs several paints (the data, then the axes and ranges that follow
-    it), so the timer needs the sum since its last look, not the last paint alone.
+    One data refresh can cost more than one paint (the hit-rate axis' own view follows the
+    plot's), so the timer needs the sum since its last look, not the last paint alone.
     """
 
     paint_s = 0.0         # the last paint
@@ -82,6 +82,19 @@ class _PlotWidget(pg.PlotWidget):
         super().paintEvent(ev)
         self.paint_s = time.perf_counter() - t0
         self.painted_s += self.paint_s
+
+
+class _ViewBox(pg.ViewBox):
+    """A ViewBox whose auto-range reads the extent `ChartSet.refresh` computed from the columns it
+    plotted, not pyqtgraph's walk over every item's data (~2 ms a plot per refresh, on the UI
+    thread the engine worker shares the GIL with); pyqtgraph's own walk while time is zoomed."""
+
+    extent: list | None = None  # [[x0, x1], [y0, y1]] of what sizes the view; None: pyqtgraph's
+
+    def childrenBounds(self, frac=None, orthoRange=(None, None), items=None):  # noqa: N802
+        if self.extent is None or items is not None or self.state["autoRange"][0] is False:
+            return super().childrenBounds(frac=frac, orthoRange=orthoRange, items=items)
+        return [list(self.extent[0]), list(self.extent[1])]
 
 
 class _IntAxis(pg.AxisItem):
@@ -104,6 +117,13 @@ def pool_ceiling(capacity: float, in_use: float) -> float:
     return capacity if in_use * 4 >= capacity else min(capacity, max(2 * in_use, 32.0))
 
 
+# The series whose values size each timeline chart's view (every one of them is filled down to
+# 0 or drawn over such a fill, so 0 is the bottom); the TTFT bars keep pyqtgraph's bounds.
+EXTENT_SERIES = {"pool": ("pages_private", "pages_shared", "pages_cached", "pool_ceiling"),
+                 "cache": ("chains", "cached_pages"), "hits": ("hits", "disk_hits"),
+                 "prefill": ("prefill_computed", "prefill_saved")}
+
+
 class ChartSet:
     """The five plot widgets and their items; ChartsPanel owns one, exports make their own."""
 
@@ -116,7 +136,7 @@ class ChartSet:
         for name in CHARTS:
             axis = {"bottom": _IntAxis("bottom")} if name == "ttft" else \
                 {"left": _IntAxis("left")} if name in ("pool", "cache", "hits") else None  # counts
-            pw = _PlotWidget(parent, axisItems=axis)
+            pw = _PlotWidget(parent, axisItems=axis, viewBox=_ViewBox() if name in EXTENT_SERIES else None)
             pw.setMinimumSize(280, 170)
             pw.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
             pw.setMenuEnabled(False)
@@ -304,11 +324,14 @@ class ChartSet:
     def refresh(self, buf: TimelineBuffer, ttft: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         x = buf.column("wall_s")
         level = np.zeros(buf.n)
+        tops = {}  # the values that size each timeline chart (the free band does not)
         for name in STACK:
             level = level + buf.column(name)
             self._set_step(name, x, level)
+            tops[name] = level
         for name in ("chains", "cached_pages", "hits", "disk_hits", "prefill_computed", "prefill_saved"):
-            self._set_step(name, x, buf.column(name))
+            tops[name] = buf.column(name)
+            self._set_step(name, x, tops[name])
         self._set_step("hit_rate", x, 100.0 * buf.column("hit_rate"))
         for name, (ids, secs) in ttft.items():
             offset, width = BAR_SLOTS[name]
@@ -318,11 +341,19 @@ class ChartSet:
             item = self.widgets["pool"].getPlotItem()
             item.vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)
             held = float((buf.column("capacity") - buf.column("pages_free")).max())  # pages ever not free
-            self.pool_ceiling.setData([x[0], x[-1]], [pool_ceiling(cap, held)] * 2)
+            tops["pool_ceiling"] = np.array([pool_ceiling(cap, held)])
+            self.pool_ceiling.setData([x[0], x[-1]], [tops["pool_ceiling"][0]] * 2)
             if cap != self._pool_label_cap:  # a new label relays out and repaints the axis
                 self._pool_label_cap = cap
                 item.setLabel("left", f"pages (pool {cap:,.0f})")
         self.sync_rate()
+        for chart, names in EXTENT_SERIES.items():
+            top = max((float(tops[n].max()) for n in names if n in tops and len(tops[n])), default=None)
+            self.widgets[chart].getPlotItem().vb.extent = None if top is None else [[x[0], x[-1]], [0.0, top]]
+        # New ranges now, not in the paint: else a paint draws the curves, then the axes the new
+        # range moved cost a second paint of every plot.
+        for pw in self.widgets.values():
+            pw.getPlotItem().vb.prepareForPaint()
 
     def _set_step(self, name: str, x: np.ndarray, y: np.ndarray) -> None:
         xs, ys = step_changes(x, y)

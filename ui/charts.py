@@ -4,11 +4,13 @@
 a QTimer pushes the columns to the curves at most REFRESH_HZ times a second and
 stops itself when nothing changed, so a burst of tokens never redraws per token.
 Painting is Python (pyqtgraph) on the UI thread, and it competes with the engine
-worker for the GIL and the cores: the timer backs off so the charts take about a tenth
-of a core, and a panel its window hides (another tab) does not draw until shown.
+worker for the GIL and the cores: the timer backs off so the charts take about a twentieth
+of the UI thread, and a panel its window hides (another tab) does not draw until shown.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pyqtgraph as pg
@@ -25,12 +27,11 @@ from .page_map import png_bytes
 from .visibility import hidden_in_window
 
 REFRESH_HZ = 5           # measured (bench "desktop app"): 15 Hz cost the worker ~1.9x its headless time
-MAX_REFRESH_MS = 1000    # the slowest the charts back off to
-# interval >= PAINT_SHARE x the time the last frame took to paint. The paint is about half
-# of what a frame costs the UI thread (setData, autorange, the scene's bookkeeping): measured
-# in the 8-question scenario, 20x took the UI thread from 0.7 to 0.4 s of CPU, the charts
-# from ~2.3 to ~1.3 frames a second, and the window from 1.19 to 1.13-1.16x headless.
-PAINT_SHARE = 20
+MAX_REFRESH_MS = 2000    # the slowest the charts back off to during a run (`settle` draws its end)
+# interval >= FRAME_SHARE x what the last frame cost the UI thread (its refresh: setData and
+# the ranges, then its paints), so the charts hold the GIL about 1/FRAME_SHARE of the time
+# during a run. Measured in the 8-question scenario: a frame is 20-60 ms, so ~1 frame a second.
+FRAME_SHARE = 20
 STAGGER_MS = 30          # the charts of one refresh paint this far apart, not in one long stall
 
 
@@ -45,6 +46,7 @@ class ChartsPanel(QWidget):
         self._ttft = self._split_ttft([], 0.0)
         self._dirty = False
         self.frames = 0  # refreshes drawn (many appends in one event-loop turn make one)
+        self._frame_s = 0.0  # the UI thread's time in refreshes since the timer last looked
         self._theme: Theme | None = None
         self._charts = ChartSet(self)
         self.summary = QLabel(self)
@@ -81,9 +83,17 @@ class ChartsPanel(QWidget):
                prefill_tok_s: float = 0.0) -> None:
         """Add the timeline rows since the last call; `records` replace the records held;
         `prefill_tok_s`: the session's measured prefill rate (0: none yet, no estimates)."""
+        if not rows and records == self._records and float(prefill_tok_s or 0.0) == self._prefill_tok_s:
+            return  # a snapshot with nothing new for the charts (a flush, a pin) costs no frame
         self._buf.extend(rows)
         self._set_records(records, prefill_tok_s)
         self._mark_dirty()
+
+    def settle(self) -> None:
+        """A run ended: draw what came in now, not at the next backed-off tick (a panel its
+        window hides draws when shown)."""
+        if self._dirty and not hidden_in_window(self):
+            self.refresh()
 
     def set_data(self, rows: list[TimelineRow], records: list[RequestRecord],
                  prefill_tok_s: float = 0.0) -> None:
@@ -146,10 +156,12 @@ class ChartsPanel(QWidget):
         self._draw()
 
     def _draw(self) -> None:
+        t0 = time.perf_counter()
         self._dirty = False
         self._charts.refresh(self._buf, self._ttft)
         self.frames += 1
         self._update_summary()
+        self._frame_s += time.perf_counter() - t0
 
     @property
     def row_count(self) -> int:
@@ -201,11 +213,11 @@ class ChartsPanel(QWidget):
         if self._dirty and hidden_in_window(self):
             self._timer.stop()  # showEvent draws what came in meanwhile
         elif self._dirty:
-            painted = 0.0
+            cost, self._frame_s = self._frame_s, 0.0
             for pw in self._charts.widgets.values():  # the paints the last refresh caused
-                painted, pw.painted_s = painted + pw.painted_s, 0.0
+                cost, pw.painted_s = cost + pw.painted_s, 0.0
             self._timer.setInterval(int(min(MAX_REFRESH_MS, max(1000 // REFRESH_HZ,
-                                                                PAINT_SHARE * 1000 * painted))))
+                                                                FRAME_SHARE * 1000 * cost))))
             self._staggered_refresh()
         else:
             self._timer.stop()  # idle: no wake-ups until the next append

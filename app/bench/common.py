@@ -22,7 +22,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     # 236 tokens, 12%) plus a fixed per-request cost; measured 0.17-0.18 (best/median of 5, SmolLM2,
     # 2 busy cores). 0.25 leaves room for load noise yet fails if the hit recomputes much of the prefix.
     "ttft_hit_miss_ratio": (0.25, "<="), "ui_max_gap_ms": (100.0, "<="),
-    "ui_app_headless_ratio": (1.15, "<="), "ui_busy_max_gap_ms": (100.0, "<="),
+    "ui_app_headless_ratio": (1.1, "<="),  # issue 22 keeps the app within 1.1x (was 1.15)
+    "ui_busy_max_gap_ms": (100.0, "<="),
     "watch_block_events_per_s": (50_000, ">="), "watch_ui_stall_ms": (100, "<="),
     # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
     "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),

@@ -122,6 +122,7 @@ class Desktop(QObject):
         w.cache_panel.pin_requested.connect(c.client.pin_chain)  # the worker pins; snapshots show it
         c.report_opened.connect(w.show_report)
         c.run_done.connect(self._save_session)
+        c.run_done.connect(w.charts.settle)
 
     def _card(self, uid: str):
         return self.window.streams.card(uid)
