@@ -7,7 +7,7 @@ toggle) enter that loop the same way, as `Job`s through its thread-safe `submit`
 and cancels through its `cancel`; the loop wakes this thread by a queued signal.
 Other requests (load, settings, reports) come by queued signals through
 `EngineClient`, which lives in the UI thread; plain data goes back by signals:
-token pieces batched per step, finished records, and a Snapshot copy at most ~10
+token pieces batched per step, finished records, and a Snapshot copy at most 4
 times a second.
 """
 
@@ -33,7 +33,7 @@ from .blas_share import leave_core_for_ui
 from .cache_keeper import CacheKeeper
 from .settings import AppSettings
 
-STATS_INTERVAL_S = 0.1        # stats_updated at most ~10 Hz: each costs both threads time
+STATS_INTERVAL_S = 0.25       # stats_updated at most 4 times a second: each costs both threads time
 LOAD_POLL_S = 0.05            # a load in progress looks this often whether the app quits
 
 
