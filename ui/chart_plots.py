@@ -341,8 +341,9 @@ class ChartSet:
             item = self.widgets["pool"].getPlotItem()
             item.vb.setLimits(yMin=0, yMax=cap * 1.05 + 1)
             held = float((buf.column("capacity") - buf.column("pages_free")).max())  # pages ever not free
-            tops["pool_ceiling"] = np.array([pool_ceiling(cap, held)])
-            self.pool_ceiling.setData([x[0], x[-1]], [tops["pool_ceiling"][0]] * 2)
+            ceiling = pool_ceiling(cap, held)
+            self.pool_ceiling.setData([x[0], x[-1]], [ceiling] * 2)
+            tops["pool_ceiling"] = np.array([ceiling])
             if cap != self._pool_label_cap:  # a new label relays out and repaints the axis
                 self._pool_label_cap = cap
                 item.setLabel("left", f"pages (pool {cap:,.0f})")

@@ -20,9 +20,7 @@ from .settings import AppSettings, add_recent_model, kept_cache_root
 from .transcript import Transcript
 from .turns import TurnBook
 
-# Answer text reaches the cards at most 10 times a second: the UI thread's every hold of the GIL
-# is time the engine worker waits (25 a second took ~0.13 s of UI-thread CPU in a 4 s run of 8 cards).
-FLUSH_INTERVAL_MS = 100
+FLUSH_INTERVAL_MS = 100  # text to the cards 10x a second: UI Python stalls the worker (docs/design.md §7)
 
 
 class Controller(QObject):
