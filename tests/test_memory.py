@@ -1,6 +1,7 @@
-"""A prefill on an engine thread (the app's worker, the server's loop) reuses its pages (engine/arena.py).
+"""The engine's memory: a prefill on an engine thread (the app's worker, the server's loop) reuses
+its pages (engine/arena.py), and a KV pool costs the pages written, not 2 MB a slab (engine/kv_pool.py).
 
-The check runs in a fresh process: glibc's thresholds move with what a process has freed
+The arena check runs in a fresh process: glibc's thresholds move with what a process has freed
 before, so only a process that has done nothing but load the model shows what the app's does.
 """
 
@@ -10,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+
+from engine.kv_pool import KVPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,3 +52,21 @@ def test_the_engine_thread_faults_a_burst_s_pages_in_once(real_model):
     assert out.returncode == 0, out.stderr[-2000:]
     faults = json.loads(out.stdout.strip().splitlines()[-1])
     assert max(faults[1:]) < 2000, faults
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_kv_pool_is_resident_only_where_it_was_written(real_model):
+    # the app's default pool: 3,428 pages, 2.5 GB of K and V that a session fills page by page
+    pool = KVPool(real_model.config, max_pages=3428)
+    before = _resident_bytes()
+    pool.k[:, 0] = 1.0                       # one page of every layer: 30 x 12 KB
+    pool.v[:, 0] = 1.0
+    written = pool.bytes_per_page
+    grew = _resident_bytes() - before
+    # with 2 MB pages each layer's write would have made 4 MB resident (K and V): 120 MB
+    assert grew < written + (4 << 20), (grew, written)
+    assert float(pool.k[:, 1].max()) == 0.0  # the rest still reads as zeros
