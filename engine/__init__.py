@@ -12,7 +12,7 @@ from .api import (
     eval_batch,
     release_kv_pages,
 )
-from .arena import share_main_arena
+from .arena import configure_malloc
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .errors import ModelLoadError, PoolExhausted, TemplateError
@@ -38,7 +38,7 @@ from .prefix_cache import (
 from .registry import BUILTIN_MODELS, BuiltinModel, ModelNotInstalled, resolve_model
 from .sampler import Sampler, SamplingParams
 
-share_main_arena()  # before any engine thread allocates (engine/arena.py)
+configure_malloc()  # before any engine thread allocates (engine/arena.py)
 
 __all__ = [
     "BUILTIN_MODELS", "BlockManager", "BuiltinModel", "CacheEvent", "CachedPageInfo", "ChainRecord",
