@@ -22,7 +22,6 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD and M_MMAP_THRESHOLD at glibc's start values, as a
 libc.mallopt(-3, 128 << 10)  # process keeps them until it frees a mid-size mapped block
 import engine
-tasks_at_import = len(os.listdir("/proc/self/task"))  # threads that may own arenas of their own
 from app.scenario import SCENARIO_DIR, load_scenario
 from engine.loop import EngineLoop
 from engine.sampler import SamplingParams
@@ -45,7 +44,7 @@ thread = threading.Thread(target=lambda: on_thread.extend(burst() for _ in range
 thread.start()
 thread.join()
 env = {k: v for k, v in os.environ.items() if k.startswith(("PREFIXLAB", "OPENBLAS", "OMP", "MALLOC"))}
-print(json.dumps({"main": main, "thread": on_thread, "tasks_at_import": tasks_at_import, "env": env}))
+print(json.dumps({"main": main, "thread": on_thread, "env": env}))
 """
 
 
