@@ -32,13 +32,15 @@ class SchedulerSettings:
 
     # Defaults measured on the W8 workload (8 requests sharing a system prompt, 2 cores):
     # 8 streams decode in one pass for ~1.1-1.5x one stream's cost, so 4 would double the
-    # decode steps; a 256-token chunk prefills the shared prompt in one step and the seven
-    # cached tails in the next (128: three steps, W8 2.25 -> 2.21 s whole process; a burst
-    # of 8 HTTP clients 9.6 -> 7.8 s on 2 busy cores), at the price of a longer stall of
-    # the streams already decoding while a new prompt prefills.
+    # decode steps; a 512-token chunk (llama.cpp's n_ubatch) prefills the shared prompt and
+    # the seven cached tails (309 tokens) in one pass. 256 took a second pass of 58 rows,
+    # whose mid-size GEMMs cost 2-3 ms a row against 1.8 in the first (W8 whole process,
+    # 5 interleaved runs: median 2.33 s at 256, 2.19 at 512); 128 took three (a burst of 8
+    # HTTP clients 9.6 -> 7.8 s from 128 to 256 on 2 busy cores). The price is a longer
+    # stall of the streams already decoding while a new prompt prefills (~1 s here).
     max_streams: int = 8
     max_queue: int = 32
-    chunk_tokens: int = 256
+    chunk_tokens: int = 512
     page_rows: int = 16
     pool_pages: int | None = None
     cache_pages: int = 0
