@@ -78,16 +78,19 @@ def run(args) -> int:
         if isinstance(ev, FinishEvent) and not args.quiet:
             print(describe(ev.record), flush=True)
 
+    # the cache outlives the answers only when saved, reported or traced: else the last turns'
+    # closing tokens (evaluated for later requests) are left undone, as the process ends
+    keep = bool(persisted or args.json or args.report or args.trace)
     t0 = time.perf_counter()
     try:
         if scenario and scenario.conversation:
-            for turn in scenario.conversation:
+            for i, turn in enumerate(scenario.conversation):
                 loop.submit_now(user=turn, conversation_id="scenario", **common)
-                loop.run_until_done(on_event)
+                loop.run_until_done(on_event, settle=keep or i + 1 < len(scenario.conversation))
         else:
             for prompt in (scenario.prompts if scenario else args.prompt):
                 loop.submit_now(user=prompt, **common)
-            loop.run_until_done(on_event)
+            loop.run_until_done(on_event, settle=keep)
     except SubmitRefused as e:
         raise SystemExit(f"prefixlab run: request refused: {e}") from None
     except KeyboardInterrupt:

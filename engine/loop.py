@@ -138,9 +138,10 @@ class EngineLoop:
         self.scheduler = scheduler
         self.chat = ChatFrontEnd(scheduler.model.tokenizer) if scheduler is not None else None
 
-    def has_work(self) -> bool:
+    def has_work(self, closing: bool = True) -> bool:
+        """Jobs or requests not yet ended, and (`closing`) ended turns' closing tokens to run."""
         s = self.scheduler
-        return bool(self._inbox or self._cancels) or (s is not None and s.has_work())
+        return bool(self._inbox or self._cancels) or (s is not None and s.has_work(closing))
 
     def drain(self) -> list[Job]:
         """Turn queued jobs into requests and apply cancels; return the jobs the scheduler took."""
@@ -282,9 +283,11 @@ class EngineLoop:
             self._refuse(job, message, status, job.request)
 
     # driving it ---------------------------------------------------------------
-    def run_until_done(self, on_event: Callable[[object], None] | None = None) -> None:
-        """Step until every job has ended (headless runs, scripts, tests)."""
-        while self.has_work():
+    def run_until_done(self, on_event: Callable[[object], None] | None = None, settle: bool = True) -> None:
+        """Step until every job has ended (headless runs, scripts, tests). `settle=False` returns
+        once every request has ended, before the finished turns' closing tokens run: they only
+        serve later requests, so a process about to exit with its cache need not compute them."""
+        while self.has_work(closing=settle):
             for ev in self.step():
                 if on_event:
                     on_event(ev)

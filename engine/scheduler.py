@@ -174,8 +174,8 @@ class Scheduler:
         for s in itertools.chain(self._queue, self._active):
             s.cancel_requested = s.cancel_requested or "cancelled"
 
-    def has_work(self) -> bool:
-        return bool(self._queue or self._active or self._closing)
+    def has_work(self, closing: bool = True) -> bool:
+        return bool(self._queue or self._active or (closing and self._closing))
 
     def flush_cache(self) -> int:
         """Evict every cached page no session holds; return how many."""

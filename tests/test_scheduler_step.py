@@ -57,6 +57,23 @@ def test_a_finished_turn_closes_in_the_next_steps_batch_and_the_next_turn_hits_a
     assert sch.pool.num_used_pages == len(sch.cache.pages)
 
 
+def test_a_run_that_keeps_no_cache_ends_with_its_answers_not_its_closing_pass(tiny_model, monkeypatch):
+    """`prefixlab run` without a saved cache, report or trace exits after the last answer: the
+    closing tokens (computed only for later requests) are not run; settling runs them."""
+    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4))
+    loop = EngineLoop(sch)
+    passes = counting_forward(monkeypatch)
+    ids = [loop.submit_now(system="You are tiny.", user=u, max_new_tokens=5, stop_ids=[]) for u in ("hi", "yo")]
+    finished: list[int] = []
+    loop.run_until_done(lambda ev: finished.append(ev.request_id) if isinstance(ev, FinishEvent) else None,
+                        settle=False)
+    assert sorted(finished) == ids and all(sch.record(i).n_gen == 5 for i in ids)
+    answered = len(passes)
+    assert sch.n_running() == 2 and not loop.has_work(closing=False)  # both turns await closing
+    loop.run_until_done()                               # settling: one more pass closes both
+    assert len(passes) == answered + 1 and sch.n_running() == 0 and not loop.has_work()
+
+
 def test_pages_are_taken_at_admission_and_forward_never_allocates(tiny_model):
     sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, pool_pages=40, cache_enabled=False))
     loop = EngineLoop(sch)
