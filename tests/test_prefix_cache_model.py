@@ -87,11 +87,15 @@ def test_a_hit_gives_the_same_logits_and_continuation_as_a_miss(m, kv_dtype):
     assert matched >= 3 * ROWS                            # the system prompt is cached
     logits_hit = dl.eval(m, hit, p2[matched:])            # only the tail computed
     assert logits_hit.shape == logits_miss.shape == (m.config.vocab_size,)
-    assert_close_to_scale(logits_hit, logits_miss)
+    # float16 pages keep 11 bits: the miss's own K/V, a few float32 ulps off the cached ones
+    # (another pass shape sums in another order), can round to the neighbouring float16 value,
+    # so hit and miss agree to float16's precision (2^-11 = 4.9e-4), not float32's (seen: 1.7e-4)
+    rel = 1e-4 if kv_dtype == "float32" else 1e-3
+    assert_close_to_scale(logits_hit, logits_miss, rel)
     # The cached K/V is the one the miss computed itself.
     for i, page in enumerate(hit.page_table[:matched // ROWS]):
-        assert_close_to_scale(pool.k[:, page], pool.k[:, miss.page_table[i]])
-        assert_close_to_scale(pool.v[:, page], pool.v[:, miss.page_table[i]])
+        assert_close_to_scale(pool.k[:, page], pool.k[:, miss.page_table[i]], rel)
+        assert_close_to_scale(pool.v[:, page], pool.v[:, miss.page_table[i]], rel)
     assert greedy(m, hit, logits_hit, 32) == greedy(m, miss, logits_miss, 32)
 
     for s in (miss, hit):
