@@ -13,11 +13,15 @@ from .kv_pool import KVPool
 
 def unnormalized_softmax(x: np.ndarray) -> np.ndarray:
     # exp(x - row max) in place over the last axis (x [..., S] is a fresh scores array nobody
-    # else holds); the caller divides its [..., hd] output by the row sums, taken as a GEMV
-    # (15 us where x.sum took 60 at S=149), rather than the [..., S] weights
+    # else holds); the caller divides its [..., hd] output by row_sums, not the [..., S] weights
     x -= x.max(axis=-1, keepdims=True)
     np.exp(x, out=x)
     return x
+
+
+def row_sums(w: np.ndarray) -> np.ndarray:
+    # w [..., S] -> [..., 1], taken as a GEMV (15 us where w.sum took 60 at S=149)
+    return w @ np.ones((w.shape[-1], 1), dtype=np.float32)
 
 
 def causal_bias(T: int, S: int, n_past: int, key_start: int = 0, window: int = 0) -> np.ndarray:
@@ -43,7 +47,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
         scores.reshape(KV, R, T, S)[...] += causal_bias(T, S, n_past, key_start, window)  # [KV, R, T, S]
     weights = unnormalized_softmax(scores)                                        # [KV, R*T, S]
     out = weights @ v.transpose(1, 0, 2)                                          # [KV, R*T, hd]
-    out /= weights @ np.ones(S, dtype=np.float32)[:, None]                        # [KV, R*T, 1]
+    out /= row_sums(weights)                                                      # [KV, R*T, hd]
     return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
 
 
@@ -80,7 +84,7 @@ def decode_attention(q: np.ndarray, own: tuple[np.ndarray, np.ndarray], bias: np
     if shared is not None:
         ps = weights[..., :-So].transpose(1, 0, 2, 3).reshape(KV, B * R, -1)      # [KV, B*R, Ss]
         out += (ps @ vs.transpose(1, 0, 2)).reshape(KV, B, R, hd).transpose(1, 0, 2, 3)
-    out /= weights @ np.ones(weights.shape[-1], dtype=np.float32)[:, None]        # [B, KV, R, 1]
+    out /= row_sums(weights)                                                      # [B, KV, R, hd]
     return out.reshape(B, H * hd)                                                 # [B, H*hd]
 
 
