@@ -3,7 +3,15 @@
 No Qt here, ever: the engine is a library (`import engine as dl`).
 """
 
-from .api import (
+import os as _os
+
+# OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s) after each threaded call, on the core
+# a decode pass's split helper needs (engine/split.py): after a prefill or a GEMV, one stream's
+# tokens took 30-34 ms instead of 22. 2^22 cycles (~1.5 ms) still spans the gaps between a
+# pass's calls. OpenBLAS reads it when NumPy loads it: import engine first, or set it yourself.
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "22")
+
+from .api import (  # noqa: E402 - after the setting above
     create_kv_pool,
     create_session,
     decode,

@@ -44,13 +44,13 @@ def to_column_blocks(w: np.ndarray) -> np.ndarray | None:
 
 def blocks_matmul(x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
     """x [N, K] @ W given as blocks [N/64, K, 64]: [N, out]. One row goes as two (BLAS's
-    small-matrix GEMM kernel; its GEMV over 64-column blocks is slower); a big matrix's
-    blocks are shared among the pass's threads (engine/split.py)."""
+    small-matrix GEMM kernel; its GEMV over 64-column blocks is slower); a decode pass's
+    blocks are shared with a helper process (engine/split.py)."""
     if len(x) == 1:
         x2 = np.zeros((2, x.shape[1]), dtype=np.float32)                   # [2, K]
         x2[0] = x[0]
-        return split.matmul(x2, blocks)[:, 0].reshape(1, -1)               # [1, out]
-    return split.matmul(x, blocks).transpose(1, 0, 2).reshape(len(x), -1)  # [N, out]
+        return split.matmul(x2, blocks)[:1]                                # [1, out]
+    return split.matmul(x, blocks)                                         # [N, out]
 
 
 def plain_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -1,82 +1,279 @@
-"""A big matmul over column blocks shared among threads: BLAS runs each block's small GEMM on one core.
+"""A decode pass's matmuls over column blocks, shared with a helper process that spins between jobs.
 
-A matmul over [nb, K, 64] blocks is nb small GEMMs that NumPy runs one after another with the GIL
-released, so `parts` threads (the caller and parts-1 helpers) can each take a contiguous share of
-the blocks and write it into one output, each block computed exactly as it would be alone. Handing
-a share to a helper costs a thread wake-up (50-100 us measured on a 2-core VM), so only matrices
-of SPLIT_BYTES or more are shared: the output head, whose 113 MB took 7.8 ms for 8 rows on one
-core and 5.4 ms on two (2 rows: 5.3 -> 3.9 ms); a layer's 2-7 MB matrices lost as much as they won.
-The pass's BLAS thread count sets `parts` (engine/threads.py), so a busy machine shares less. A
-second caller while a share runs (another thread's forward pass) runs its matmul whole.
+BLAS runs each 64-column block's small GEMM on one core, and one core reads a layer's blocks
+at about 25 GB/s on a 2-core EPYC where two read 38 (one row, 30 layers: 17 -> 11.5 ms; eight
+rows: 25 -> 17 ms). A helper thread that sleeps between jobs cannot take half a layer's
+matrix: waking it cost 40-80 us there (the VM's guest halts an idle core at once), about
+what it saved. So the helper is a process, started once, that waits by spinning on shared
+memory as BLAS's own threads do, for SPIN_S after its last job, then sleeps on a pipe.
+It maps the weight image's file itself (`share_file`), so a job is a few integers and the
+input rows, and it writes its blocks into shared memory: each block is computed exactly as
+it would be alone, so the answer is the same bit for bit. Passes of more than SHARE_ROWS
+rows (prefill) keep BLAS's own threads. The pass's thread count sets `parts`
+(engine/threads.py), so a busy machine shares nothing. A helper that dies or fails makes
+the caller compute its share and stop sharing. Only on x86-64 Linux: the protocol relies on
+x86's ordered stores (a job's fields land before its sequence number) and on memfd_create.
+
+Run as a script, this file is the helper (it imports only NumPy).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
-import queue
+import platform
+import sys
 import threading
+import time
+import weakref
 
 import numpy as np
 
-SPLIT_BYTES = 32 << 20
+SHARE_ROWS = 64             # passes of at most this many rows share (decode; prefill keeps BLAS's threads)
+SHARE_BYTES = 1 << 20       # smaller matrices stay whole: a hand-off costs a few microseconds
+SPIN_S = 0.002              # a helper spins this long after a job (a step's matmuls come ~0.1 ms apart)
+X_FLOATS = 1 << 20          # input rows: rows x K floats
+OUT_FLOATS = 8 << 20        # output: [blocks, rows, 64] floats; bigger jobs stay whole
+SLOT_INTS = 32              # per helper: 0 seq, 1 file, 2 offset, 3 blocks, 4 K, 5 rows, 6 out,
+#                             7 sleeping, 8 done (its own cache line), 9 failed, 10 ready
+PATHS_BYTES = 1 << 16       # the shared files' paths, one per line
+SLOTS_AT = PATHS_BYTES
+X_AT = SLOTS_AT + 64 * SLOT_INTS * 8
+OUT_AT = X_AT + X_FLOATS * 4
+CTL_BYTES = OUT_AT + OUT_FLOATS * 4
+SUPPORTED = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
+
 _parts = 1
-_helpers: list[tuple[queue.SimpleQueue, queue.SimpleQueue]] = []
+_files: list[tuple[str, weakref.ref, int, int]] = []  # ("dev inode path", its map, address, bytes)
 _busy = threading.Lock()
+_pool: _Pool | None = None
+_disabled = ""                            # why sharing stopped, once it did
 
 
 def set_parts(n: int) -> None:
-    """Share blocks among n threads from the next matmul on."""
+    """Share blocks among n workers (this thread and n-1 helpers) from the next matmul on."""
     global _parts
     _parts = max(1, int(n))
 
 
-def _serve(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
-    while True:
-        x, blocks, out = jobs.get()
-        try:
-            np.matmul(x, blocks, out=out)
-            done.put(None)
-        except Exception as e:  # noqa: BLE001 - handed to the caller, who raises it
-            done.put(e)
+def can_share(rows: int) -> bool:
+    """Whether a pass of `rows` rows may share its blocks with helpers on this machine."""
+    return SUPPORTED and not _disabled and rows <= SHARE_ROWS
 
 
-def _ensure(n: int) -> list[tuple[queue.SimpleQueue, queue.SimpleQueue]]:
-    while len(_helpers) < n:
-        pair = (queue.SimpleQueue(), queue.SimpleQueue())
-        threading.Thread(target=_serve, args=pair, name="prefixlab-blocks", daemon=True).start()
-        _helpers.append(pair)
-    return _helpers[:n]
-
-
-def _forget_helpers() -> None:
-    _helpers.clear()  # a forked child has none of its parent's threads
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_helpers)
+def share_file(path: str, view: np.ndarray) -> None:
+    """Let helpers read arrays that lie in `view`, a read-only map of the whole file at `path`
+    (while `view` lives: every array sliced from it keeps it alive, and once it is gone its
+    addresses may hold another map)."""
+    st = os.stat(path)  # the helper maps this very file, not one renamed over it since
+    _files.append((f"{st.st_dev} {st.st_ino} {os.path.abspath(path)}", weakref.ref(view),
+                   view.ctypes.data, view.nbytes))
+    if _pool is not None:
+        _pool.write_paths()
 
 
 def matmul(x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """np.matmul(x [N, K], blocks [nb, K, 64]) -> [nb, N, 64], the blocks shared among threads."""
-    nb = blocks.shape[0]
-    parts = min(_parts, nb)
-    if parts < 2 or blocks.nbytes < SPLIT_BYTES or not _busy.acquire(blocking=False):
-        return np.matmul(x, blocks)
+    """x [N, K] @ W given as blocks [nb, K, 64]: a new [N, nb*64] array."""
+    job = _job(x, blocks)
+    if job is None or not _busy.acquire(blocking=False):
+        return np.matmul(x, blocks).transpose(1, 0, 2).reshape(len(x), -1)  # [N, out]
     try:
-        out = np.empty((nb, x.shape[0], blocks.shape[-1]), dtype=np.result_type(x, blocks))  # [nb, N, 64]
-        cuts = [nb * i // parts for i in range(parts + 1)]
-        helpers = _ensure(parts - 1)
-        for (jobs, _), lo, hi in zip(helpers, cuts[1:], cuts[2:]):
-            jobs.put((x, blocks[lo:hi], out[lo:hi]))
-        try:
-            np.matmul(x, blocks[:cuts[1]], out=out[:cuts[1]])
-            errors = [None]
-        except Exception as e:  # noqa: BLE001 - raised below, once every helper has answered
-            errors = [e]
-        errors += [done.get() for _, done in helpers]
+        return _pool_or_start().run(x, blocks, job)
     finally:
         _busy.release()
-    for e in errors:
-        if e is not None:
-            raise e
-    return out
+
+
+def _job(x: np.ndarray, blocks: np.ndarray) -> tuple[int, int] | None:
+    """(file, byte offset) of blocks a helper can read, or None where this matmul stays whole."""
+    if (_parts < 2 or not can_share(len(x)) or blocks.nbytes < SHARE_BYTES
+            or x.size > X_FLOATS or blocks.shape[0] * len(x) * blocks.shape[2] > OUT_FLOATS
+            or x.dtype != np.float32 or blocks.dtype != np.float32 or not blocks.flags.c_contiguous
+            or x.shape[1] != blocks.shape[1]):
+        return None
+    at = blocks.ctypes.data
+    for i, (_, alive, base, size) in enumerate(_files):
+        if base <= at and at + blocks.nbytes <= base + size and alive() is not None:
+            return i, at - base
+    return None
+
+
+def _pool_or_start() -> _Pool:
+    global _pool
+    if _pool is None:
+        _pool = _Pool()
+    return _pool
+
+
+class _Helper:
+    """One helper process, its slot of the control block and the pipe that wakes it."""
+
+    def __init__(self, ctl_fd: int, index: int, slot: np.ndarray):
+        import subprocess
+        read, self.wake = os.pipe()
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(  # -P: not this folder on sys.path (its modules are not NumPy's)
+            [sys.executable, "-P", os.path.abspath(__file__), str(ctl_fd), str(read), str(index)],
+            pass_fds=(ctl_fd, read), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        os.close(read)
+        self.slot = slot
+
+    def post(self, seq: int, fields: tuple[int, ...]) -> None:
+        self.slot[1:7] = fields
+        self.slot[0] = seq              # last: x86 makes every store above visible first
+        if self.slot[7]:
+            self.poke()
+
+    def poke(self) -> None:
+        try:
+            os.write(self.wake, b"\0")
+        except OSError:
+            pass  # a full pipe already wakes it; a dead helper is found by `wait`
+
+    def wait(self, seq: int) -> str:
+        """"" once the job is done, else what went wrong."""
+        spins = 0
+        while self.slot[8] != seq:
+            spins += 1
+            if spins % 4096 == 0:   # every ~0.3 ms: a post that crossed its falling asleep, or death
+                if self.slot[7]:
+                    self.poke()
+                if self.proc.poll() is not None:
+                    return f"helper {self.proc.pid} died"
+        return f"helper {self.proc.pid} failed a job" if self.slot[9] else ""
+
+
+class _Pool:
+    """The control block (shared memory: paths, slots, input rows, output) and the helpers."""
+
+    def __init__(self):
+        self.fd = os.memfd_create("prefixlab-split")
+        os.ftruncate(self.fd, CTL_BYTES)
+        self.buf = mmap.mmap(self.fd, CTL_BYTES)
+        slots = np.frombuffer(self.buf, np.int64, 64 * SLOT_INTS, SLOTS_AT).reshape(64, SLOT_INTS)
+        self.x = np.frombuffer(self.buf, np.float32, X_FLOATS, X_AT)
+        self.out = np.frombuffer(self.buf, np.float32, OUT_FLOATS, OUT_AT)
+        self.slots, self.helpers, self.seq = slots, [], 0
+        self.write_paths()
+
+    def write_paths(self) -> None:
+        text = "".join(f[0] + "\n" for f in _files).encode()[:PATHS_BYTES]
+        self.buf[:len(text)] = text
+
+    def ready(self, n: int) -> list[_Helper]:
+        """The first n helpers that are up (starting any missing; they come up in ~0.2 s)."""
+        while len(self.helpers) < min(n, 63):
+            i = len(self.helpers)
+            self.helpers.append(_Helper(self.fd, i, self.slots[i]))
+        return [h for h in self.helpers[:n] if h.slot[10]]
+
+    def run(self, x: np.ndarray, blocks: np.ndarray, job: tuple[int, int]) -> np.ndarray:
+        N, (nb, K, C) = x.shape[0], blocks.shape
+        helpers = self.ready(min(_parts, nb) - 1)
+        out = self.out[:nb * N * C].reshape(nb, N, C)                          # [nb, N, 64]
+        cuts = [nb * i // (len(helpers) + 1) for i in range(len(helpers) + 2)]
+        if helpers:
+            self.x[:x.size] = x.reshape(-1)
+            self.seq += 1
+            file, offset = job
+            for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
+                h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, N, lo * N * C))
+        np.matmul(x, blocks[:cuts[1]], out=out[:cuts[1]])
+        for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
+            trouble = h.wait(self.seq)
+            if trouble:
+                _stop(trouble)
+                np.matmul(x, blocks[lo:hi], out=out[lo:hi])
+        result = np.empty((N, nb, C), dtype=np.float32)                        # [N, nb, 64]
+        np.copyto(result, out.transpose(1, 0, 2))
+        return result.reshape(N, nb * C)                                       # [N, out]
+
+
+def _stop(why: str) -> None:
+    """Stop sharing for the rest of the process."""
+    global _disabled
+    _disabled = why
+    shutdown()
+
+
+def shutdown() -> None:
+    """End the helpers and free the control block (a later shared matmul starts new ones)."""
+    global _pool
+    pool, _pool = _pool, None
+    for h in pool.helpers if pool is not None else ():
+        os.close(h.wake)    # a sleeping helper exits on its pipe's end, a spinning one is killed
+        h.proc.kill()
+        h.proc.wait()
+    if pool is not None:
+        os.close(pool.fd)   # the map goes with the last array over it
+
+
+def helper_cpu_seconds() -> float:
+    """CPU seconds the helpers have used (engine/threads.py counts them as this process's own)."""
+    total = 0.0
+    for h in _pool.helpers if _pool is not None else ():
+        try:
+            with open(f"/proc/{h.proc.pid}/stat", encoding="ascii") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child must not post jobs to its parent's helpers
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+# the helper process ----------------------------------------------------------------------
+def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
+    buf = mmap.mmap(ctl_fd, CTL_BYTES)
+    slot = np.frombuffer(buf, np.int64, SLOT_INTS, SLOTS_AT + index * SLOT_INTS * 8)
+    x = np.frombuffer(buf, np.float32, X_FLOATS, X_AT)
+    out = np.frombuffer(buf, np.float32, OUT_FLOATS, OUT_AT)
+    maps: list[np.ndarray] = []
+    last = int(slot[0])
+    slot[10] = 1
+    while True:
+        until = time.perf_counter() + SPIN_S
+        while slot[0] == last:
+            if time.perf_counter() > until:
+                slot[7] = 1
+                if slot[0] == last and not os.read(wake_fd, 4096):
+                    return          # the engine's process is gone
+                slot[7] = 0
+                until = time.perf_counter() + SPIN_S
+        last = int(slot[0])
+        file, offset, n, K, rows, at = (int(v) for v in slot[1:7])
+        try:
+            while file >= len(maps):
+                dev, ino, path = bytes(buf[:PATHS_BYTES]).split(b"\n")[len(maps)].decode().split(" ", 2)
+                maps.append(np.frombuffer(_map(path, int(dev), int(ino)), dtype=np.uint8))
+            w = maps[file][offset:offset + n * K * 64 * 4].view(np.float32).reshape(n, K, 64)
+            np.matmul(x[:rows * K].reshape(rows, K), w, out=out[at:at + n * rows * 64].reshape(n, rows, 64))
+            slot[9] = 0
+        except Exception:  # noqa: BLE001 - the caller computes this share itself
+            slot[9] = 1
+        slot[8] = last
+
+
+def _map(path: str, dev: int, ino: int) -> mmap.mmap:
+    with open(path, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise OSError(f"{path} was replaced since the engine mapped it")
+        raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            raw.madvise(mmap.MADV_HUGEPAGE)   # as the engine maps it (engine/weight_image.py)
+        except OSError:
+            pass
+    return raw
+
+
+if __name__ == "__main__":
+    _serve(*(int(a) for a in sys.argv[1:4]))

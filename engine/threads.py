@@ -64,8 +64,9 @@ def _load_average() -> float:
 
 
 def _own_seconds() -> float:
+    """CPU seconds of this process and its split helpers (engine/split.py), which are its own work."""
     t = os.times()
-    return t.user + t.system
+    return t.user + t.system + split.helper_cpu_seconds()
 
 
 class BlasThreads:
@@ -112,15 +113,18 @@ class BlasThreads:
             cap = min(cap, self.batch_cap)
         return max(1, min(cap, int(self.free + 0.35)))
 
-    def fit(self, rows: int = 1) -> int:
-        """Set the BLAS thread count for the next forward pass (only when it changes), and
-        share the output head among the free cores (engine/split.py): its helpers sleep
-        between jobs rather than spin, so the app's cap for its UI does not apply to them."""
-        n = self.choose(rows)
+    def fit(self, rows: int = 1, blocks: bool = False) -> int:
+        """Set the BLAS thread count for the next forward pass of `rows` rows (only when it
+        changes) and the workers that share its column blocks (`blocks`: the model reads that
+        layout). A decode pass over blocks runs BLAS on one thread and shares its blocks with
+        spinning helper processes (engine/split.py) on the other free cores, where BLAS's own
+        threads would only fight them for those cores."""
+        parts = self.choose(rows, capped=False) if blocks and split.can_share(rows) else 1
+        n = 1 if parts > 1 else self.choose(rows)
         if n != self._current:
             self._controller.limit(limits=n)
             self._current = n
-        split.set_parts(self.choose(rows, capped=False))
+        split.set_parts(parts)
         return n
 
 

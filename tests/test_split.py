@@ -1,9 +1,16 @@
-"""engine/split.py: a big matmul's column blocks shared among threads give the very numbers
-one thread gives, from any thread, and a helper's error reaches the caller."""
+"""engine/split.py: a decode pass's column blocks shared with helper processes give the very
+numbers one worker gives, from any thread; a helper that dies, fails or would read another
+file costs only the sharing, never an answer; and helpers end with the engine's process."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,38 +18,87 @@ import pytest
 from engine import split
 from engine.layout import blocks_matmul, to_column_blocks
 
+pytestmark = pytest.mark.skipif(not split.SUPPORTED, reason="helpers run on x86-64 Linux only")
+
 
 @pytest.fixture
 def shared(monkeypatch):
-    """Every matrix is big enough to share, among the parts a test sets."""
-    monkeypatch.setattr(split, "SPLIT_BYTES", 0)
+    """Every matrix is big enough to share; each test starts and ends with no helpers."""
+    monkeypatch.setattr(split, "SHARE_BYTES", 0)
+    monkeypatch.setattr(split, "_files", [])
+    monkeypatch.setattr(split, "_disabled", "")
+    split.shutdown()
     yield split.set_parts
     split.set_parts(1)
+    split.shutdown()
 
 
-def test_shared_blocks_equal_one_thread_bit_for_bit(shared):
+def mapped(tmp_path, arrays: list[np.ndarray], name: str = "weights.bin") -> tuple[str, list[np.ndarray]]:
+    """The arrays written to one file and read back through a read-only map of it, as the
+    weight image maps its file; the map is shared with helpers."""
+    path = str(tmp_path / name)
+    with open(path, "wb") as fh:
+        for a in arrays:
+            fh.write(np.ascontiguousarray(a, dtype=np.float32).tobytes())
+    with open(path, "rb") as fh:
+        blob = np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+    split.share_file(path, blob)
+    views, at = [], 0
+    for a in arrays:
+        views.append(blob[at:at + a.nbytes].view(np.float32).reshape(a.shape))
+        at += a.nbytes
+    return path, views
+
+
+def until_helpers(n: int, x: np.ndarray, blocks: np.ndarray) -> None:
+    """Shared matmuls until n helpers are up (they start in the background, ~0.2 s)."""
+    deadline = time.monotonic() + 60
+    while len(split._pool_or_start().ready(n)) < n:
+        assert time.monotonic() < deadline, "no helper came up"
+        split.matmul(x, blocks)
+        time.sleep(0.01)
+
+
+def test_shared_blocks_equal_one_worker_bit_for_bit(shared, tmp_path):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((96, 64 * 13), dtype=np.float32)
-    blocks = to_column_blocks(w)                                       # [13, 96, 64]
-    for rows in (1, 2, 8, 33):
-        x = rng.standard_normal((rows, 96), dtype=np.float32)
-        shared(1)
-        alone = blocks_matmul(x, blocks)
-        for parts in (2, 3, 5, 40):
-            shared(parts)
-            np.testing.assert_array_equal(blocks_matmul(x, blocks), alone)
-        np.testing.assert_allclose(alone, x @ w, rtol=1e-4, atol=1e-4)
-    assert any(t.name == "prefixlab-blocks" for t in threading.enumerate())  # it did share
+    _, (blocks,) = mapped(tmp_path, [to_column_blocks(w)])            # [13, 96, 64]
+    xs = {rows: rng.standard_normal((rows, 96), dtype=np.float32) for rows in (1, 2, 8, 33)}
+    shared(1)
+    alone = {rows: blocks_matmul(x, blocks) for rows, x in xs.items()}
+    shared(3)
+    until_helpers(2, xs[2], blocks)
+    jobs = split._pool.seq
+    for rows, x in xs.items():
+        np.testing.assert_array_equal(blocks_matmul(x, blocks), alone[rows])
+        np.testing.assert_allclose(alone[rows], x @ w, rtol=1e-4, atol=1e-4)
+    assert split._pool.seq == jobs + len(xs)                          # each one was shared
 
 
-def test_many_callers_at_once_each_get_their_own_answer(shared):
-    """Two forward passes on two threads (the app's tour beside its worker): one shares, the
-    other runs whole; neither reads the other's output."""
+def test_arrays_outside_a_shared_file_and_prefill_passes_stay_whole(shared, tmp_path):
+    rng = np.random.default_rng(2)
+    _, (blocks,) = mapped(tmp_path, [rng.standard_normal((8, 64, 64), dtype=np.float32)])
     shared(2)
+    x = rng.standard_normal((4, 64), dtype=np.float32)
+    until_helpers(1, x, blocks)
+    jobs = split._pool.seq
+    anonymous = np.array(blocks)                                      # same numbers, not in the file
+    np.testing.assert_array_equal(split.matmul(x, anonymous), split.matmul(x, blocks))
+    prefill = rng.standard_normal((split.SHARE_ROWS + 1, 64), dtype=np.float32)
+    np.testing.assert_array_equal(split.matmul(prefill, blocks),
+                                  np.matmul(prefill, anonymous).transpose(1, 0, 2).reshape(len(prefill), -1))
+    assert split._pool.seq == jobs + 1                                # only the file's decode rows
+
+
+def test_many_callers_at_once_each_get_their_own_answer(shared, tmp_path):
+    """Two forward passes on two threads (the app's tour beside its worker): one shares, the
+    others run whole; none reads another's output."""
     rng = np.random.default_rng(1)
-    blocks = rng.standard_normal((24, 64, 64), dtype=np.float32)
+    _, (blocks,) = mapped(tmp_path, [rng.standard_normal((24, 64, 64), dtype=np.float32)])
+    shared(2)
     xs = [rng.standard_normal((4, 64), dtype=np.float32) for _ in range(4)]
-    want = [np.matmul(x, blocks) for x in xs]
+    until_helpers(1, xs[0], blocks)
+    want = [np.matmul(x, blocks).transpose(1, 0, 2).reshape(4, -1) for x in xs]
     bad = []
 
     def run(i):
@@ -58,10 +114,103 @@ def test_many_callers_at_once_each_get_their_own_answer(shared):
     assert not bad
 
 
-def test_an_error_in_a_helper_reaches_the_caller_and_the_next_call_works(shared):
+def test_a_helper_that_dies_costs_the_sharing_not_the_answer(shared, tmp_path):
+    rng = np.random.default_rng(3)
+    _, (blocks,) = mapped(tmp_path, [rng.standard_normal((16, 64, 64), dtype=np.float32)])
     shared(2)
-    blocks = np.ones((4, 8, 64), dtype=np.float32)
-    with pytest.raises(ValueError):
-        split.matmul(np.ones((2, 9), dtype=np.float32), blocks)      # K 9 against 8
-    np.testing.assert_array_equal(split.matmul(np.ones((2, 8), dtype=np.float32), blocks),
-                                  np.full((4, 2, 64), 8.0, dtype=np.float32))
+    x = rng.standard_normal((2, 64), dtype=np.float32)
+    want = np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1)
+    until_helpers(1, x, blocks)
+    helper = split._pool.helpers[0].proc
+    os.kill(helper.pid, 9)
+    helper.wait()
+    np.testing.assert_array_equal(split.matmul(x, blocks), want)     # the caller took its share
+    assert "died" in split._disabled and split._pool is None
+    np.testing.assert_array_equal(split.matmul(x, blocks), want)     # and goes on alone
+
+
+def test_a_file_replaced_since_it_was_mapped_is_never_read_by_a_helper(shared, tmp_path):
+    """The engine maps an image, then the image is rebuilt under the same name: a helper that
+    maps it only now would read other numbers, so it refuses and the caller computes."""
+    rng = np.random.default_rng(4)
+    path, (blocks,) = mapped(tmp_path, [rng.standard_normal((16, 64, 64), dtype=np.float32)])
+    x = rng.standard_normal((2, 64), dtype=np.float32)
+    want = np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1)
+    other = tmp_path / "new.bin"
+    other.write_bytes(np.ones((16, 64, 64), dtype=np.float32).tobytes())
+    os.replace(other, path)
+    shared(2)
+    deadline = time.monotonic() + 60
+    while not split._disabled:                                        # until a helper has refused
+        assert time.monotonic() < deadline
+        np.testing.assert_array_equal(split.matmul(x, blocks), want)
+        time.sleep(0.01)
+    assert "failed a job" in split._disabled
+    np.testing.assert_array_equal(split.matmul(x, blocks), want)
+
+
+def test_helpers_end_with_the_engines_process(tmp_path):
+    """No helper outlives the process it serves: not after a normal exit, nor after a kill."""
+    script = textwrap.dedent(f"""
+        import mmap, os, sys, time
+        import numpy as np
+        from engine import split
+        split.SHARE_BYTES = 0
+        path = {str(tmp_path / "w.bin")!r}
+        np.ones((8, 64, 64), dtype=np.float32).tofile(path)
+        with open(path, "rb") as fh:
+            blob = np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        split.share_file(path, blob)
+        blocks = blob.view(np.float32).reshape(8, 64, 64)
+        split.set_parts(2)
+        while not split._pool_or_start().ready(1):
+            split.matmul(np.ones((2, 64), dtype=np.float32), blocks)
+            time.sleep(0.01)
+        print(split._pool.helpers[0].proc.pid, flush=True)
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), 9)
+    """)
+    for how in ("exit", "kill"):
+        proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True,
+                              timeout=120, cwd=os.path.dirname(os.path.dirname(split.__file__)))
+        pid = int(proc.stdout.split()[0])
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"helper {pid} outlived its engine ({how})"
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"     # a zombie has ended
+    except OSError:
+        return False
+
+
+def test_every_front_end_sets_openblas_thread_timeout_before_numpy_loads_openblas():
+    """OpenBLAS's idle threads spin ~0.1 s after a threaded call, on the core a helper needs;
+    `import engine` shortens that, but OpenBLAS reads it only when NumPy loads it, so every
+    command must import the engine before anything imports NumPy."""
+    from app.cli import COMMANDS
+
+    root = os.path.dirname(os.path.dirname(split.__file__))
+    modules = [f"app.{m}" for m in COMMANDS.values()] + ["app.desktop.gui"]
+    code = textwrap.dedent(f"""
+        import importlib, json, os, sys
+        seen = {{}}
+        class Watch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "numpy" and "at" not in seen:
+                    seen["at"] = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
+        sys.meta_path.insert(0, Watch())
+        importlib.import_module(sys.argv[1])
+        import engine
+        print(json.dumps(seen.get("at")))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for module in modules:
+        out = subprocess.run([sys.executable, "-c", code, module], cwd=root, capture_output=True,
+                             text=True, timeout=120, env={**env, "QT_QPA_PLATFORM": "offscreen"})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-1] == '"22"', f"{module} loads NumPy before the engine"

@@ -77,10 +77,11 @@ def test_the_first_short_window_replaces_the_load_averages_guess(machine):
     assert chooser.choose() == 2             # later windows are the usual SAMPLE_S long
 
 
-def test_the_apps_ui_core_cap_leaves_the_heads_sharing_to_the_free_cores(machine):
-    """The app caps BLAS at one thread on decode passes (its spinning threads would stall the
-    UI); the output head's helpers sleep between jobs, so the head still goes to both cores,
-    and a machine whose other core is busy shares it with nobody."""
+@pytest.mark.skipif(not __import__("engine.split").split.SUPPORTED, reason="helpers run on x86-64 Linux")
+def test_a_decode_pass_over_blocks_shares_them_with_helpers_not_blas_threads(machine):
+    """A decode pass over column blocks runs BLAS on one thread and shares its blocks with a
+    helper on the other free core (engine/split.py), in the app too; a prefill, or a model read
+    in the plain layout, gets BLAS's threads instead; a busy machine shares with nobody."""
     from engine import split
 
     before = blas_count()
@@ -88,9 +89,12 @@ def test_the_apps_ui_core_cap_leaves_the_heads_sharing_to_the_free_cores(machine
         chooser = threads.BlasThreads(max_threads=2)
         chooser.batch_cap = 1
         advance(machine, 1.0, others_busy_cores=0.0, own_cores=1.0)
-        assert chooser.fit(rows=8) == 1 and blas_count() == 1 and split._parts == 2
+        for rows in (1, 8):
+            assert chooser.fit(rows, blocks=True) == 1 and blas_count() == 1 and split._parts == 2
+        assert chooser.fit(rows=300, blocks=True) == 2 and blas_count() == 2 and split._parts == 1
+        assert chooser.fit(rows=1, blocks=False) == 2 and split._parts == 1
         advance(machine, 1.0, others_busy_cores=1.0, own_cores=1.0)
-        assert chooser.fit(rows=8) == 1 and split._parts == 1
+        assert chooser.fit(rows=1, blocks=True) == 1 and split._parts == 1
     finally:
         threadpool_limits(before, user_api="blas")
         split.set_parts(1)

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 import engine as dl
 from engine.threads import blas_threads as engine_blas_threads
@@ -80,14 +81,18 @@ class GemmReference:
 
 
 def bandwidth_probe():
-    """A >= 512 MB float32 matrix and a GEMV over it: one full read of the matrix per call."""
+    """A >= 512 MB float32 matrix and a GEMV over it: one full read of the matrix per call, on
+    every core the engine may use (the machine's limit, whatever the last pass chose: a decode
+    pass over column blocks runs BLAS on one thread beside its helpers, engine/split.py)."""
     cols = 8192
     rows = BW_BYTES // (4 * cols)
     a = np.full((rows, cols), 0.5, dtype=np.float32)  # [rows, cols]; values do not matter to a read
     x = np.ones(cols, dtype=np.float32)                                              # [cols]
+    cores = engine_blas_threads().max_threads
 
-    def read() -> None:
-        a @ x  # [rows]
+    def read() -> float:
+        with threadpool_limits(limits=cores, user_api="blas"):
+            return _timed(lambda: a @ x)  # [rows]
 
     return a.nbytes, read
 
@@ -168,7 +173,7 @@ def decode_figures(m, quick: bool, batch_streams: int = 8, run_batch: bool = Tru
     read()
     t_dec, t_bw, t_b = [], [], []
     for _ in range(rounds):
-        t_bw.append(_timed(read))
+        t_bw.append(read())
         t0 = time.perf_counter()
         for _ in range(chunk):
             token = _argmax_rows(dl.eval(m, base, [token]))[0]
@@ -178,7 +183,7 @@ def decode_figures(m, quick: bool, batch_streams: int = 8, run_batch: bool = Tru
             for _ in range(b_chunk):
                 tokens = _argmax_rows(dl.eval_batch(m, sessions, [[t] for t in tokens]))
             t_b.append(time.perf_counter() - t0)
-    t_bw.append(_timed(read))
+    t_bw.append(read())
     del read
     weight_bytes = m.weights.matmul_bytes()
     single_tps = chunk / min(t_dec)

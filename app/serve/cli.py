@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import engine  # noqa: F401 - first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS
+
 from ..cache_persist import persist_from_args
 from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
 from ..stop_signals import StopOnSignals
