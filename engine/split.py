@@ -241,6 +241,7 @@ def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
     while True:
         until = time.perf_counter() + SPIN_S
         while slot[0] == last:
+            os.sched_yield()        # as BLAS's threads spin: a thread that has work (a UI) runs first
             if time.perf_counter() > until:
                 slot[7] = 1
                 if slot[0] == last and not os.read(wake_fd, 4096):
