@@ -8,6 +8,10 @@ passes of 2-63 rows that only wait for memory, the worker leaves that core to th
 free core, since they run 1.3-1.6x faster on two (measured by the bench's "desktop app"
 section: the eight-question scenario in the window 1.17-1.2x its headless time with one
 thread on every pass, against 1.17x for headless itself pinned to one thread).
+Over column blocks a decode pass runs BLAS on one thread anyway and shares its blocks with a
+helper process on the other core, in the window too (engine/split.py): the window ran the
+scenario in 3.15-3.31 s with it against 3.45 s before it, though headless gained more, as the
+UI thread now competes with the helper for that core.
 """
 
 from __future__ import annotations
