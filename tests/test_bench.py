@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 
 import pytest
 
@@ -207,6 +208,20 @@ def test_quick_bench_table_lists_every_figure(quick_run):
     for name in quick_run["figures"]:
         assert name in table
     assert "targets:" in table
+
+
+CRASH = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+
+
+def test_a_peer_that_crashes_fails_its_section_with_the_signal_and_a_build_that_avoids_it(monkeypatch):
+    from app.bench import common, llama_cpp
+    with pytest.raises(RuntimeError, match="killed by SIGSEGV"):
+        common.timed_child([sys.executable, "-c", CRASH])
+    # llama.cpp's native build did this on a Sapphire Rapids VM (AMX): the bench must outlive it
+    monkeypatch.setattr(llama_cpp, "timed_child", lambda cmd: common.timed_child([cmd[0], "-c", CRASH]))
+    with pytest.raises(RuntimeError) as e:
+        llama_cpp.run_child("/models/x.gguf", 8, 1, 2)
+    assert "x.gguf" in str(e.value) and "SIGSEGV" in str(e.value) and "GGML_NATIVE=OFF" in str(e.value)
 
 
 @pytest.mark.model

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import subprocess
+import time
 
 import numpy as np
 
@@ -142,3 +144,20 @@ def child_env(**extra: str) -> dict:
 def blas_threads() -> int | None:
     """The BLAS's current thread count, or None when threadpoolctl finds no BLAS."""
     return blas_runtime().get("threads")
+
+
+def timed_child(cmd: list[str], env: dict | None = None, timeout: float = 900) -> tuple[float, str]:
+    """Wall seconds and stdout of a child process; RuntimeError naming how it failed."""
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env())
+    wall = time.perf_counter() - t0
+    if out.returncode < 0:
+        try:
+            how = f"killed by {signal.Signals(-out.returncode).name}"
+        except ValueError:
+            how = f"killed by signal {-out.returncode}"
+    else:
+        how = f"exit status {out.returncode}"
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:3])} failed ({how}): {out.stderr.strip()[-1500:]}")
+    return wall, out.stdout

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
-from .common import blas_threads, child_env, figure, ratio
+from .common import blas_threads, figure, ratio, timed_child
 
 ISSUE = "Architectures"
 SPEED = ("llama_cpp_prefill_tok_s", "llama_cpp_decode_tok_s")
+# llama-cpp-python's default build uses every instruction the CPU reports; on a Sapphire Rapids
+# KVM guest its AMX matmul killed the process (SIGSEGV) on the first prefill. This build does not.
+REBUILD = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON' "
+           "pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python")
 
 
 def version() -> str | None:
@@ -77,6 +80,18 @@ def _child(path: str, n_prompt: int, n_new: int, threads: int) -> dict:
             "threads": threads, "version": version()}
 
 
+def run_child(path: str, n_prompt: int, n_new: int, threads: int) -> dict:
+    """`_child`'s seconds, measured in a child process: a llama.cpp that crashes takes only that
+    child down, and the RuntimeError says how (and, for a crash, which build avoids it)."""
+    cmd = [sys.executable, "-m", "app.bench.llama_cpp", path, str(n_prompt), str(n_new), str(threads)]
+    try:
+        _, stdout = timed_child(cmd)
+    except RuntimeError as e:
+        hint = f"; a build without AMX: {REBUILD}" if "killed by" in str(e) else ""
+        raise RuntimeError(f"llama.cpp could not run {os.path.basename(path)} here: {e}{hint}") from None
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
 def llama_cpp_figures(path: str, quick: bool, figures_so_far: dict) -> tuple[dict, dict]:
     """llama.cpp's tok/s on `path` and the engine's as a fraction of it (when those sections ran)."""
     if all(k in figures_so_far for k in SPEED):   # the peer section measured it in this run
@@ -90,11 +105,7 @@ def llama_cpp_figures(path: str, quick: bool, figures_so_far: dict) -> tuple[dic
         # as many threads as the engine's BLAS runs with, so both sides get the same cores
         threads = blas_threads() or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                      else (os.cpu_count() or 1))
-        cmd = [sys.executable, "-m", "app.bench.llama_cpp", path, str(n_prompt), str(n_new), str(threads)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=child_env())
-        if out.returncode != 0:
-            raise RuntimeError(f"llama.cpp child failed ({out.returncode}): {out.stderr.strip()[-1000:]}")
-        d = json.loads(out.stdout.strip().splitlines()[-1])
+        d = run_child(path, n_prompt, n_new, threads)
         prefill = d["prompt_tokens"] / min(d["prefill_s"])
         decode = d["new_tokens"] / d["decode_s"]
         note = f"llama-cpp-python {d['version']}, {threads} threads, same GGUF"

@@ -21,8 +21,8 @@ import engine as dl
 
 from ..scenario import sample_tokens
 from . import llama_cpp
-from .common import child_env, figure, ratio, target
-from .w8 import W8_FILE, load_w8, ours_cmd, timed_child
+from .common import child_env, figure, ratio, target, timed_child
+from .w8 import W8_FILE, load_w8, ours_cmd
 
 ISSUE = "Performance"
 PEER_THREADS = 2
@@ -102,6 +102,7 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
     n_prefill, ctx, n_dec, n_batch_steps, reps = (32, 32, 2, 1, 1) if quick else (256, 128, 16, 4, 3)
     streams = 8
     prompt = sample_tokens(m, n_prefill)
+    llama_cpp.run_child(m.path, 8, 1, PEER_THREADS)  # a crashing build fails the section, not the bench
     llm = llama_cpp.load(m.path, PEER_THREADS)
     ours = _OurDecode(m, ctx, streams)
     _our_prefill(m, prompt)                                   # warm-up: pages, first touch

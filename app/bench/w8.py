@@ -19,7 +19,7 @@ import sys
 import time
 
 from ..scenario import SCENARIO_DIR, Scenario, load_scenario
-from .common import child_env, figure, ratio, target
+from .common import figure, ratio, target, timed_child
 
 ISSUE = "Performance"
 W8_FILE = os.path.join(SCENARIO_DIR, "w8.json")
@@ -53,16 +53,6 @@ def ours_cmd(path: str, w8: Scenario, prompts: list[str] | None = None,
     for q in prompts or w8.prompts:
         cmd += ["--prompt", q]
     return cmd
-
-
-def timed_child(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
-    """Wall seconds and stdout of a child process; RuntimeError when it fails."""
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env or child_env())
-    wall = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"{cmd[2]} child failed ({out.returncode}): {out.stderr.strip()[-1500:]}")
-    return wall, out.stdout
 
 
 def w8_figures(path: str, quick: bool) -> tuple[dict, dict]:
