@@ -73,6 +73,17 @@ def share_file(path: str, view: np.ndarray) -> None:
         _pool.write_paths()
 
 
+def warm(n: int, timeout: float = 2.0) -> int:
+    """Start the helpers of n workers and wait until they are up (at most `timeout` s: they
+    come up in ~0.2 s); how many are. The layout probe measures blocks as decode runs them."""
+    if n < 2 or not SUPPORTED or _disabled:
+        return 0
+    pool, end = _pool_or_start(), time.monotonic() + timeout
+    while len(pool.ready(n - 1)) < n - 1 and time.monotonic() < end:
+        time.sleep(0.005)
+    return len(pool.ready(n - 1))
+
+
 def matmul(x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
     """x [N, K] @ W given as blocks [nb, K, 64]: a new [N, nb*64] array."""
     job = _job(x, blocks)

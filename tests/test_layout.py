@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import engine
-from engine import layout, weight_image
+from engine import layout, split, threads, weight_image
 from engine.api import create_kv_pool
 from engine.block_manager import SeqSlots
 from engine.model import forward
@@ -59,11 +59,35 @@ def test_a_tied_embedding_is_read_from_the_head_blocks(real_model):
         w.layout = before
 
 
-def test_the_winner_keeps_blocks_only_when_they_pay_for_the_burst_and_barely_cost_one_stream():
+def test_the_winner_keeps_blocks_only_when_they_pay_for_the_burst_and_cost_one_stream_little():
     base = {"plain_1": 10.0, "plain_8": 30.0}
     assert layout.winner({**base, "blocks_1": 10.5, "blocks_8": 20.0}) == "blocks"
-    assert layout.winner({**base, "blocks_1": 13.0, "blocks_8": 20.0}) == "plain"  # one stream slower
-    assert layout.winner({**base, "blocks_1": 9.0, "blocks_8": 28.0}) == "plain"   # the burst no faster
+    assert layout.winner({**base, "blocks_1": 13.0, "blocks_8": 17.0}) == "blocks"  # the Xeon's trade
+    assert layout.winner({**base, "blocks_1": 15.0, "blocks_8": 17.0}) == "plain"   # one stream too slow
+    assert layout.winner({**base, "blocks_1": 9.0, "blocks_8": 28.0}) == "plain"    # the burst no faster
+    fast_gemm = {"plain_1": 10.0, "plain_8": 12.0}                                  # together no cheaper
+    assert layout.winner({**fast_gemm, "blocks_1": 13.0, "blocks_8": 10.0}) == "plain"
+
+
+@pytest.mark.skipif(not split.SUPPORTED or threads.usable_cores() < 2, reason="no decode helper here")
+def test_the_probe_reads_blocks_shared_with_the_helper_as_decode_does(monkeypatch):
+    """Alone on one core the blocks read half as fast as the plain GEMV's threads: the probe
+    must measure each layout with the threads and sharing a decode pass of it gets."""
+    conftest_chooser = threads.blas_threads()
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)  # conftest's cap: this test needs cores
+    monkeypatch.setattr(threads, "_default", threads.BlasThreads())
+    seen = []
+    real_blocks, real_plain = layout.blocks_matmul, layout.plain_matmul
+    monkeypatch.setattr(layout, "blocks_matmul", lambda x, w: seen.append(("blocks", split._parts))
+                        or real_blocks(x, w))
+    monkeypatch.setattr(layout, "plain_matmul", lambda x, w: seen.append(
+        ("plain", threads.blas_threads()._current)) or real_plain(x, w))
+    w = np.random.default_rng(0).standard_normal((1, 64, 192), dtype=np.float32)
+    layout.measure(layout.probe_arrays({"wqkv": w}, {"wqkv": layout.to_column_blocks(w)}))
+    cores = threads.blas_threads().max_threads
+    assert {("blocks", cores), ("plain", cores)} == set(seen)
+    assert cores >= 2 and split._pool is not None and len(split._pool.ready(cores - 1)) == cores - 1
+    conftest_chooser._current = None  # the next pass sets BLAS's threads again, as conftest's chooser says
 
 
 def test_the_layout_is_measured_once_then_remembered_for_this_machine(tmp_path, monkeypatch):
