@@ -74,7 +74,9 @@ def test_the_probe_reads_blocks_shared_with_the_helper_as_decode_does(monkeypatc
     """Alone on one core the blocks read half as fast as the plain GEMV's threads: the probe
     must measure each layout with the threads and sharing a decode pass of it gets."""
     conftest_chooser = threads.blas_threads()
-    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)  # conftest's cap: this test needs cores
+    # conftest's OPENBLAS_NUM_THREADS=1 (and Dask's OMP_NUM_THREADS=1 once a cluster test ran) cap the
+    # chooser at one thread: this test needs the cores a user's process gets
+    monkeypatch.setattr(threads, "_env_threads", lambda: None)
     monkeypatch.setattr(threads, "_default", threads.BlasThreads())
     seen = []
     real_blocks, real_plain = layout.blocks_matmul, layout.plain_matmul
