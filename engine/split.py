@@ -11,9 +11,13 @@ It maps the weight image's file itself (`share_file`), so a job is a few integer
 input rows, and it writes its blocks into shared memory: each block is computed exactly as
 it would be alone, so the answer is the same bit for bit. Passes of more than SHARE_ROWS
 rows (prefill) keep BLAS's own threads. The pass's thread count sets `parts`
-(engine/threads.py), so a busy machine shares nothing. A helper that dies or fails makes
-the caller compute its share and stop sharing. Only on x86-64 Linux: the protocol relies on
-x86's ordered stores (a job's fields land before its sequence number) and on memfd_create.
+(engine/threads.py), so a busy machine shares nothing. A helper more than the caller's own
+share's time late (asleep, or its core taken by a UI thread) has its share taken back: the
+caller computes it into its own result and never reads the helper's late copy (job fields
+are written under a sequence lock, so a late helper never mixes two jobs'). A helper that
+dies or fails makes the caller compute its share and stop sharing. Only on x86-64 Linux: the
+protocol relies on x86's ordered stores (a job's fields land before its sequence number) and
+on memfd_create.
 
 Run as a script, this file is the helper (it imports only NumPy).
 """
@@ -35,8 +39,12 @@ SHARE_BYTES = 1 << 20       # smaller matrices stay whole: a hand-off costs a fe
 SPIN_S = 0.002              # a helper spins this long after a job (a step's matmuls come ~0.1 ms apart)
 X_FLOATS = 1 << 20          # input rows: rows x K floats
 OUT_FLOATS = 8 << 20        # output: [blocks, rows, 64] floats; bigger jobs stay whole
-SLOT_INTS = 32              # per helper: 0 seq, 1 file, 2 offset, 3 blocks, 4 K, 5 rows, 6 out,
-#                             7 sleeping, 8 done (its own cache line), 9 failed, 10 ready
+SLOT_INTS = 32              # per helper: 0 seq (-1 while its fields are written), 1 file, 2 offset,
+#                             3 blocks, 4 K, 5 rows, 6 out, 7 sleeping, 8 done (its own cache line),
+#                             9 failed, 10 ready, 16 started (its own line), 24 taken back (its own line)
+STARTED, TAKEN = 16, 24
+PATIENCE_S = 20e-6          # a helper's share is taken back once it is this much (or this thread's
+#                             own share's time) late: a spinning helper starts a job in ~1 us
 PATHS_BYTES = 1 << 16       # the shared files' paths, one per line
 SLOTS_AT = PATHS_BYTES
 X_AT = SLOTS_AT + 64 * SLOT_INTS * 8
@@ -130,6 +138,7 @@ class _Helper:
         self.slot = slot
 
     def post(self, seq: int, fields: tuple[int, ...]) -> None:
+        self.slot[0] = -1               # a helper that read some fields before this sees them change
         self.slot[1:7] = fields
         self.slot[0] = seq              # last: x86 makes every store above visible first
         if self.slot[7]:
@@ -139,19 +148,30 @@ class _Helper:
         try:
             os.write(self.wake, b"\0")
         except OSError:
-            pass  # a full pipe already wakes it; a dead helper is found by `wait`
+            pass  # a full pipe already wakes it; a dead helper is found by `collect`
 
-    def wait(self, seq: int) -> str:
-        """"" once the job is done, else what went wrong."""
-        spins = 0
+    def collect(self, seq: int, patience: float) -> str:
+        """"done" once the helper's share is in the output; "take" when this thread should compute
+        it, the helper being `patience` seconds late (asleep, or its core taken by another thread
+        such as a UI's); else what went wrong. A share taken back may still be computed by the
+        helper, into the output this thread then never reads for that job."""
+        spins, until = 0, 0.0
         while self.slot[8] != seq:
             spins += 1
-            if spins % 4096 == 0:   # every ~0.3 ms: a post that crossed its falling asleep, or death
-                if self.slot[7]:
-                    self.poke()
-                if self.proc.poll() is not None:
-                    return f"helper {self.proc.pid} died"
-        return f"helper {self.proc.pid} failed a job" if self.slot[9] else ""
+            if spins % 64 == 0:
+                now = time.perf_counter()
+                until = until or now + patience
+                if now > until:
+                    if self.slot[STARTED] != seq:
+                        self.slot[TAKEN] = seq  # the helper skips it if it has not read this far
+                    return self.trouble() or "take"
+        return f"helper {self.proc.pid} failed a job" if self.slot[9] else "done"
+
+    def trouble(self) -> str:
+        """Why this helper cannot take shares (its last job failed, or it died), else ""."""
+        if self.slot[9]:
+            return f"helper {self.proc.pid} failed a job"
+        return f"helper {self.proc.pid} died" if self.proc.poll() is not None else ""
 
 
 class _Pool:
@@ -189,14 +209,19 @@ class _Pool:
             file, offset = job
             for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
                 h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, N, lo * N * C))
-        np.matmul(x, blocks[:cuts[1]], out=out[:cuts[1]])
-        for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
-            trouble = h.wait(self.seq)
-            if trouble:
-                _stop(trouble)
-                np.matmul(x, blocks[lo:hi], out=out[lo:hi])
         result = np.empty((N, nb, C), dtype=np.float32)                        # [N, nb, 64]
-        np.copyto(result, out.transpose(1, 0, 2))
+        mine = result.transpose(1, 0, 2)                                       # [nb, N, 64] view
+        t0 = time.perf_counter()
+        np.matmul(x, blocks[:cuts[1]], out=mine[:cuts[1]])
+        patience = max(PATIENCE_S, time.perf_counter() - t0)
+        for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
+            got = h.collect(self.seq, patience)
+            if got == "done":
+                mine[lo:hi] = out[lo:hi]
+                continue
+            if got != "take":
+                _stop(got)
+            np.matmul(x, blocks[lo:hi], out=mine[lo:hi])  # never into `out`: a late helper may write there
         return result.reshape(N, nb * C)                                       # [N, out]
 
 
@@ -252,7 +277,7 @@ def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
     slot[10] = 1
     while True:
         until = time.perf_counter() + SPIN_S
-        while slot[0] == last:
+        while slot[0] == last or slot[0] < 0:
             os.sched_yield()        # as BLAS's threads spin: a thread that has work (a UI) runs first
             if time.perf_counter() > until:
                 slot[7] = 1
@@ -260,8 +285,14 @@ def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
                     return          # the engine's process is gone
                 slot[7] = 0
                 until = time.perf_counter() + SPIN_S
-        last = int(slot[0])
-        file, offset, n, K, rows, at = (int(v) for v in slot[1:7])
+        seq = int(slot[0])
+        file, offset, n, K, rows, at = slot[1:7].tolist()
+        if seq < 0 or slot[0] != seq:
+            continue                # its fields were being rewritten: read them again
+        last = seq
+        slot[STARTED] = seq
+        if slot[TAKEN] == seq:      # the caller took this share back before it started
+            continue
         try:
             while file >= len(maps):
                 dev, ino, path = bytes(buf[:PATHS_BYTES]).split(b"\n")[len(maps)].decode().split(" ", 2)
@@ -271,7 +302,7 @@ def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
             slot[9] = 0
         except Exception:  # noqa: BLE001 - the caller computes this share itself
             slot[9] = 1
-        slot[8] = last
+        slot[8] = seq
 
 
 def _map(path: str, dev: int, ino: int) -> mmap.mmap:
