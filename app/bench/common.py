@@ -146,18 +146,23 @@ def blas_threads() -> int | None:
     return blas_runtime().get("threads")
 
 
+class ChildKilled(RuntimeError):
+    """A bench child process ended by a signal (a crash), not by an exit status."""
+
+
 def timed_child(cmd: list[str], env: dict | None = None, timeout: float = 900) -> tuple[float, str]:
-    """Wall seconds and stdout of a child process; RuntimeError naming how it failed."""
+    """Wall seconds and stdout of a child process; RuntimeError (ChildKilled for a signal)
+    naming how it failed."""
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env())
     wall = time.perf_counter() - t0
-    if out.returncode < 0:
-        try:
-            how = f"killed by {signal.Signals(-out.returncode).name}"
-        except ValueError:
-            how = f"killed by signal {-out.returncode}"
-    else:
-        how = f"exit status {out.returncode}"
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[1:3])} failed ({how}): {out.stderr.strip()[-1500:]}")
-    return wall, out.stdout
+    if out.returncode == 0:
+        return wall, out.stdout
+    what, tail = " ".join(cmd[1:3]), out.stderr.strip()[-1500:]
+    if out.returncode > 0:
+        raise RuntimeError(f"{what} failed (exit status {out.returncode}): {tail}")
+    try:
+        name = signal.Signals(-out.returncode).name
+    except ValueError:
+        name = f"signal {-out.returncode}"
+    raise ChildKilled(f"{what} failed (killed by {name}): {tail}")

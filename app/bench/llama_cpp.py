@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from .common import blas_threads, figure, ratio, timed_child
+from .common import ChildKilled, blas_threads, figure, ratio, timed_child
 
 ISSUE = "Architectures"
 SPEED = ("llama_cpp_prefill_tok_s", "llama_cpp_decode_tok_s")
@@ -87,7 +87,7 @@ def run_child(path: str, n_prompt: int, n_new: int, threads: int) -> dict:
     try:
         _, stdout = timed_child(cmd)
     except RuntimeError as e:
-        hint = f"; a build without AMX: {REBUILD}" if "killed by" in str(e) else ""
+        hint = f"; a build without AMX: {REBUILD}" if isinstance(e, ChildKilled) else ""
         raise RuntimeError(f"llama.cpp could not run {os.path.basename(path)} here: {e}{hint}") from None
     return json.loads(stdout.strip().splitlines()[-1])
 
