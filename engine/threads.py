@@ -122,10 +122,22 @@ class BlasThreads:
         parts = self.choose(rows, capped=False) if blocks and split.can_share(rows) else 1
         n = 1 if parts > 1 else self.choose(rows)
         if n != self._current:
-            self._controller.limit(limits=n)
+            self._limit(n)
             self._current = n
         split.set_parts(parts)
         return n
+
+    def _limit(self, n: int) -> None:
+        # threadpoolctl >= 3.8 lets only the first thread that set OpenBLAS's (process-wide) count
+        # set it again, and silently ignores every other thread. The engine's passes run on the
+        # thread that drives its loop (the app's worker, the server's), one thread at a time, so
+        # each pass takes control: else the app's prefill ran on the one thread the main thread's
+        # last decode pass had set (1.7x slower, and the app 1.09x headless for that alone).
+        for lib in self._controller.lib_controllers:
+            clear = getattr(lib, "clear_controlling_thread", None)
+            if clear is not None:
+                clear(force=True)
+        self._controller.limit(limits=n)
 
 
 _default: BlasThreads | None = None

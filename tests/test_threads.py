@@ -53,6 +53,33 @@ def test_threads_follow_the_free_cores(machine):
         threadpool_limits(before, user_api="blas")
 
 
+def test_a_pass_on_another_thread_sets_blas_threads_too(machine):
+    """The app's worker (and the server's) drive the engine off the main thread, after the main
+    thread's passes (the layout probe, a bench's headless round) set BLAS's threads: the worker's
+    prefill must still get every core, not the one its last decode pass left."""
+    import threading
+
+    before = blas_count()
+    try:
+        chooser = threads.BlasThreads(max_threads=2)
+        chooser.pinned = 1
+        assert chooser.fit(rows=300) == 1 and blas_count() == 1      # on the main thread
+        seen = []
+
+        def worker():
+            chooser.pinned = 2
+            seen.append((chooser.fit(rows=300), blas_count()))
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert seen == [(2, 2)]
+        chooser.pinned = 1                                           # and back on the main thread
+        assert chooser.fit(rows=300) == 1 and blas_count() == 1
+    finally:
+        threadpool_limits(before, user_api="blas")
+
+
 def test_a_loaded_machine_gets_one_thread_from_the_first_pass(machine):
     machine["load"] = 5.0                                            # others keep both cores busy
     assert threads.BlasThreads().choose() == 1                    # before any /proc/stat window
