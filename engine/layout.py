@@ -12,12 +12,16 @@ blocks). So the engine measures both on the model's own matrix shapes (well unde
 the blocks shared with the helper as a decode pass shares them, the first time it maps an
 image on a machine, and keeps the answer in the image's folder. The blocks win when they make
 the burst this project exists for clearly cheaper, and a lone stream's step plus a burst's
-costs less than with plain. The probe reads the first layers of both copies; the loser's pages
-are then given back.
+costs less than with plain. One row over the blocks is timed both as a pair of rows (the
+GEMM kernel, faster on the EPYC where the blocks were first measured) and as a GEMV per block
+(18 against 14 GB/s a core on the Xeon, where it then reads as fast as the plain GEMV), and
+the faster form is kept with the layout. The probe reads the first layers of both
+copies; the loser's pages are then given back.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -31,6 +35,7 @@ from .machine import blas_runtime, cpu_model
 from .threads import blas_threads
 
 LAYOUTS = ("plain", "blocks")
+ONE_ROW = ("pair", "gemv")  # how one row reads the blocks (blocks_matmul); "pair" where not measured
 COLUMN_BLOCK = 64
 PROBE_BYTES = 96 << 20   # per layout: thrice a 32 MB L3, so the probe reads memory as decode does
 PROBE_ROUNDS = 7         # medians of interleaved rounds; the first round is a warm-up
@@ -38,7 +43,8 @@ BATCH_ROWS = 8           # the burst this project exists for: eight streams deco
 BLOCKS_MIN_GAIN = 0.85   # blocks must make 8 rows this much cheaper, cost one row at most
 BLOCKS_MAX_LOSS = 1.40   # this much more, and cost less for one row and eight together
 LAYOUT_FILE = "layout.json"
-PROBE = "probe 2"         # what the probe measures: since 2, blocks shared with the decode helpers
+PROBE = "probe 3"         # what the probe measures: since 2, blocks shared with the decode helpers;
+#                           since 3, one row over the blocks both ways
 ENV = "PREFIXLAB_LAYOUT"  # "plain" or "blocks" forces one; "remeasure" measures again; unset or "auto"
 
 
@@ -50,11 +56,12 @@ def to_column_blocks(w: np.ndarray) -> np.ndarray | None:
     return np.ascontiguousarray(w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK).swapaxes(-3, -2))
 
 
-def blocks_matmul(x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """x [N, K] @ W given as blocks [N/64, K, 64]: [N, out]. One row goes as two (BLAS's
-    small-matrix GEMM kernel; its GEMV over 64-column blocks is slower); a decode pass's
-    blocks are shared with a helper process (engine/split.py)."""
-    if len(x) == 1:
+def blocks_matmul(x: np.ndarray, blocks: np.ndarray, one_row: str = "pair") -> np.ndarray:
+    """x [N, K] @ W given as blocks [N/64, K, 64]: [N, out]. One row goes as `one_row` says,
+    whichever the probe found faster here: "pair", as two rows (BLAS's small-matrix GEMM kernel),
+    or "gemv", as itself (a GEMV per block). A decode pass's blocks are shared with a helper
+    process (engine/split.py)."""
+    if len(x) == 1 and one_row == "pair":
         x2 = np.zeros((2, x.shape[1]), dtype=np.float32)                   # [2, K]
         x2[0] = x[0]
         return split.matmul(x2, blocks)[:1]                                # [1, out]
@@ -83,9 +90,12 @@ def probe_arrays(plain: dict[str, np.ndarray], blocks: dict[str, np.ndarray]) ->
 
 
 def measure(arrays: dict[str, list[np.ndarray]]) -> dict:
-    """Seconds of one pass over each layout's matrices, for 1 and 8 rows: the fastest round
-    (load only ever adds time), rounds interleaved so a burst of load hits every candidate alike."""
-    run = {"plain": plain_matmul, "blocks": blocks_matmul}
+    """Seconds of one pass over each layout's matrices, for 1 and 8 rows, and of one row over the
+    blocks as a GEMV ("blocks_1_gemv"; "blocks_1" goes as a pair): the fastest round (load only
+    ever adds time), rounds interleaved so a burst of load hits every candidate alike."""
+    passes = (("plain", "plain", plain_matmul, (1, 1, 8)),
+              ("blocks", "blocks", functools.partial(blocks_matmul, one_row="pair"), (1, 1, 8)),
+              ("blocks_gemv", "blocks", functools.partial(blocks_matmul, one_row="gemv"), (1, 1)))
     chooser = blas_threads()
     pinned = chooser.pinned
     chooser.pinned = pinned or chooser.max_threads  # every core, as on a quiet machine
@@ -93,28 +103,36 @@ def measure(arrays: dict[str, list[np.ndarray]]) -> dict:
     times: dict[str, list[float]] = {}
     try:
         for rnd in range(PROBE_ROUNDS + 1):
-            for name, ws in arrays.items():
-                # the first pass of a layout only settles its threads: BLAS's idle ones still spin
-                # ~1.5 ms after the other layout's passes, on the core the helper reads with
-                for i, rows in enumerate((1, 1, BATCH_ROWS)):
-                    chooser.fit(rows, blocks=name == "blocks")  # the threads a decode pass of it gets
+            for name, copy, run, rows_each in passes:
+                ws = arrays[copy]
+                # the first pass of each candidate only settles its threads (BLAS's idle ones spin
+                # ~1.5 ms after the other layout's passes, on the core the helper reads with) and caches
+                for i, rows in enumerate(rows_each):
+                    chooser.fit(rows, blocks=copy == "blocks")  # the threads a decode pass of it gets
                     xs = {k: np.full((rows, k), 0.5, dtype=np.float32) for k in {w.shape[-2] for w in ws}}
                     t0 = time.perf_counter()
                     for w in ws:
-                        run[name](xs[w.shape[-2]], w)
+                        run(xs[w.shape[-2]], w)
                     if rnd and i:
-                        times.setdefault(f"{name}_{rows}", []).append(time.perf_counter() - t0)
+                        key = f"{copy}_{rows}" + ("_gemv" if name == "blocks_gemv" else "")
+                        times.setdefault(key, []).append(time.perf_counter() - t0)
     finally:
         chooser.pinned = pinned
     return {k: min(v) for k, v in times.items()}
 
 
+def one_row(times: dict) -> str:
+    """How one row reads the blocks here: "gemv" where it measured faster than as a pair."""
+    return "gemv" if times.get("blocks_1_gemv", float("inf")) < times["blocks_1"] else "pair"
+
+
 def winner(times: dict) -> str:
     """The layout to keep: blocks only when they clearly speed up the burst, a lone stream's
     step plus a burst's costs less, and one stream loses at most BLOCKS_MAX_LOSS."""
+    b1 = min(times["blocks_1"], times.get("blocks_1_gemv", times["blocks_1"]))  # its faster form
     gain = times["blocks_8"] <= BLOCKS_MIN_GAIN * times["plain_8"]
-    loss = times["blocks_1"] <= BLOCKS_MAX_LOSS * times["plain_1"]
-    both = times["blocks_1"] + times["blocks_8"] < times["plain_1"] + times["plain_8"]
+    loss = b1 <= BLOCKS_MAX_LOSS * times["plain_1"]
+    both = b1 + times["blocks_8"] < times["plain_1"] + times["plain_8"]
     return "blocks" if gain and loss and both else "plain"
 
 
@@ -130,11 +148,14 @@ def choose(folder: str | None, arrays: dict[str, list[np.ndarray]]) -> tuple[str
     remeasure = forced == "remeasure"
     key, path = machine_key(), os.path.join(folder, LAYOUT_FILE) if folder else None
     known = _read(path)
-    if not remeasure and isinstance(known.get(key), dict) and known[key].get("layout") in LAYOUTS:
-        return known[key]["layout"], {**known[key], "source": "remembered"}
+    mine = known.get(key)
+    if (not remeasure and isinstance(mine, dict) and mine.get("layout") in LAYOUTS
+            and mine.get("one_row") in ONE_ROW):
+        return mine["layout"], {**mine, "source": "remembered"}
     t0 = time.perf_counter()
     times = measure(arrays)
-    record = {"layout": winner(times), "seconds": {k: round(v, 6) for k, v in times.items()},
+    record = {"layout": winner(times), "one_row": one_row(times),
+              "seconds": {k: round(v, 6) for k, v in times.items()},
               "probe_s": round(time.perf_counter() - t0, 3), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     if path:
         known[key] = record

@@ -58,6 +58,7 @@ class Weights:
     layout: str = "plain"
     column_blocks: dict = field(default_factory=dict, repr=False)
     layout_record: dict = field(default_factory=dict, repr=False)  # how the layout was chosen
+    one_row: str = "pair"  # how one row reads the blocks: engine/layout.py's ONE_ROW, as measured
 
     def blocks(self, name: str) -> np.ndarray | None:
         """`name`'s column blocks when they are the copy read, else None (read the plain array)."""
@@ -77,6 +78,7 @@ class Weights:
         layers = {n: getattr(self, n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
         probed = probe_arrays(layers, self.column_blocks)
         self.layout, self.layout_record = choose_layout(folder, probed)
+        self.one_row = self.layout_record.get("one_row", "pair")
         if self.layout_record["source"] == "measured":  # the loser's probed pages leave memory
             release(probed["blocks" if self.layout == "plain" else "plain"])
 

@@ -44,7 +44,7 @@ def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np
     """x @ W (one layer's when `layer` is given), in the one layout this machine reads (engine/layout.py)."""
     blocks = w.blocks(name)
     if blocks is not None:
-        return blocks_matmul(x, blocks if layer is None else blocks[layer])  # [N, out]
+        return blocks_matmul(x, blocks if layer is None else blocks[layer], w.one_row)  # [N, out]
     weight = getattr(w, name)
     return plain_matmul(x, weight if layer is None else weight[layer])     # [N, out]
 

@@ -35,17 +35,21 @@ def test_both_layouts_compute_the_same_logits(real_model, shape):
     prompts = [rng.integers(1, 40000, size=n_tok).tolist() for _ in range(n_seq)]
     w = real_model.weights
     assert set(w.column_blocks) >= {"wqkv", "wo", "w_gate_up", "w_down", "output_t"}
-    before = w.layout
+    before, one_row = w.layout, w.one_row
     try:
         w.layout = "plain"
         plain = _logits(real_model, prompts)
         w.layout = "blocks"
-        blocks = _logits(real_model, prompts)
+        blocks = {}
+        for form in layout.ONE_ROW:  # one row as a pair and as a GEMV
+            w.one_row = form
+            blocks[form] = _logits(real_model, prompts)
     finally:
-        w.layout = before
+        w.layout, w.one_row = before, one_row
     scale = np.abs(plain).max()
-    np.testing.assert_allclose(blocks, plain, rtol=0, atol=2e-4 * scale)
-    assert (blocks.argmax(-1) == plain.argmax(-1)).all()
+    for got in blocks.values():
+        np.testing.assert_allclose(got, plain, rtol=0, atol=2e-4 * scale)
+        assert (got.argmax(-1) == plain.argmax(-1)).all()
 
 
 def test_a_tied_embedding_is_read_from_the_head_blocks(real_model):
@@ -67,6 +71,14 @@ def test_the_winner_keeps_blocks_only_when_they_pay_for_the_burst_and_cost_one_s
     assert layout.winner({**base, "blocks_1": 9.0, "blocks_8": 28.0}) == "plain"    # the burst no faster
     fast_gemm = {"plain_1": 10.0, "plain_8": 12.0}                                  # together no cheaper
     assert layout.winner({**fast_gemm, "blocks_1": 13.0, "blocks_8": 10.0}) == "plain"
+    # one row over the blocks is judged in its faster form: a pair here, a GEMV there
+    assert layout.winner({**base, "blocks_1": 15.0, "blocks_1_gemv": 11.0, "blocks_8": 17.0}) == "blocks"
+
+
+def test_one_row_reads_the_blocks_in_the_form_measured_faster_here():
+    assert layout.one_row({"blocks_1": 10.0, "blocks_1_gemv": 7.5}) == "gemv"   # the Xeon: GEMV 1.3x
+    assert layout.one_row({"blocks_1": 10.0, "blocks_1_gemv": 11.0}) == "pair"  # the EPYC's pair kernel
+    assert layout.one_row({"blocks_1": 10.0}) == "pair"                         # not measured
 
 
 @pytest.mark.skipif(not split.SUPPORTED or threads.usable_cores() < 2, reason="no decode helper here")
@@ -80,14 +92,14 @@ def test_the_probe_reads_blocks_shared_with_the_helper_as_decode_does(monkeypatc
     monkeypatch.setattr(threads, "_default", threads.BlasThreads())
     seen = []
     real_blocks, real_plain = layout.blocks_matmul, layout.plain_matmul
-    monkeypatch.setattr(layout, "blocks_matmul", lambda x, w: seen.append(("blocks", split._parts))
-                        or real_blocks(x, w))
+    monkeypatch.setattr(layout, "blocks_matmul", lambda x, w, one_row: seen.append(
+        ("blocks", split._parts, one_row)) or real_blocks(x, w, one_row))
     monkeypatch.setattr(layout, "plain_matmul", lambda x, w: seen.append(
         ("plain", threads.blas_threads()._current)) or real_plain(x, w))
     w = np.random.default_rng(0).standard_normal((1, 64, 192), dtype=np.float32)
     layout.measure(layout.probe_arrays({"wqkv": w}, {"wqkv": layout.to_column_blocks(w)}))
     cores = threads.blas_threads().max_threads
-    assert {("blocks", cores), ("plain", cores)} == set(seen)
+    assert {("blocks", cores, "pair"), ("blocks", cores, "gemv"), ("plain", cores)} == set(seen)
     assert cores >= 2 and split._pool is not None and len(split._pool.ready(cores - 1)) == cores - 1
     conftest_chooser._current = None  # the next pass sets BLAS's threads again, as conftest's chooser says
 
@@ -103,8 +115,8 @@ def test_the_layout_is_measured_once_then_remembered_for_this_machine(tmp_path, 
     monkeypatch.delenv(layout.ENV, raising=False)
     first, rec = layout.choose(str(tmp_path), arrays)
     assert rec["source"] == "measured"
-    assert set(rec["seconds"]) == {"plain_1", "plain_8", "blocks_1", "blocks_8"}
-    assert first == layout.winner(rec["seconds"])
+    assert set(rec["seconds"]) == {"plain_1", "plain_8", "blocks_1", "blocks_8", "blocks_1_gemv"}
+    assert first == layout.winner(rec["seconds"]) and rec["one_row"] == layout.one_row(rec["seconds"])
     again, rec2 = layout.choose(str(tmp_path), arrays)
     assert (again, rec2["source"], len(calls)) == (first, "remembered", 1)
     saved = json.loads((tmp_path / layout.LAYOUT_FILE).read_text())

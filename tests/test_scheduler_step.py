@@ -63,7 +63,8 @@ def test_a_run_that_keeps_no_cache_ends_with_its_answers_not_its_closing_pass(ti
     sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4))
     loop = EngineLoop(sch)
     passes = counting_forward(monkeypatch)
-    ids = [loop.submit_now(system="You are tiny.", user=u, max_new_tokens=5, stop_ids=[]) for u in ("hi", "yo")]
+    ids = [loop.submit_now(system="You are tiny.", user=u, max_new_tokens=5, stop_ids=[])
+           for u in ("hi", "yo")]
     finished: list[int] = []
     loop.run_until_done(lambda ev: finished.append(ev.request_id) if isinstance(ev, FinishEvent) else None,
                         settle=False)

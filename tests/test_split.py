@@ -65,15 +65,16 @@ def test_shared_blocks_equal_one_worker_bit_for_bit(shared, tmp_path):
     w = rng.standard_normal((96, 64 * 13), dtype=np.float32)
     _, (blocks,) = mapped(tmp_path, [to_column_blocks(w)])            # [13, 96, 64]
     xs = {rows: rng.standard_normal((rows, 96), dtype=np.float32) for rows in (1, 2, 8, 33)}
+    forms = [(rows, form) for rows in xs for form in (("pair", "gemv") if rows == 1 else ("pair",))]
     shared(1)
-    alone = {rows: blocks_matmul(x, blocks) for rows, x in xs.items()}
+    alone = {(rows, form): blocks_matmul(xs[rows], blocks, form) for rows, form in forms}
     shared(3)
     until_helpers(2, xs[2], blocks)
     jobs = split._pool.seq
-    for rows, x in xs.items():
-        np.testing.assert_array_equal(blocks_matmul(x, blocks), alone[rows])
-        np.testing.assert_allclose(alone[rows], x @ w, rtol=1e-4, atol=1e-4)
-    assert split._pool.seq == jobs + len(xs)                          # each one was shared
+    for rows, form in forms:
+        np.testing.assert_array_equal(blocks_matmul(xs[rows], blocks, form), alone[rows, form])
+        np.testing.assert_allclose(alone[rows, form], xs[rows] @ w, rtol=1e-4, atol=1e-4)
+    assert split._pool.seq == jobs + len(forms)                       # each one was shared
 
 
 def test_arrays_outside_a_shared_file_and_prefill_passes_stay_whole(shared, tmp_path):
@@ -222,9 +223,9 @@ def test_every_front_end_sets_openblas_thread_timeout_before_numpy_loads_openbla
 
     root = os.path.dirname(os.path.dirname(split.__file__))
     modules = [f"app.{m}" for m in COMMANDS.values()] + ["app.desktop.gui"]
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import importlib, json, os, sys
-        seen = {{}}
+        seen = {}
         class Watch:
             def find_spec(self, name, path=None, target=None):
                 if name == "numpy" and "at" not in seen:
