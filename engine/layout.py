@@ -141,8 +141,8 @@ def choose(folder: str | None, arrays: dict[str, list[np.ndarray]]) -> tuple[str
     machine, else measured now on `arrays` (probe_arrays: views, read only when measured) and
     remembered (an unwritable folder only costs a re-measure)."""
     forced = os.environ.get(ENV, "auto").strip().lower()
-    if forced in LAYOUTS:
-        return forced, {"layout": forced, "source": f"${ENV}"}
+    if forced in LAYOUTS:  # not measured: one row goes as a pair, as it long did everywhere
+        return forced, {"layout": forced, "one_row": "pair", "source": f"${ENV}"}
     if forced not in ("auto", "remeasure"):
         raise ModelLoadError(f"${ENV}: expected auto, remeasure, plain or blocks, got {forced!r}")
     remeasure = forced == "remeasure"

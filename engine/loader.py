@@ -78,7 +78,7 @@ class Weights:
         layers = {n: getattr(self, n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
         probed = probe_arrays(layers, self.column_blocks)
         self.layout, self.layout_record = choose_layout(folder, probed)
-        self.one_row = self.layout_record.get("one_row", "pair")
+        self.one_row = self.layout_record["one_row"]
         if self.layout_record["source"] == "measured":  # the loser's probed pages leave memory
             release(probed["blocks" if self.layout == "plain" else "plain"])
 
