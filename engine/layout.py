@@ -93,9 +93,9 @@ def measure(arrays: dict[str, list[np.ndarray]]) -> dict:
     """Seconds of one pass over each layout's matrices, for 1 and 8 rows, and of one row over the
     blocks as a GEMV ("blocks_1_gemv"; "blocks_1" goes as a pair): the fastest round (load only
     ever adds time), rounds interleaved so a burst of load hits every candidate alike."""
-    passes = (("plain", "plain", plain_matmul, (1, 1, 8)),
-              ("blocks", "blocks", functools.partial(blocks_matmul, one_row="pair"), (1, 1, 8)),
-              ("blocks_gemv", "blocks", functools.partial(blocks_matmul, one_row="gemv"), (1, 1)))
+    passes = (("plain", "", plain_matmul, (1, 1, BATCH_ROWS)),     # (copy, key suffix, run, rows)
+              ("blocks", "", functools.partial(blocks_matmul, one_row="pair"), (1, 1, BATCH_ROWS)),
+              ("blocks", "_gemv", functools.partial(blocks_matmul, one_row="gemv"), (1, 1)))
     chooser = blas_threads()
     pinned = chooser.pinned
     chooser.pinned = pinned or chooser.max_threads  # every core, as on a quiet machine
@@ -103,7 +103,7 @@ def measure(arrays: dict[str, list[np.ndarray]]) -> dict:
     times: dict[str, list[float]] = {}
     try:
         for rnd in range(PROBE_ROUNDS + 1):
-            for name, copy, run, rows_each in passes:
+            for copy, suffix, run, rows_each in passes:
                 ws = arrays[copy]
                 # the first pass of each candidate only settles its threads (BLAS's idle ones spin
                 # ~1.5 ms after the other layout's passes, on the core the helper reads with) and caches
@@ -114,8 +114,7 @@ def measure(arrays: dict[str, list[np.ndarray]]) -> dict:
                     for w in ws:
                         run(xs[w.shape[-2]], w)
                     if rnd and i:
-                        key = f"{copy}_{rows}" + ("_gemv" if name == "blocks_gemv" else "")
-                        times.setdefault(key, []).append(time.perf_counter() - t0)
+                        times.setdefault(f"{copy}_{rows}{suffix}", []).append(time.perf_counter() - t0)
     finally:
         chooser.pinned = pinned
     return {k: min(v) for k, v in times.items()}
