@@ -32,7 +32,7 @@ from . import split
 from .atomic import atomic_write
 from .errors import ModelLoadError
 from .machine import blas_runtime, cpu_model
-from .threads import blas_threads
+from .threads import blas_threads, load_sample, others_cores
 
 LAYOUTS = ("plain", "blocks")
 ONE_ROW = ("pair", "gemv")  # how one row reads the blocks (blocks_matmul); "pair" where not measured
@@ -42,6 +42,7 @@ PROBE_ROUNDS = 7         # medians of interleaved rounds; the first round is a w
 BATCH_ROWS = 8           # the burst this project exists for: eight streams decoding together
 BLOCKS_MIN_GAIN = 0.85   # blocks must make 8 rows this much cheaper, cost one row at most
 BLOCKS_MAX_LOSS = 1.40   # this much more, and cost less for one row and eight together
+BUSY_CORES = 0.25        # a probe during which other processes kept this much CPU busy is not kept
 LAYOUT_FILE = "layout.json"
 PROBE = "probe 3"         # what the probe measures: since 2, blocks shared with the decode helpers;
 #                           since 3, one row over the blocks both ways
@@ -138,7 +139,8 @@ def winner(times: dict) -> str:
 def choose(folder: str | None, arrays: dict[str, list[np.ndarray]]) -> tuple[str, dict]:
     """(layout, record): forced by $PREFIXLAB_LAYOUT, else remembered in `folder` for this
     machine, else measured now on `arrays` (probe_arrays: views, read only when measured) and
-    remembered (an unwritable folder only costs a re-measure)."""
+    remembered, unless other processes kept more than BUSY_CORES busy meanwhile (an unwritable
+    folder only costs a re-measure)."""
     forced = os.environ.get(ENV, "auto").strip().lower()
     if forced in LAYOUTS:  # not measured: one row goes as a pair, as it long did everywhere
         return forced, {"layout": forced, "one_row": "pair", "source": f"${ENV}"}
@@ -151,17 +153,22 @@ def choose(folder: str | None, arrays: dict[str, list[np.ndarray]]) -> tuple[str
     if (not remeasure and isinstance(mine, dict) and mine.get("layout") in LAYOUTS
             and mine.get("one_row") in ONE_ROW):
         return mine["layout"], {**mine, "source": "remembered"}
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), load_sample()
     times = {k: round(v, 6) for k, v in measure(arrays).items()}  # decided on what the record says
+    others = others_cores(load0, load_sample())
     record = {"layout": winner(times), "one_row": one_row(times), "seconds": times,
-              "probe_s": round(time.perf_counter() - t0, 3), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if path:
+              "probe_s": round(time.perf_counter() - t0, 3), "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "others_cores": None if others is None else round(others, 2)}
+    # another process took cores from the candidates (a build during a first start picked plain
+    # here, 3x slower for the burst): such a choice serves this run, and the next start measures again
+    busy = others is not None and others > BUSY_CORES
+    if path and not busy:
         known[key] = record
         try:
             atomic_write(path, lambda fh: fh.write(json.dumps(known, indent=1).encode()))
         except OSError:
             pass
-    return record["layout"], {**record, "source": "measured"}
+    return record["layout"], {**record, "source": "measured", "kept": not busy}
 
 
 def _read(path: str | None) -> dict:

@@ -69,6 +69,19 @@ def _own_seconds() -> float:
     return t.user + t.system + split.helper_cpu_seconds()
 
 
+def load_sample() -> tuple[float, float | None, float]:
+    """(now, the machine's busy CPU seconds, this process's own): two of them give `others_cores`."""
+    return time.monotonic(), _busy_seconds(), _own_seconds()
+
+
+def others_cores(first: tuple, last: tuple) -> float | None:
+    """Cores other processes kept busy, on average, between two load samples (None: unknown)."""
+    (t0, busy0, own0), (t1, busy1, own1) = first, last
+    if busy0 is None or busy1 is None or t1 <= t0:
+        return None
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+
+
 class BlasThreads:
     """Chooses and sets the BLAS thread count for each forward pass."""
 
@@ -81,7 +94,7 @@ class BlasThreads:
         # at most this many threads on BANDWIDTH_ROWS passes (the app keeps a core for its UI)
         self.batch_cap: int | None = None
         self._current: int | None = None
-        self._sample = (time.monotonic(), _busy_seconds(), _own_seconds())
+        self._sample = load_sample()
         self._measured = False
         # cores the other processes left free in the last window. Before the first window the
         # load average guesses; it lags a minute, so the runs just before this one (a script
@@ -89,16 +102,13 @@ class BlasThreads:
         self.free = max(0.0, float(self.cores) - _load_average())
 
     def _refresh(self) -> None:
-        now = time.monotonic()
-        t0, busy0, own0 = self._sample
-        if now - t0 < (SAMPLE_S if self._measured else FIRST_SAMPLE_S):
+        if time.monotonic() - self._sample[0] < (SAMPLE_S if self._measured else FIRST_SAMPLE_S):
             return
-        busy, own = _busy_seconds(), _own_seconds()
-        self._sample = (now, busy, own)
-        if busy is None or busy0 is None:
+        first, self._sample = self._sample, load_sample()
+        others = others_cores(first, self._sample)
+        if others is None:
             return
         self._measured = True
-        others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
         total = os.cpu_count() or self.cores
         self.free = max(0.0, min(float(self.cores), total - others))
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
@@ -125,3 +129,14 @@ def test_a_decode_pass_over_blocks_shares_them_with_helpers_not_blas_threads(mac
     finally:
         threadpool_limits(before, user_api="blas")
         split.set_parts(1)
+
+
+def test_another_process_busy_counts_as_others_and_this_ones_own_work_does_not():
+    first = threads.load_sample()
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+    subprocess.run([sys.executable, "-c", spin], check=True)     # another process keeps a core busy
+    assert threads.others_cores(first, threads.load_sample()) > 0.5
+    first, t = threads.load_sample(), time.process_time()
+    while time.process_time() - t < 0.4:                          # this process keeps a core busy
+        pass
+    assert threads.others_cores(first, threads.load_sample()) < 0.3
