@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import split
 from .attention import AttentionPlan, attention_plan, paged_attention
 from .block_manager import SeqSlots
 from .config import ModelConfig
@@ -47,6 +48,13 @@ def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np
         return blocks_matmul(x, blocks if layer is None else blocks[layer], w.one_row)  # [N, out]
     weight = getattr(w, name)
     return plain_matmul(x, weight if layer is None else weight[layer])     # [N, out]
+
+
+def prefetch(w: Weights, name: str, layer: int, rows: int) -> None:
+    """Start a decode pass's next matmul on its way to the helpers' caches (engine/split.py)."""
+    blocks = w.blocks(name)
+    if blocks is not None and split.can_share(rows):
+        split.prefetch(blocks[layer], rows)
 
 
 def gelu_tanh(g: np.ndarray) -> np.ndarray:
@@ -106,6 +114,7 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
     v = qkv[:, q_dim + kv:].reshape(N, KV, hd)                   # [N, KV, hd]
     pool.k[layer, slots[0], slots[1]] = k
     pool.v[layer, slots[0], slots[1]] = v
+    prefetch(w, "wo", layer, N)                                  # read while attention runs
     attn = paged_attention(q, pool, layer, plan, cfg.layer_window(layer))  # [N, q_dim]
     out = linear(attn, w, "wo", layer)                           # [N, d]
     if w.post_attn_norm is not None:

@@ -116,6 +116,29 @@ def test_many_callers_at_once_each_get_their_own_answer(shared, tmp_path):
     assert not bad
 
 
+def test_blocks_the_helpers_read_ahead_go_mostly_to_them_with_the_same_answer(shared, tmp_path):
+    """A decode pass has the helpers read the output projection while its attention runs; that
+    matmul then gives them all but PREFETCH_MINE of it. A read-ahead of another matrix changes nothing."""
+    rng = np.random.default_rng(4)
+    _, (wo, other) = mapped(tmp_path, [rng.standard_normal((9, 64, 64), dtype=np.float32)] * 2)
+    shared(2)
+    x = rng.standard_normal((1, 64), dtype=np.float32)
+    want = np.matmul(x, np.array(wo)).transpose(1, 0, 2).reshape(1, -1)
+    until_helpers(1, x, wo)
+    pool = split._pool
+    assert pool.cuts(9, 1, prefetched=False) == [0, 4, 9]
+    assert pool.cuts(9, 1, prefetched=True) == [0, 2, 9]            # the helper reads 7 blocks from cache
+    for ahead in (wo, other, None):
+        jobs = pool.seq
+        if ahead is not None:
+            split.prefetch(ahead, rows=1)
+        assert pool.prefetched == (None if ahead is None else (ahead.ctypes.data, ahead.shape))
+        np.testing.assert_array_equal(split.matmul(x, wo), want)
+        assert pool.seq == jobs + 1 + (ahead is not None) and pool.prefetched is None
+    split.prefetch(wo, rows=split.SHARE_ROWS + 1)                  # prefill reads no helper's cache
+    assert pool.prefetched is None
+
+
 def test_a_helper_that_dies_costs_the_sharing_not_the_answer(shared, tmp_path):
     rng = np.random.default_rng(3)
     _, (blocks,) = mapped(tmp_path, [rng.standard_normal((16, 64, 64), dtype=np.float32)])
