@@ -24,6 +24,7 @@ Run as a script, this file is the helper (it imports only NumPy).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import platform
@@ -54,6 +55,7 @@ OUT_AT = X_AT + X_FLOATS * 4
 CTL_BYTES = OUT_AT + OUT_FLOATS * 4
 SUPPORTED = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
 
+_F32 = np.dtype(np.float32)
 _parts = 1
 _files: list[tuple[str, weakref.ref, int, int]] = []  # ("dev inode path", its map, address, bytes)
 _busy = threading.Lock()
@@ -121,7 +123,7 @@ def _job(x: np.ndarray, blocks: np.ndarray) -> tuple[int, int] | None:
     """(file, byte offset) of blocks a helper can read, or None where this matmul stays whole."""
     if (_parts < 2 or not can_share(len(x)) or blocks.nbytes < SHARE_BYTES
             or x.size > X_FLOATS or blocks.shape[0] * len(x) * blocks.shape[2] > OUT_FLOATS
-            or x.dtype != np.float32 or blocks.dtype != np.float32 or not blocks.flags.c_contiguous
+            or x.dtype is not _F32 or blocks.dtype is not _F32 or not blocks.flags.c_contiguous
             or x.shape[1] != blocks.shape[1]):
         return None
     at = blocks.ctypes.data
@@ -199,7 +201,8 @@ class _Pool:
         self.x = np.frombuffer(self.buf, np.float32, X_FLOATS, X_AT)
         self.out = np.frombuffer(self.buf, np.float32, OUT_FLOATS, OUT_AT)
         self.slots, self.helpers, self.seq = slots, [], 0
-        self.prefetched: tuple | None = None  # (address, shape) of the blocks the helpers read ahead
+        self.prefetched: tuple | None = None  # (job, shape) of the blocks the helpers read ahead
+        self.up = 0                           # helpers[:up] are up
         self.write_paths()
 
     def write_paths(self) -> None:
@@ -211,31 +214,27 @@ class _Pool:
         while len(self.helpers) < min(n, 63):
             i = len(self.helpers)
             self.helpers.append(_Helper(self.fd, i, self.slots[i]))
-        return [h for h in self.helpers[:n] if h.slot[10]]
-
-    def cuts(self, nb: int, helpers: int, prefetched: bool) -> list[int]:
-        """Where the shares of nb blocks start: this thread's first, then each helper's, then nb;
-        as even as blocks allow, or this thread's PREFETCH_MINE where the helpers read ahead."""
-        mine = max(1, int(nb * PREFETCH_MINE)) if prefetched and helpers else nb // (helpers + 1)
-        return [0] + [mine + (nb - mine) * i // helpers for i in range(helpers)] + [nb]
+        while self.up < len(self.helpers) and self.helpers[self.up].slot[10]:
+            self.up += 1
+        return self.helpers[:min(n, self.up)]
 
     def prefetch(self, blocks: np.ndarray, job: tuple[int, int]) -> None:
         (nb, K, C), (file, offset) = blocks.shape, job
         helpers = self.ready(min(_parts, nb) - 1)
         if not helpers:
             return
-        cuts = self.cuts(nb, len(helpers), True)
+        cuts = shares(nb, len(helpers), True)
         self.seq += 1
         for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
             h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, 0, 0))  # 0 rows: read ahead
-        self.prefetched = (blocks.ctypes.data, blocks.shape)
+        self.prefetched = (job, blocks.shape)
 
     def run(self, x: np.ndarray, blocks: np.ndarray, job: tuple[int, int]) -> np.ndarray:
         N, (nb, K, C) = x.shape[0], blocks.shape
         helpers = self.ready(min(_parts, nb) - 1)
-        prefetched, self.prefetched = self.prefetched == (blocks.ctypes.data, blocks.shape), None
+        prefetched, self.prefetched = self.prefetched == (job, blocks.shape), None
         out = self.out[:nb * N * C].reshape(nb, N, C)                          # [nb, N, 64]
-        cuts = self.cuts(nb, len(helpers), prefetched)
+        cuts = shares(nb, len(helpers), prefetched)
         if helpers:
             self.x[:x.size] = x.reshape(-1)
             self.seq += 1
@@ -256,6 +255,14 @@ class _Pool:
                 _stop(got)
             np.matmul(x, blocks[lo:hi], out=mine[lo:hi])  # never into `out`: a late helper may write there
         return result.reshape(N, nb * C)                                       # [N, out]
+
+
+@functools.lru_cache(maxsize=1024)
+def shares(nb: int, helpers: int, prefetched: bool) -> tuple[int, ...]:
+    """Where the shares of nb blocks start: this thread's first, then each helper's, then nb;
+    as even as blocks allow, or this thread's PREFETCH_MINE where the helpers read ahead."""
+    mine = max(1, int(nb * PREFETCH_MINE)) if prefetched and helpers else nb // (helpers + 1)
+    return (0, *(mine + (nb - mine) * i // helpers for i in range(helpers)), nb)
 
 
 def _stop(why: str) -> None:
@@ -306,6 +313,7 @@ def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
     x = np.frombuffer(buf, np.float32, X_FLOATS, X_AT)
     out = np.frombuffer(buf, np.float32, OUT_FLOATS, OUT_AT)
     maps: list[np.ndarray] = []
+    views: dict[tuple, tuple] = {}
     last = int(slot[0])
     slot[10] = 1
     while True:
@@ -319,7 +327,7 @@ def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
                 slot[7] = 0
                 until = time.perf_counter() + SPIN_S
         seq = int(slot[0])
-        file, offset, n, K, rows, at = slot[1:7].tolist()
+        fields = tuple(slot[1:7].tolist())
         if seq < 0 or slot[0] != seq:
             continue                # its fields were being rewritten: read them again
         last = seq
@@ -327,19 +335,28 @@ def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
         if slot[TAKEN] == seq:      # the caller took this share back before it started
             continue
         try:
-            while file >= len(maps):
-                dev, ino, path = bytes(buf[:PATHS_BYTES]).split(b"\n")[len(maps)].decode().split(" ", 2)
-                maps.append(np.frombuffer(_map(path, int(dev), int(ino)), dtype=np.uint8))
-            w = maps[file][offset:offset + n * K * 64 * 4].view(np.float32).reshape(n, K, 64)
-            if rows:
-                res = out[at:at + n * rows * 64].reshape(n, rows, 64)
-                np.matmul(x[:rows * K].reshape(rows, K), w, out=res)
-            else:                   # read ahead: a GEMV reads memory fastest, its answer unused
-                np.matmul(np.zeros((1, K), dtype=np.float32), w)
+            if fields not in views:   # a decode step's jobs repeat: their views are made once
+                if len(views) > 4096:
+                    views.clear()
+                views[fields] = _views(fields, maps, buf, x, out)
+            np.matmul(*views[fields])
             slot[9] = 0
         except Exception:  # noqa: BLE001 - the caller computes this share itself
             slot[9] = 1
         slot[8] = seq
+
+
+def _views(fields: tuple, maps: list, buf: mmap.mmap, x: np.ndarray, out: np.ndarray) -> tuple:
+    """A job's matmul arguments: (input rows, its blocks, out=...); 0 rows is a read ahead, a
+    GEMV (it reads memory fastest) whose answer goes unused."""
+    file, offset, n, K, rows, at = fields
+    while file >= len(maps):
+        dev, ino, path = bytes(buf[:PATHS_BYTES]).split(b"\n")[len(maps)].decode().split(" ", 2)
+        maps.append(np.frombuffer(_map(path, int(dev), int(ino)), dtype=np.uint8))
+    w = maps[file][offset:offset + n * K * 64 * 4].view(np.float32).reshape(n, K, 64)
+    if not rows:
+        return np.zeros((1, K), dtype=np.float32), w, np.empty((n, 1, 64), dtype=np.float32)
+    return x[:rows * K].reshape(rows, K), w, out[at:at + n * rows * 64].reshape(n, rows, 64)
 
 
 def _map(path: str, dev: int, ino: int) -> mmap.mmap:

@@ -126,13 +126,13 @@ def test_blocks_the_helpers_read_ahead_go_mostly_to_them_with_the_same_answer(sh
     want = np.matmul(x, np.array(wo)).transpose(1, 0, 2).reshape(1, -1)
     until_helpers(1, x, wo)
     pool = split._pool
-    assert pool.cuts(9, 1, prefetched=False) == [0, 4, 9]
-    assert pool.cuts(9, 1, prefetched=True) == [0, 2, 9]            # the helper reads 7 blocks from cache
+    assert split.shares(9, 1, prefetched=False) == (0, 4, 9)
+    assert split.shares(9, 1, prefetched=True) == (0, 2, 9)         # the helper reads 7 blocks from cache
     for ahead in (wo, other, None):
         jobs = pool.seq
         if ahead is not None:
             split.prefetch(ahead, rows=1)
-        assert pool.prefetched == (None if ahead is None else (ahead.ctypes.data, ahead.shape))
+        assert pool.prefetched == (None if ahead is None else (split._job(x, ahead), ahead.shape))
         np.testing.assert_array_equal(split.matmul(x, wo), want)
         assert pool.seq == jobs + 1 + (ahead is not None) and pool.prefetched is None
     split.prefetch(wo, rows=split.SHARE_ROWS + 1)                  # prefill reads no helper's cache
