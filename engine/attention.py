@@ -98,6 +98,7 @@ class AttentionPlan:
     spans: list                 # (first row, rows, page table, n_past) of every multi-token session
     page_rows: int
     keys: dict = field(default_factory=dict)  # window -> DecodeKeys, made once per forward
+    pages: dict = field(default_factory=dict)  # (a span's first row, first page) -> its page_index
 
     def decode_keys(self, window: int) -> DecodeKeys:
         """The pages every single-token session reads at a layer with this window: the leading
@@ -157,12 +158,9 @@ def attention_plan(rows: int, sessions: list[SeqSlots], counts: list[int]) -> At
                          lengths, spans, rows)
 
 
-def gather_kv(pool: KVPool, layer: int, page_table: list[int], n: int,
-              first_page: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """K and V of positions first_page * page_rows .. n - 1 of one session at one layer."""
+def gather_kv(pool: KVPool, layer: int, pages: slice | list, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of the first m positions of `pages` (page_index) at one layer."""
     c = pool.cfg
-    pages = page_index(page_table[first_page:])  # side by side: a view, no copy
-    m = n - first_page * pool.page_rows
     k = pool.k[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
     v = pool.v[layer, pages].reshape(-1, c.n_kv_heads, c.head_dim)[:m]  # [m, KV, hd]
     return f32(k), f32(v)
@@ -182,18 +180,26 @@ def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan
     """Attention of every new row over its own session's pages (the last `window` keys when set)."""
     N, H, hd = q.shape                                                   # q [N, H, hd]
     KV, rows = pool.cfg.n_kv_heads, pool.page_rows
-    out = np.empty((N, H * hd), dtype=np.float32)                        # [N, H*hd]
+    parts = []                                                           # (rows of x, their [n, H*hd])
     if len(plan.decode_rows):
         B, keys = len(plan.decode_rows), plan.decode_keys(window)
         k, v = pool.k[layer], pool.v[layer]                                 # [pages, rows, KV, hd]
         own = (f32(k[keys.own].reshape(B, -1, KV, hd)), f32(v[keys.own].reshape(B, -1, KV, hd)))
         shared = None if keys.shared is None else (                         # [Ss, KV, hd] each
             f32(k[keys.shared].reshape(-1, KV, hd)), f32(v[keys.shared].reshape(-1, KV, hd)))
-        out[plan.decode_rows] = decode_attention(q[plan.decode_rows], own, keys.bias, shared)
+        whole = B == N   # every row decodes (in order): no gather of q, no scatter of the answer
+        parts.append((plan.decode_rows, decode_attention(q if whole else q[plan.decode_rows],
+                                                         own, keys.bias, shared)))
     for start, n, table, n_past in plan.spans:
         first = window_first_page(n_past, window, rows)
-        ks, vs = gather_kv(pool, layer, table, n_past + n, first)       # [m, KV, hd] each
-        out[start:start + n] = attention(q[start:start + n], ks, vs, n_past, first * rows, window)
+        if (start, first) not in plan.pages:                            # once per pass, not per layer
+            plan.pages[start, first] = page_index(table[first:])        # side by side: a view, no copy
+        ks, vs = gather_kv(pool, layer, plan.pages[start, first], n_past + n - first * rows)
+        parts.append((slice(start, start + n),
+                      attention(q[start:start + n], ks, vs, n_past, first * rows, window)))
+    if len(parts) == 1 and len(parts[0][1]) == N:                        # one part holds every row
+        return parts[0][1]                                               # [N, H*hd]
+    out = np.empty((N, H * hd), dtype=np.float32)                        # [N, H*hd]
+    for at, part in parts:
+        out[at] = part
     return out
-
-
