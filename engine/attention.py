@@ -69,16 +69,18 @@ def decode_attention(q: np.ndarray, own: tuple[np.ndarray, np.ndarray], bias: np
     ko, vo = own                # [B, So, KV, hd] each; bias [B, So]
     _, So, KV, _ = ko.shape
     R = H // KV
-    qg = q.reshape(B, KV, R, hd)                                                  # [B, KV, R, hd]
+    # the scale goes on the queries (B*H*hd products, not B*H*S)
+    qg = q.reshape(B, KV, R, hd) * np.float32(1.0 / np.sqrt(hd))                  # [B, KV, R, hd]
     scores = qg @ ko.transpose(0, 2, 3, 1)                                        # [B, KV, R, So]
     scores += bias[:, None, None, :]
     if shared is not None:
         ks, vs = shared         # [Ss, KV, hd] each: every session sees all of them
-        # the shared keys as one GEMM per KV head over every session's queries, not B copies
+        # the shared keys as one GEMM per KV head over every session's queries, not B copies;
+        # BLAS reads them as a contiguous copy in half the time it takes over the pool's strides
         qs = qg.transpose(1, 0, 2, 3).reshape(KV, B * R, hd)                      # [KV, B*R, hd]
-        s_shared = (qs @ ks.transpose(1, 2, 0)).reshape(KV, B, R, -1).transpose(1, 0, 2, 3)
+        kt = np.ascontiguousarray(ks.transpose(1, 2, 0))                          # [KV, hd, Ss]
+        s_shared = (qs @ kt).reshape(KV, B, R, -1).transpose(1, 0, 2, 3)          # [B, KV, R, Ss]
         scores = np.concatenate([s_shared, scores], axis=-1)                      # [B, KV, R, Ss+So]
-    scores *= np.float32(1.0 / np.sqrt(hd))
     weights = unnormalized_softmax(scores)                                        # [B, KV, R, S]
     out = weights[..., -So:] @ vo.transpose(0, 2, 1, 3)                           # [B, KV, R, hd]
     if shared is not None:
