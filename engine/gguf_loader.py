@@ -124,6 +124,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         raise ModelLoadError(f"{path}: tensor 'token_embd.weight' has shape {embd.shape}, "
                              f"expected (vocab, {cfg.d_model})")
     cfg = ModelConfig(**{**cfg.__dict__, "vocab_size": vocab})
+    blocks = len({n.split(".", 2)[1] for n in tensors if n.startswith("blk.")})
+    if cfg.n_layers > blocks:  # checked before listing every block's tensors: 2**24 of them took 19 GB
+        raise ModelLoadError(f"{path}: {arch}.block_count = {cfg.n_layers}, but the file holds "
+                             f"tensors for {blocks} blocks")
     shapes = expected_shapes(cfg)
     tied = "output.weight" not in tensors
     if not tied:

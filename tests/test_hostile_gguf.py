@@ -176,6 +176,8 @@ PATCHES = {
                     "missing metadata key 'llama.block_count'"),
     "key not UTF-8": (lambda lay, d: [(lay.kvs["llama.block_count"].at + 8, b"\xff\xfe")],
                       "not valid UTF-8"),
+    "block count 2**24 (a loop bomb)": (lambda lay, d: [(_field(lay, "llama.block_count"), u32(2**24))],
+                                        "block_count = 16777216, but the file holds tensors for 2 blocks"),
     "n_dims 2**31": (lambda lay, d: [(lay.tensors["token_embd.weight"].n_dims_at, u32(2**31))],
                      "dimensions"),
     "n_dims 0": (lambda lay, d: [(lay.tensors["output_norm.weight"].n_dims_at, u32(0))],
