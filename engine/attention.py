@@ -68,26 +68,27 @@ def decode_attention(q: np.ndarray, own: tuple[np.ndarray, np.ndarray], bias: np
     B, H, hd = q.shape          # q [B, H, hd]
     ko, vo = own                # [B, So, KV, hd] each; bias [B, So]
     _, So, KV, _ = ko.shape
-    R = H // KV
-    # the scale goes on the queries (B*H*hd products, not B*H*S)
+    R, Ss = H // KV, 0 if shared is None else shared[0].shape[0]
+    # laid out per KV head, [KV, B, R, ...], so the shared keys' GEMM writes into the scores in
+    # place; the scale goes on the queries (B*H*hd products, not B*H*S)
     qg = q.reshape(B, KV, R, hd) * np.float32(1.0 / np.sqrt(hd))                  # [B, KV, R, hd]
-    scores = qg @ ko.transpose(0, 2, 3, 1)                                        # [B, KV, R, So]
-    scores += bias[:, None, None, :]
+    scores = np.empty((KV, B, R, Ss + So), dtype=np.float32)                      # [KV, B, R, S]
+    np.matmul(qg.transpose(1, 0, 2, 3), ko.transpose(2, 0, 3, 1), out=scores[..., Ss:])
+    scores[..., Ss:] += bias[None, :, None, :]                                    # [KV, B, R, So]
     if shared is not None:
         ks, vs = shared         # [Ss, KV, hd] each: every session sees all of them
         # the shared keys as one GEMM per KV head over every session's queries, not B copies;
         # BLAS reads them as a contiguous copy in half the time it takes over the pool's strides
         qs = qg.transpose(1, 0, 2, 3).reshape(KV, B * R, hd)                      # [KV, B*R, hd]
         kt = np.ascontiguousarray(ks.transpose(1, 2, 0))                          # [KV, hd, Ss]
-        s_shared = (qs @ kt).reshape(KV, B, R, -1).transpose(1, 0, 2, 3)          # [B, KV, R, Ss]
-        scores = np.concatenate([s_shared, scores], axis=-1)                      # [B, KV, R, Ss+So]
-    weights = unnormalized_softmax(scores)                                        # [B, KV, R, S]
-    out = weights[..., -So:] @ vo.transpose(0, 2, 1, 3)                           # [B, KV, R, hd]
+        np.matmul(qs, kt, out=scores[..., :Ss].reshape(KV, B * R, Ss))            # a view: [KV, B*R, Ss]
+    weights = unnormalized_softmax(scores)                                        # [KV, B, R, S]
+    out = weights[..., Ss:] @ vo.transpose(2, 0, 1, 3)                            # [KV, B, R, hd]
     if shared is not None:
-        ps = weights[..., :-So].transpose(1, 0, 2, 3).reshape(KV, B * R, -1)      # [KV, B*R, Ss]
-        out += (ps @ vs.transpose(1, 0, 2)).reshape(KV, B, R, hd).transpose(1, 0, 2, 3)
-    out /= row_sums(weights)                                                      # [B, KV, R, hd]
-    return out.reshape(B, H * hd)                                                 # [B, H*hd]
+        ps = weights[..., :Ss].reshape(KV, B * R, Ss)                             # [KV, B*R, Ss] view
+        out += (ps @ vs.transpose(1, 0, 2)).reshape(KV, B, R, hd)
+    out /= row_sums(weights)                                                      # [KV, B, R, hd]
+    return out.transpose(1, 0, 2, 3).reshape(B, H * hd)                           # [B, H*hd]
 
 
 @dataclass
