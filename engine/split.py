@@ -41,14 +41,13 @@ SPIN_S = 0.002              # a helper spins this long after a job (a step's mat
 X_FLOATS = 1 << 20          # input rows: rows x K floats
 OUT_FLOATS = 8 << 20        # output: [blocks, rows, 64] floats; bigger jobs stay whole
 SLOT_INTS = 32              # per helper: 0 seq (-1 while its fields are written), 1 file, 2 offset,
-#                             3 blocks, 4 K, 5 rows (0: read ahead), 6 out, 7 sleeping, 8 done (its own
-#                             cache line), 9 failed, 10 ready, 16 started (its own line), 17 blocks read
-#                             ahead, 24 taken back (its own line)
-STARTED, READ, TAKEN = 16, 17, 24
+#                             3 blocks, 4 K, 5 rows, 6 out, 7 sleeping, 8 done (its own cache line),
+#                             9 failed, 10 ready, 16 started (its own line), 24 taken back (its own line)
+STARTED, TAKEN = 16, 24
 PATIENCE_S = 20e-6          # a helper's share is taken back once it is this much (or this thread's
 #                             own share's time) late: a spinning helper starts a job in ~1 us
-HOT = 0.35                  # a block a helper read ahead costs this share of one from memory (a 2-core
-#                             Xeon: 9 blocks of one row from L2 in 33 us, from memory 88; of 8 rows 44, 140)
+PREFETCH_MINE = 0.25        # of a matrix the helpers read ahead, the share this thread reads from memory
+#                             (a 2-core Xeon: 9 blocks, one row, from L2 in 33 us, from memory 88)
 PATHS_BYTES = 1 << 16       # the shared files' paths, one per line
 SLOTS_AT = PATHS_BYTES
 X_AT = SLOTS_AT + 64 * SLOT_INTS * 8
@@ -109,9 +108,9 @@ def matmul(x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
 
 
 def prefetch(blocks: np.ndarray, rows: int) -> None:
-    """Have the helpers read their shares of `blocks` (the next matmul's, of `rows` rows) into
-    their cores' caches while this thread does other work (a decode pass's attention), where
-    they would only spin: that matmul then leaves them the larger share, by how far they read."""
+    """Have the helpers read their share of `blocks` (the next matmul's, of `rows` rows) into their
+    cores' caches while this thread does other work: a decode pass's attention, where they would
+    only spin. That matmul then leaves them the larger share, from cache."""
     job = None if _pool is None else _rows_job(rows, blocks)
     if job is not None and _busy.acquire(blocking=False):
         try:
@@ -206,7 +205,7 @@ class _Pool:
         self.x = np.frombuffer(self.buf, np.float32, X_FLOATS, X_AT)
         self.out = np.frombuffer(self.buf, np.float32, OUT_FLOATS, OUT_AT)
         self.slots, self.helpers, self.seq = slots, [], 0
-        self.ahead: tuple | None = None       # (job, shape) of the blocks the helpers read ahead
+        self.prefetched: tuple | None = None  # (job, shape) of the blocks the helpers read ahead
         self.up = 0                           # helpers[:up] are up
         self.write_paths()
 
@@ -226,20 +225,20 @@ class _Pool:
     def prefetch(self, blocks: np.ndarray, job: tuple[int, int]) -> None:
         (nb, K, C), (file, offset) = blocks.shape, job
         helpers = self.ready(min(_parts, nb) - 1)
-        self.ahead = None
-        if helpers:
-            self.seq, cuts = self.seq + 1, shares(nb, len(helpers), -1)   # all of theirs ahead
-            for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
-                h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, 0, 0))  # 0 rows: read ahead
-            self.ahead = (job, blocks.shape)
+        if not helpers:
+            return
+        cuts = shares(nb, len(helpers), True)
+        self.seq += 1
+        for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
+            h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, 0, 0))  # 0 rows: read ahead
+        self.prefetched = (job, blocks.shape)
 
     def run(self, x: np.ndarray, blocks: np.ndarray, job: tuple[int, int]) -> np.ndarray:
         N, (nb, K, C) = x.shape[0], blocks.shape
         helpers = self.ready(min(_parts, nb) - 1)
-        read, self.ahead = self.ahead == (job, blocks.shape), None
-        ahead = min(int(h.slot[READ]) for h in helpers) if read and helpers else 0  # how far they read
+        prefetched, self.prefetched = self.prefetched == (job, blocks.shape), None
         out = self.out[:nb * N * C].reshape(nb, N, C)                          # [nb, N, 64]
-        cuts = shares(nb, len(helpers), ahead)
+        cuts = shares(nb, len(helpers), prefetched)
         if helpers:
             self.x[:x.size] = x.reshape(-1)
             self.seq += 1
@@ -263,15 +262,10 @@ class _Pool:
 
 
 @functools.lru_cache(maxsize=1024)
-def shares(nb: int, helpers: int, ahead: int = 0) -> tuple[int, ...]:
-    """Where the shares of nb blocks start: this thread's first, then each helper's, then nb. As
-    even as blocks allow, where each helper read the first `ahead` blocks of its share ahead (-1:
-    all of it) a block from cache counting HOT of one from memory."""
-    if not helpers:
-        return 0, nb
-    mine = (nb // (helpers + 1) if not ahead else round(HOT * nb / (HOT + helpers)) if ahead < 0
-            else round((nb - (1 - HOT) * ahead * helpers) / (helpers + 1)))
-    mine = min(max(1, mine), nb - helpers)
+def shares(nb: int, helpers: int, prefetched: bool) -> tuple[int, ...]:
+    """Where the shares of nb blocks start: this thread's first, then each helper's, then nb;
+    as even as blocks allow, or this thread's PREFETCH_MINE where the helpers read ahead."""
+    mine = max(1, int(nb * PREFETCH_MINE)) if prefetched and helpers else nb // (helpers + 1)
     return (0, *(mine + (nb - mine) * i // helpers for i in range(helpers)), nb)
 
 
@@ -345,45 +339,28 @@ def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
         if slot[TAKEN] == seq:      # the caller took this share back before it started
             continue
         try:
-            if not fields[4]:
-                _read_ahead(slot, seq, _blocks(*fields[:4], maps, buf))
-            else:
-                if fields not in views:  # a decode step's jobs repeat: their views are made once
-                    if len(views) > 4096:
-                        views.clear()
-                    views[fields] = _views(fields, maps, buf, x, out)
-                np.matmul(*views[fields])
+            if fields not in views:   # a decode step's jobs repeat: their views are made once
+                if len(views) > 4096:
+                    views.clear()
+                views[fields] = _views(fields, maps, buf, x, out)
+            np.matmul(*views[fields])
             slot[9] = 0
         except Exception:  # noqa: BLE001 - the caller computes this share itself
             slot[9] = 1
         slot[8] = seq
 
 
-def _blocks(file: int, offset: int, n: int, K: int, maps: list, buf: mmap.mmap) -> np.ndarray:
-    """n blocks [n, K, 64] at `offset` of a shared file, mapped when first named."""
+def _views(fields: tuple, maps: list, buf: mmap.mmap, x: np.ndarray, out: np.ndarray) -> tuple:
+    """A job's matmul arguments: (input rows, its blocks, out=...); 0 rows is a read ahead, a
+    GEMV (it reads memory fastest) whose answer goes unused."""
+    file, offset, n, K, rows, at = fields
     while file >= len(maps):
         dev, ino, path = bytes(buf[:PATHS_BYTES]).split(b"\n")[len(maps)].decode().split(" ", 2)
         maps.append(np.frombuffer(_map(path, int(dev), int(ino)), dtype=np.uint8))
-    return maps[file][offset:offset + n * K * 64 * 4].view(np.float32).reshape(n, K, 64)
-
-
-def _views(fields: tuple, maps: list, buf: mmap.mmap, x: np.ndarray, out: np.ndarray) -> tuple:
-    """A job's matmul arguments: (input rows, its blocks, out=...)."""
-    file, offset, n, K, rows, at = fields
-    w = _blocks(file, offset, n, K, maps, buf)
+    w = maps[file][offset:offset + n * K * 64 * 4].view(np.float32).reshape(n, K, 64)
+    if not rows:
+        return np.zeros((1, K), dtype=np.float32), w, np.empty((n, 1, 64), dtype=np.float32)
     return x[:rows * K].reshape(rows, K), w, out[at:at + n * rows * 64].reshape(n, rows, 64)
-
-
-def _read_ahead(slot: np.ndarray, seq: int, w: np.ndarray) -> None:
-    """Read blocks w [n, K, 64] into this core's caches, a block at a time (a GEMV reads memory
-    fastest, its answer unused), counting them in READ; the next job stops it."""
-    zero, sink = np.zeros((1, w.shape[1]), np.float32), np.empty((1, 64), np.float32)
-    slot[READ] = 0
-    for j in range(len(w)):
-        if slot[0] != seq:
-            return
-        np.matmul(zero, w[j], out=sink)
-        slot[READ] = j + 1
 
 
 def _map(path: str, dev: int, ino: int) -> mmap.mmap:

@@ -116,38 +116,27 @@ def test_many_callers_at_once_each_get_their_own_answer(shared, tmp_path):
     assert not bad
 
 
-def test_blocks_the_helpers_read_ahead_go_mostly_to_them_with_the_same_answer(shared, tmp_path, monkeypatch):
+def test_blocks_the_helpers_read_ahead_go_mostly_to_them_with_the_same_answer(shared, tmp_path):
     """A decode pass has the helpers read the output projection while its attention runs; that
-    matmul then leaves them the larger share, by how far they read. The answers are the blocks'
-    own, read ahead or not, and a read-ahead of another matrix or of a prefill pass does nothing."""
+    matmul then gives them all but PREFETCH_MINE of it. A read-ahead of another matrix changes nothing."""
     rng = np.random.default_rng(4)
     _, (wo, other) = mapped(tmp_path, [rng.standard_normal((9, 64, 64), dtype=np.float32)] * 2)
     shared(2)
     x = rng.standard_normal((1, 64), dtype=np.float32)
     want = np.matmul(x, np.array(wo)).transpose(1, 0, 2).reshape(1, -1)
     until_helpers(1, x, wo)
-    pool, helper = split._pool, split._pool.helpers[0]
-    assert split.shares(9, 1) == (0, 4, 9)
-    assert split.shares(9, 1, -1) == split.shares(9, 1, 7) == (0, 2, 9)  # 7 of 9 blocks from cache
-    assert split.shares(9, 1, 5) == (0, 3, 9)                        # 5 of its 6 read: one more is mine
-    used, real = [], split.shares
-    monkeypatch.setattr(split, "shares", lambda *a: used.append(a) or real(*a))
-    for ahead, cut in ((wo, (9, 1, 7)), (other, (9, 1, 0)), (None, (9, 1, 0))):
+    pool = split._pool
+    assert split.shares(9, 1, prefetched=False) == (0, 4, 9)
+    assert split.shares(9, 1, prefetched=True) == (0, 2, 9)         # the helper reads 7 blocks from cache
+    for ahead in (wo, other, None):
         jobs = pool.seq
         if ahead is not None:
             split.prefetch(ahead, rows=1)
-            deadline = time.monotonic() + 30
-            while helper.slot[split.READ] < 7:                     # nothing stops it here
-                assert time.monotonic() < deadline, "the helper read nothing ahead"
-        used.clear()
+        assert pool.prefetched == (None if ahead is None else (split._job(x, ahead), ahead.shape))
         np.testing.assert_array_equal(split.matmul(x, wo), want)
-        assert used == [cut] and pool.seq == jobs + 1 + (ahead is not None) and pool.ahead is None
-    for _ in range(50):                                             # the job stops a read-ahead
-        split.prefetch(wo, rows=1)
-        np.testing.assert_array_equal(split.matmul(x, wo), want)
-    jobs = pool.seq
+        assert pool.seq == jobs + 1 + (ahead is not None) and pool.prefetched is None
     split.prefetch(wo, rows=split.SHARE_ROWS + 1)                  # prefill reads no helper's cache
-    assert pool.seq == jobs and pool.ahead is None
+    assert pool.prefetched is None
 
 
 def test_a_helper_that_dies_costs_the_sharing_not_the_answer(shared, tmp_path):
