@@ -14,10 +14,12 @@ rows (prefill) keep BLAS's own threads. The pass's thread count sets `parts`
 (engine/threads.py), so a busy machine shares nothing. A helper more than the caller's own
 share's time late (asleep, or its core taken by a UI thread) has its share taken back: the
 caller computes it into its own result and never reads the helper's late copy (job fields
-are written under a sequence lock, so a late helper never mixes two jobs'). A helper that
-dies or fails makes the caller compute its share and stop sharing. Only on x86-64 Linux: the
-protocol relies on x86's ordered stores (a job's fields land before its sequence number) and
-on memfd_create.
+are written under a sequence lock, so a late helper never mixes two jobs'). While a decode
+pass's attention runs, where the helpers would only spin, they read their share of the output
+projection into their own caches (`prefetch`), and that matmul leaves them the larger share.
+A helper that dies or fails makes the caller compute its share and stop sharing. Only on
+x86-64 Linux: the protocol relies on x86's ordered stores (a job's fields land before its
+sequence number) and on memfd_create.
 
 Run as a script, this file is the helper (it imports only NumPy).
 """
