@@ -18,7 +18,7 @@ from .layout import choose as choose_layout
 from .registry import resolve_model
 from .threads import blas_threads
 from .tokenizer import TextTokenizer, build_tokenizer
-from .weight_image import image_dir, read_image, release, write_image
+from .weight_image import image_dir, read_image, release, settle_huge, write_image
 
 if TYPE_CHECKING:  # gguf (0.1 s to import) is needed only to build an image: imported then
     from .gguf_loader import GGUFFile
@@ -59,6 +59,7 @@ class Weights:
     column_blocks: dict = field(default_factory=dict, repr=False)
     layout_record: dict = field(default_factory=dict, repr=False)  # how the layout was chosen
     one_row: str = "pair"  # how one row reads the blocks: engine/layout.py's ONE_ROW, as measured
+    pages: dict = field(default_factory=dict, repr=False)  # how the copy read is mapped (settle_huge)
 
     def blocks(self, name: str) -> np.ndarray | None:
         """`name`'s column blocks when they are the copy read, else None (read the plain array)."""
@@ -72,15 +73,17 @@ class Weights:
         return head[tokens // COLUMN_BLOCK, :, tokens % COLUMN_BLOCK]        # [N, d]
 
     def choose_layout(self, folder: str) -> None:
-        """Read the layout this machine runs fastest (engine/layout.py), remembered in `folder`."""
-        if not self.column_blocks or self.matmul_bytes() < SMALL_MODEL_BYTES:
-            return
-        layers = {n: getattr(self, n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
-        probed = probe_arrays(layers, self.column_blocks)
-        self.layout, self.layout_record = choose_layout(folder, probed)
-        self.one_row = self.layout_record["one_row"]
-        if self.layout_record["source"] == "measured":  # the loser's probed pages leave memory
-            release(probed["blocks" if self.layout == "plain" else "plain"])
+        """Read the layout this machine runs fastest (engine/layout.py), remembered in `folder`;
+        then map the copy read, in 2 MiB pages where the kernel can (weight_image.settle_huge)."""
+        if self.column_blocks and self.matmul_bytes() >= SMALL_MODEL_BYTES:
+            layers = {n: getattr(self, n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
+            probed = probe_arrays(layers, self.column_blocks)
+            self.layout, self.layout_record = choose_layout(folder, probed)
+            self.one_row = self.layout_record["one_row"]
+            if self.layout_record["source"] == "measured":  # the loser's probed pages leave memory
+                release(probed["blocks" if self.layout == "plain" else "plain"])
+        self.pages = settle_huge(folder, [self.blocks(n) if self.layout == "blocks" else getattr(self, n)
+                                          for n in BLOCKED_WEIGHTS])
 
     def matmul_bytes(self) -> int:
         """Bytes of weights one decode step reads (every matmul plus the output head)."""

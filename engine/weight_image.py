@@ -22,7 +22,7 @@ import zlib
 import numpy as np
 
 from . import split
-from .atomic import atomic_dir
+from .atomic import atomic_dir, atomic_write
 
 IMAGE_VERSION = 7  # 2: index checksum; 3: head [d, vocab]; 5: architectures, one head copy; 6: blocks;
 #                   7: matrices on huge-page boundaries
@@ -204,19 +204,117 @@ def _map_huge(path: str) -> mmap.mmap:
 
 
 _MADV_DONTNEED = 4  # Linux: drop these pages from this process; a mapped file's come back on the next read
+_MADV_POPULATE_READ = 22  # Linux 5.14+: map a range now, as reads would, without reading it into the caches
+HUGE_ENOUGH = 0.9   # the share of the read copy in 2 MiB pages below which its page cache is read again
+HUGE_FILE = "huge.json"  # this boot's failed attempt to read the image in 2 MiB pages: not tried again
+
+
+def settle_huge(folder: str, arrays: list[np.ndarray]) -> dict:
+    """Map `arrays` (the copy of the weights every decode step reads, over `folder`'s image) now,
+    in 2 MiB pages where the kernel can; returns {"huge": share in 2 MiB pages, "reread": bool}.
+
+    The kernel maps a file with a 2 MiB page only where its page cache holds a 2 MiB folio
+    (HUGE_PAGE), and a cache filled otherwise (memory too fragmented while the image was written,
+    a small read of the file) keeps its small folios for as long as it holds the pages. Found on a
+    2-core Xeon: 46% of the gate/up blocks mapped in 2 MiB pages, and one stream decoded 7%
+    slower, eight 8% slower, than once all were. Where less than HUGE_ENOUGH of the arrays map
+    huge, their pages leave the page cache (those no other process maps) and are read again
+    through this huge-page map (540 MB in ~0.5 s, once); where even that leaves them small (no
+    large folios on this file system, or no free 2 MiB of memory), HUGE_FILE says so for this
+    boot, and later starts do not read the image again."""
+    spans, libc = _spans([a for a in arrays if a.nbytes >= HUGE_PAGE]), _libc()  # those on 2 MiB boundaries
+    if not spans or libc is None or not _madvise_all(libc, spans, _MADV_POPULATE_READ):
+        return {"huge": None, "reread": False}
+    vma, total = _vma_of(spans[0][0]), sum(hi - lo for lo, hi in spans)
+    if vma is None:
+        return {"huge": None, "reread": False}
+    share, boot, marker = min(1.0, vma["pmd"] / total), _boot_id(), os.path.join(folder, HUGE_FILE)
+    if share >= HUGE_ENOUGH or _read_json(marker).get("boot_id") == boot:
+        return {"huge": share, "reread": False}
+    try:
+        fd = os.open(os.path.join(folder, "weights.bin"), os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # a freshly written image's dirty pages cannot leave the cache
+            _madvise_all(libc, spans, _MADV_DONTNEED)
+            for lo, hi in spans:  # the file offsets of this map's addresses
+                os.posix_fadvise(fd, lo - vma["start"] + vma["offset"], hi - lo, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        return {"huge": share, "reread": False}
+    _madvise_all(libc, spans, _MADV_POPULATE_READ)
+    vma = _vma_of(spans[0][0])
+    after = min(1.0, vma["pmd"] / total) if vma else 0.0
+    if after < HUGE_ENOUGH:
+        note = json.dumps({"boot_id": boot, "huge": round(after, 3)}).encode()
+        try:
+            atomic_write(marker, lambda fh: fh.write(note))
+        except OSError:
+            pass  # an unwritable cache reads the image again at the next start
+    return {"huge": after, "reread": True}
+
+
+def _spans(arrays) -> list[tuple[int, int]]:
+    """The pages under read-only arrays (over a file's map: never anonymous memory, which
+    MADV_DONTNEED would zero)."""
+    page = mmap.PAGESIZE
+    return [(a.ctypes.data // page * page, -(-(a.ctypes.data + a.nbytes) // page) * page)
+            for a in arrays if a.nbytes and not a.flags.writeable]
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _madvise_all(libc, spans: list[tuple[int, int]], advice: int) -> bool:
+    done = [libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), advice) == 0 for lo, hi in spans]
+    return all(done)
+
+
+def _vma_of(address: int) -> dict | None:
+    """The mapping of this process that holds `address`: its start, file offset and the bytes it
+    maps in 2 MiB pages of a file (/proc/self/smaps)."""
+    try:
+        with open("/proc/self/smaps", encoding="ascii", errors="replace") as fh:
+            found = None
+            for line in fh:
+                head = line.split(None, 3)
+                if "-" in head[0] and len(head) >= 3 and not head[0].endswith(":"):
+                    if found is not None:
+                        return None
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    if lo <= address < hi:
+                        found = {"start": lo, "offset": int(head[2], 16)}
+                elif found is not None and head[0] == "FilePmdMapped:":
+                    return {**found, "pmd": int(head[1]) << 10}
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def release(arrays) -> None:
     """Give back the resident pages of read-only arrays over the image's map (the layout probe's
     loser), so a copy that is never read again does not count in this process's memory."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return
-    page = mmap.PAGESIZE
-    for a in arrays:
-        if a.flags.writeable or not a.nbytes:  # never anonymous memory: DONTNEED would zero it
-            continue
-        start = a.ctypes.data // page * page
-        end = -(-(a.ctypes.data + a.nbytes) // page) * page
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+    libc = _libc()
+    if libc is not None:
+        _madvise_all(libc, _spans(arrays), _MADV_DONTNEED)

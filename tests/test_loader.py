@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import os
 
 import numpy as np
@@ -304,6 +305,83 @@ def test_image_matrices_sit_on_huge_page_boundaries_and_the_map_asks_for_huge_pa
     assert (arrays["tail"].ctypes.data - base) % weight_image.ALIGN == 0
     if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
         assert "hg" in _vm_flags(arrays["big"].ctypes.data)   # MADV_HUGEPAGE on the image's map
+
+
+def _small_folios(path: str) -> None:
+    """Leave the file's pages in the page cache as small folios: dropped, then read back 4 KiB at a
+    time with readahead off (as a checksum or a backup might read it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for offset in range(0, os.fstat(fd).st_size, 4096):
+            os.pread(fd, 4096, offset)
+    finally:
+        os.close(fd)
+
+
+def _maps_files_huge(folder) -> bool:
+    """Whether this kernel maps a file in `folder` with 2 MiB pages where it reads it afresh."""
+    path = os.path.join(folder, "probe.bin")
+    with open(path, "wb") as fh:
+        fh.write(b"\1" * (4 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        raw = mmap.mmap(fd, 4 << 20, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    raw.madvise(mmap.MADV_HUGEPAGE)
+    view = np.frombuffer(raw, dtype=np.uint8)
+    int(view[::4096].sum())
+    return weight_image._vma_of(view.ctypes.data)["pmd"] > 0
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not os.path.exists("/proc/self/smaps"),
+                    reason="Linux's page cache and /proc/self/smaps")
+def test_an_image_cached_in_small_pages_is_read_again_once_in_huge_pages(gguf, cache):
+    """One stream decoded 7% slower while half the blocks' page cache was in 4 KiB folios."""
+    big = np.arange(3 << 20, dtype=np.float32).reshape(3072, 1024)   # 12 MiB
+    weight_image.write_image(str(gguf), 64, [("small", np.ones(5, dtype=np.float32)), ("big", big)], {})
+    folder = weight_image.image_dir(str(gguf))
+    _small_folios(os.path.join(folder, "weights.bin"))
+    arrays, _ = weight_image.read_image(str(gguf))
+    first = weight_image.settle_huge(folder, [arrays["big"]])
+    np.testing.assert_array_equal(arrays["big"], big)               # the same bytes, read again
+    assert first["reread"]
+    if _maps_files_huge(folder):
+        assert first["huge"] >= weight_image.HUGE_ENOUGH
+        assert not os.path.exists(os.path.join(folder, weight_image.HUGE_FILE))
+    else:  # this file system keeps small folios: the attempt is remembered for this boot
+        assert first["huge"] < weight_image.HUGE_ENOUGH
+        assert os.path.exists(os.path.join(folder, weight_image.HUGE_FILE))
+    again = weight_image.read_image(str(gguf))[0]
+    assert weight_image.settle_huge(folder, [again["big"]])["reread"] is False
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not os.path.exists("/proc/self/smaps"),
+                    reason="Linux's page cache and /proc/self/smaps")
+def test_a_kernel_that_keeps_small_pages_is_asked_once_per_boot(gguf, cache, monkeypatch):
+    """Re-reading 540 MB at every start would cost more than the 2 MiB pages it cannot get."""
+    big = np.ones((1024, 1024), dtype=np.float32)
+    weight_image.write_image(str(gguf), 64, [("big", big)], {})
+    folder = weight_image.image_dir(str(gguf))
+    real = weight_image._vma_of
+    monkeypatch.setattr(weight_image, "_vma_of", lambda a: {**real(a), "pmd": 0})
+    dropped = []
+    real_fadvise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda *a: (dropped.append(a[1:3]), real_fadvise(*a))[1])
+    arrays, _ = weight_image.read_image(str(gguf))
+    assert weight_image.settle_huge(folder, [arrays["big"]]) == {"huge": 0.0, "reread": True}
+    with open(os.path.join(folder, "index.json"), encoding="utf-8") as fh:
+        offset = json.load(fh)["arrays"]["big"]["offset"]
+    assert dropped == [(offset, big.nbytes)]                        # its own pages, by file offset
+    assert weight_image.settle_huge(folder, [arrays["big"]]) == {"huge": 0.0, "reread": False}
+    assert len(dropped) == 1
+    monkeypatch.setattr(weight_image, "_boot_id", lambda: "another boot")  # rebooted: asked again
+    assert weight_image.settle_huge(folder, [arrays["big"]])["reread"]
 
 
 def test_a_new_image_format_removes_the_older_formats_images_of_the_same_gguf(gguf, cache):

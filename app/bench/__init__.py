@@ -121,7 +121,7 @@ def _model_facts(m) -> dict:
             "file_size": m.file_size, "matmul_bytes": m.weights.matmul_bytes(),
             "from_image": m.from_image, "config": dict(m.config.__dict__),
             "description": m.describe(), "quant_mix": m.quant_mix,
-            "layout": {"layout": m.weights.layout, **m.weights.layout_record}}
+            "layout": {"layout": m.weights.layout, **m.weights.layout_record}, "pages": m.weights.pages}
 
 
 def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTIONS, log=None) -> dict:
@@ -268,6 +268,9 @@ def format_table(result: dict) -> str:
             head += f"\nweights read as: {lay['layout']} ({lay.get('source')}: {ms})"
         elif lay:
             head += f"\nweights read as: {lay.get('layout')} ({lay.get('source') or 'not measured'})"
+        huge = (result["model"].get("pages") or {}).get("huge")
+        if huge is not None:  # engine/weight_image.py settle_huge
+            head += f"; {huge:.0%} in 2 MiB pages"
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
                                                             if t["missed"] else "")]
     peer = result["details"].get("peer")
