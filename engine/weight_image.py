@@ -215,13 +215,14 @@ def settle_huge(folder: str, arrays: list[np.ndarray]) -> dict:
 
     The kernel maps a file with a 2 MiB page only where its page cache holds a 2 MiB folio
     (HUGE_PAGE), and a cache filled otherwise (memory too fragmented while the image was written,
-    a small read of the file) keeps its small folios for as long as it holds the pages. Found on a
-    2-core Xeon: 46% of the gate/up blocks mapped in 2 MiB pages, and one stream decoded 7%
-    slower, eight 8% slower, than once all were. Where less than HUGE_ENOUGH of the arrays map
-    huge, their pages leave the page cache (those no other process maps) and are read again
-    through this huge-page map (540 MB in ~0.5 s, once); where even that leaves them small (no
-    large folios on this file system, or no free 2 MiB of memory), HUGE_FILE says so for this
-    boot, and later starts do not read the image again."""
+    a small read of the file, a refill after the kernel paged the file out) keeps its small folios
+    for as long as it holds the pages. Found on a 2-core Xeon whose kernel pages out file pages no
+    process has mapped for a minute: 46% of the gate/up blocks mapped in 2 MiB pages, and one
+    stream decoded 7% slower, eight 8% slower, than once all were. Where less than HUGE_ENOUGH
+    of the arrays map huge, their pages leave the page cache (those no other process maps) and
+    are read again through this huge-page map (540 MB in ~0.5 s, once); where even that leaves
+    them small (no large folios on this file system, or no free 2 MiB of memory), HUGE_FILE says
+    so for this boot, and later starts do not read the image again."""
     spans, libc = _spans([a for a in arrays if a.nbytes >= HUGE_PAGE]), _libc()  # those on 2 MiB boundaries
     if not spans or libc is None or not _madvise_all(libc, spans, _MADV_POPULATE_READ):
         return {"huge": None, "reread": False}
