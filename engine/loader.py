@@ -82,8 +82,12 @@ class Weights:
             self.one_row = self.layout_record["one_row"]
             if self.layout_record["source"] == "measured":  # the loser's probed pages leave memory
                 release(probed["blocks" if self.layout == "plain" else "plain"])
-        self.pages = settle_huge(folder, [self.blocks(n) if self.layout == "blocks" else getattr(self, n)
-                                          for n in BLOCKED_WEIGHTS])
+        self.pages = settle_huge(folder, [self.read_copy(n) for n in BLOCKED_WEIGHTS])
+
+    def read_copy(self, name: str) -> np.ndarray:
+        """The array a forward pass reads for matrix `name`: its blocks, else the plain one."""
+        blocks = self.blocks(name)
+        return blocks if blocks is not None else getattr(self, name)
 
     def matmul_bytes(self) -> int:
         """Bytes of weights one decode step reads (every matmul plus the output head)."""
