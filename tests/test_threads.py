@@ -136,7 +136,10 @@ def test_another_process_busy_counts_as_others_and_this_ones_own_work_does_not()
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
     subprocess.run([sys.executable, "-c", spin], check=True)     # another process keeps a core busy
     assert threads.others_cores(first, threads.load_sample()) > 0.5
-    first, t = threads.load_sample(), time.process_time()
-    while time.process_time() - t < 0.4:                          # this process keeps a core busy
-        pass
-    assert threads.others_cores(first, threads.load_sample()) < 0.3
+    readings = []  # a shared machine's other work may take a core in one window, not in five
+    while len(readings) < 5 and (not readings or readings[-1] >= 0.3):
+        first, t = threads.load_sample(), time.process_time()
+        while time.process_time() - t < 0.4:                      # this process keeps a core busy
+            pass
+        readings.append(threads.others_cores(first, threads.load_sample()))
+    assert min(readings) < 0.3, readings                          # its own core counted: >= 0.9 in each
