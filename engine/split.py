@@ -6,7 +6,10 @@ engine, interleaved: eight rows' decode steps 12-24% cheaper, one row's 2-3%). A
 that sleeps between jobs cannot take half a layer's
 matrix: waking it cost 40-80 us there (the VM's guest halts an idle core at once), about
 what it saved. So the helper is a process, started once, that waits by spinning on shared
-memory as BLAS's own threads do, for SPIN_S after its last job, then sleeps on a pipe.
+memory as BLAS's own threads do, for SPIN_S after its last job, then sleeps on an eventfd.
+Not a pipe: a pipe's write is a "sync" wake-up, and Linux then puts the woken helper on the
+core of the caller that woke it, which goes on spinning there; every share of the next ~30 ms
+was taken back (a step 30 ms where it takes 23), until the kernel moved one of them.
 It maps the weight image's file itself (`share_file`), so a job is a few integers and the
 input rows, and it writes its blocks into shared memory: each block is computed exactly as
 it would be alone, so the answer is the same bit for bit. Passes of more than SHARE_ROWS
@@ -147,16 +150,18 @@ def _pool_or_start() -> _Pool:
 
 
 class _Helper:
-    """One helper process, its slot of the control block and the pipe that wakes it."""
+    """One helper process, its slot of the control block, the eventfd that wakes it and the pipe
+    whose end tells it this process is gone."""
 
     def __init__(self, ctl_fd: int, index: int, slot: np.ndarray):
         import subprocess
-        read, self.wake = os.pipe()
+        self.wake = os.eventfd(0)
+        gone, self.life = os.pipe()
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(  # -P: not this folder on sys.path (its modules are not NumPy's)
-            [sys.executable, "-P", os.path.abspath(__file__), str(ctl_fd), str(read), str(index)],
-            pass_fds=(ctl_fd, read), env=env, stdin=subprocess.DEVNULL, close_fds=True)
-        os.close(read)
+            [sys.executable, "-P", os.path.abspath(__file__), *map(str, (ctl_fd, self.wake, gone, index))],
+            pass_fds=(ctl_fd, self.wake, gone), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        os.close(gone)
         self.slot = slot
 
     def post(self, seq: int, fields: tuple[int, ...]) -> None:
@@ -167,10 +172,7 @@ class _Helper:
             self.poke()
 
     def poke(self) -> None:
-        try:
-            os.write(self.wake, b"\0")
-        except OSError:
-            pass  # a full pipe already wakes it; a dead helper is found by `collect`
+        os.eventfd_write(self.wake, 1)  # a dead helper is found by `collect`
 
     def collect(self, seq: int, patience: float) -> str:
         """"done" once the helper's share is in the output; "take" when this thread should compute
@@ -283,7 +285,8 @@ def shutdown() -> None:
     global _pool
     pool, _pool = _pool, None
     for h in pool.helpers if pool is not None else ():
-        os.close(h.wake)    # a sleeping helper exits on its pipe's end, a spinning one is killed
+        os.close(h.life)    # a sleeping helper exits on its pipe's end, a spinning one is killed
+        os.close(h.wake)
         h.proc.kill()
         h.proc.wait()
     if pool is not None:
@@ -313,7 +316,11 @@ if hasattr(os, "register_at_fork"):
 
 
 # the helper process ----------------------------------------------------------------------
-def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
+def _serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
+    import select
+    waits = select.poll()
+    waits.register(wake_fd, select.POLLIN)
+    waits.register(gone_fd, select.POLLIN)  # the pipe's end (POLLHUP is always reported)
     buf = mmap.mmap(ctl_fd, CTL_BYTES)
     slot = np.frombuffer(buf, np.int64, SLOT_INTS, SLOTS_AT + index * SLOT_INTS * 8)
     x = np.frombuffer(buf, np.float32, X_FLOATS, X_AT)
@@ -328,8 +335,10 @@ def _serve(ctl_fd: int, wake_fd: int, index: int) -> None:
             os.sched_yield()        # as BLAS's threads spin: a thread that has work (a UI) runs first
             if time.perf_counter() > until:
                 slot[7] = 1
-                if slot[0] == last and not os.read(wake_fd, 4096):
-                    return          # the engine's process is gone
+                if slot[0] == last:
+                    if any(fd == gone_fd for fd, _ in waits.poll()):
+                        return      # the engine's process is gone
+                    os.eventfd_read(wake_fd)
                 slot[7] = 0
                 until = time.perf_counter() + SPIN_S
         seq = int(slot[0])
@@ -380,4 +389,4 @@ def _map(path: str, dev: int, ino: int) -> mmap.mmap:
 
 
 if __name__ == "__main__":
-    _serve(*(int(a) for a in sys.argv[1:4]))
+    _serve(*(int(a) for a in sys.argv[1:5]))

@@ -180,6 +180,26 @@ def test_a_helper_that_cannot_run_never_stalls_the_caller(shared, tmp_path):
     assert not split._disabled and split._pool.helpers[0].proc is helper
 
 
+def test_a_sleeping_helper_wakes_for_the_next_job_and_does_it(shared, tmp_path, monkeypatch):
+    """A helper idle past SPIN_S sleeps (on an eventfd, engine/split.py), and the next job wakes
+    it: it computes its share rather than the caller taking it back."""
+    monkeypatch.setattr(split, "PATIENCE_S", 10.0)   # the caller waits for it as long as it takes
+    rng = np.random.default_rng(9)
+    _, (blocks,) = mapped(tmp_path, [rng.standard_normal((16, 64, 64), dtype=np.float32)])
+    x = rng.standard_normal((2, 64), dtype=np.float32)
+    shared(2)
+    until_helpers(1, x, blocks)
+    slot = split._pool.helpers[0].slot
+    for _ in range(3):
+        deadline = time.monotonic() + 30
+        while not slot[7]:                           # asleep
+            assert time.monotonic() < deadline, "the helper never went to sleep"
+            time.sleep(split.SPIN_S)
+        want = np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1)
+        np.testing.assert_array_equal(split.matmul(x, blocks), want)
+        assert slot[8] == split._pool.seq and slot[split.TAKEN] != split._pool.seq  # its share, done by it
+
+
 def test_a_file_replaced_since_it_was_mapped_is_never_read_by_a_helper(shared, tmp_path):
     """The engine maps an image, then the image is rebuilt under the same name: a helper that
     maps it only now would read other numbers, so it refuses and the caller computes."""
