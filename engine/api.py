@@ -74,7 +74,7 @@ def eval_batch(m: Model, sessions: list[Session], token_lists: list,
                                  any(not 1 <= k <= len(t) for k, t in zip(n_logits, toks))):
         raise ValueError("n_logits needs one count per session, each between 1 and its token count")
     slots = pool.allocate(sessions, [len(t) for t in toks])
-    blas_threads().fit(sum(map(len, toks)), m.weights.layout == "blocks")  # no more threads than free cores
+    blas_threads().fit(sum(map(len, toks)), m.weights.reads_blocks)  # no more threads than free cores
     logits = forward(m, pool, slots, toks, all_positions, n_logits)
     pool.commit(sessions, toks)
     return logits

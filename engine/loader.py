@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from .chat import checked_template
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .layout import COLUMN_BLOCK, probe_arrays, to_column_blocks
+from .layout import BLOCKS, COLUMN_BLOCK, probe_arrays, to_blocks
 from .layout import choose as choose_layout
 from .registry import resolve_model
 from .threads import blas_threads
@@ -27,7 +27,7 @@ TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
 BIG_HEAD_BYTES = 256 << 20  # an output head this large is worth naming in the description
 
 BLOCKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "output_t")
-BLOCKS_SUFFIX = "@blocks"  # weight-image name of an array's column blocks
+BLOCKS_SUFFIX = {k: "@" + k for k in BLOCKS}  # weight-image name of an array's blocks of each kind
 SMALL_MODEL_BYTES = 16 << 20  # matrices this small sit in the caches: either layout does, plain stays
 
 
@@ -52,36 +52,50 @@ class Weights:
     post_ffn_norm: np.ndarray | None = None   # [L, d]
     rope_freqs: np.ndarray | None = None      # [head_dim/2]: RoPE frequency divisors (Llama 3.1+)
 
-    # The one copy a forward pass reads (engine/layout.py): "plain", the arrays above, or
-    # "blocks", the image's [L,] N/64, K, 64 column blocks of BLOCKED_WEIGHTS. The other copy
-    # stays on disk, unread, so it never becomes resident.
+    # The one copy a forward pass reads (engine/layout.py): "plain", the arrays above, or the
+    # image's blocks of BLOCKED_WEIGHTS, "blocks" ([L,] N/64, K, 64) or "blocks_t" ([L,] N/64, 64, K).
+    # The other copies stay on disk, unread, so they never become resident.
     layout: str = "plain"
-    column_blocks: dict = field(default_factory=dict, repr=False)
+    block_copies: dict = field(default_factory=dict, repr=False)  # kind -> {name: blocks}
     layout_record: dict = field(default_factory=dict, repr=False)  # how the layout was chosen
     one_row: str = "pair"  # how one row reads the blocks: engine/layout.py's ONE_ROW, as measured
     pages: dict = field(default_factory=dict, repr=False)  # how the copy read is mapped (settle_huge)
 
+    @property
+    def reads_blocks(self) -> bool:
+        """Whether a forward pass reads blocks (shared with the decode helpers), not the plain arrays."""
+        return self.layout in BLOCKS
+
+    @property
+    def transposed(self) -> bool:
+        """Whether the blocks read are transposed ("blocks_t")."""
+        return self.layout == "blocks_t"
+
     def blocks(self, name: str) -> np.ndarray | None:
-        """`name`'s column blocks when they are the copy read, else None (read the plain array)."""
-        return self.column_blocks.get(name) if self.layout == "blocks" else None
+        """`name`'s blocks when they are the copy read, else None (read the plain array)."""
+        return self.block_copies.get(self.layout, {}).get(name)
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Embedding rows [N, d]; a tied embedding is read from the head's copy that is read."""
         head = self.blocks("output_t") if self.token_embd is self.output else None
         if head is None:
             return np.asarray(self.token_embd[tokens], dtype=np.float32)      # [N, d]
+        if self.transposed:
+            return head[tokens // COLUMN_BLOCK, tokens % COLUMN_BLOCK]        # [N, d]
         return head[tokens // COLUMN_BLOCK, :, tokens % COLUMN_BLOCK]        # [N, d]
 
     def choose_layout(self, folder: str) -> None:
         """Read the layout this machine runs fastest (engine/layout.py), remembered in `folder`;
         then map the copy read, in 2 MiB pages where the kernel can (weight_image.settle_huge)."""
-        if self.column_blocks and self.matmul_bytes() >= SMALL_MODEL_BYTES:
+        if self.block_copies and self.matmul_bytes() >= SMALL_MODEL_BYTES:
             layers = {n: getattr(self, n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
-            probed = probe_arrays(layers, self.column_blocks)
+            probed = probe_arrays(layers, self.block_copies)
             self.layout, self.layout_record = choose_layout(folder, probed)
             self.one_row = self.layout_record["one_row"]
-            if self.layout_record["source"] == "measured":  # the loser's probed pages leave memory
-                release(probed["blocks" if self.layout == "plain" else "plain"])
+            if self.layout_record["source"] == "measured":  # the losers' probed pages leave memory
+                for kind, arrays in probed.items():
+                    if kind != self.layout:
+                        release(arrays)
         self.pages = settle_huge(folder, [self.read_copy(n) for n in BLOCKED_WEIGHTS])
 
     def read_copy(self, name: str) -> np.ndarray:
@@ -189,9 +203,11 @@ def _weight_arrays(gf: GGUFFile, with_blocks: bool = False):
         if name == "rope_freqs" and not (arr > 0).all():
             raise ModelLoadError(f"{gf.path}: rope_freqs.weight has a factor <= 0")
         yield name, arr
-        blocks = to_column_blocks(arr) if with_blocks and name in BLOCKED_WEIGHTS else None
-        if blocks is not None:  # on disk beside the plain array: the layout probe picks one to read
-            yield name + BLOCKS_SUFFIX, blocks
+        for kind in BLOCKS if with_blocks and name in BLOCKED_WEIGHTS else ():
+            blocks = to_blocks(arr, kind)
+            if blocks is not None:  # on disk beside the plain array: the layout probe picks one to read
+                yield name + BLOCKS_SUFFIX[kind], blocks
+                del blocks          # one array at a time
 
 
 def _flag(gf: GGUFFile, key: str, default: bool) -> bool:
@@ -253,10 +269,11 @@ def _build(info: dict, arrays: dict[str, np.ndarray], path: str, size: int, t0: 
         template_warning=warning)
     tied = info["tied_output"]
     head = arrays["output_t"].T                                  # [vocab, d] view
-    plain = {k: v for k, v in arrays.items() if k != "token_embd" and not k.endswith(BLOCKS_SUFFIX)}
-    blocks = {k[:-len(BLOCKS_SUFFIX)]: v for k, v in arrays.items() if k.endswith(BLOCKS_SUFFIX)}
+    plain = {k: v for k, v in arrays.items() if k != "token_embd" and "@" not in k}
+    copies = {kind: {k[:-len(sfx)]: v for k, v in arrays.items() if k.endswith(sfx)}
+              for kind, sfx in BLOCKS_SUFFIX.items()}
     weights = Weights(token_embd=head if tied else arrays["token_embd"], output=head,
-                      column_blocks=blocks, **plain)
+                      block_copies={k: c for k, c in copies.items() if c}, **plain)
     return Model(path=path, name=info["name"], arch=info["arch"], quant=info["quant"], config=cfg,
                  weights=weights, tokenizer=tokenizer, file_size=size,
                  n_params=cfg.n_params(tied_output=tied),

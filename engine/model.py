@@ -75,7 +75,8 @@ def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np
     """x @ W (one layer's when `layer` is given), in the one layout this machine reads (engine/layout.py)."""
     blocks = w.blocks(name)
     if blocks is not None:
-        return blocks_matmul(x, blocks if layer is None else blocks[layer], w.one_row)  # [N, out]
+        one = blocks if layer is None else blocks[layer]
+        return blocks_matmul(x, one, w.one_row, w.transposed)            # [N, out]
     weight = getattr(w, name)
     return plain_matmul(x, weight if layer is None else weight[layer])     # [N, out]
 
@@ -84,7 +85,7 @@ def prefetch(w: Weights, name: str, layer: int, rows: int) -> None:
     """Start a decode pass's next matmul on its way to the helpers' caches (engine/split.py)."""
     blocks = w.blocks(name)
     if blocks is not None and split.can_share(rows):
-        split.prefetch(blocks[layer], rows)
+        split.prefetch(blocks[layer], rows, w.transposed)
 
 
 def gelu_tanh(g: np.ndarray) -> np.ndarray:

@@ -1,11 +1,10 @@
-"""A decode pass's matmuls over column blocks, shared with a helper process that spins between jobs.
+"""A decode pass's matmuls over blocks of 64 columns, shared with a helper process that spins between jobs.
 
-BLAS runs each 64-column block's small GEMM on one core, and one core reads a layer's blocks
-at about 25 GB/s on a 2-core EPYC where two read 28-38, as the host allows (measured in the
-engine, interleaved: eight rows' decode steps 12-24% cheaper, one row's 2-3%). A helper thread
-that sleeps between jobs cannot take half a layer's
-matrix: waking it cost 40-80 us there (the VM's guest halts an idle core at once), about
-what it saved. So the helper is a process, started once, that waits by spinning on shared
+BLAS runs each block's small GEMM on one core, and one core reads a layer's blocks at about
+25 GB/s on a 2-core EPYC where two read 28-38 (in the engine, interleaved: eight rows' decode
+steps 12-24% cheaper, one row's 2-3%). A helper thread that sleeps between jobs cannot take
+half a layer's matrix: waking it cost 40-80 us there (the VM's guest halts an idle core at
+once), about what it saved. So the helper is a process, started once, that spins on shared
 memory as BLAS's own threads do, for SPIN_S after its last job, then sleeps on an eventfd.
 Not a pipe: a pipe's write is a "sync" wake-up, and Linux then puts the woken helper on the
 core of the caller that woke it, which goes on spinning there; every share of the next ~30 ms
@@ -13,18 +12,15 @@ was taken back (a step 30 ms where it takes 23), until the kernel moved one of t
 It maps the weight image's file itself (`share_file`), so a job is a few integers and the
 input rows, and it writes its blocks into shared memory: each block is computed exactly as
 it would be alone, so the answer is the same bit for bit. Passes of more than SHARE_ROWS
-rows (prefill) keep BLAS's own threads. The pass's thread count sets `parts`
+rows (prefill) keep BLAS's own threads; the pass's thread count sets `parts`
 (engine/threads.py), so a busy machine shares nothing. A helper more than the caller's own
 share's time late (asleep, or its core taken by a UI thread) has its share taken back: the
 caller computes it into its own result and never reads the helper's late copy (job fields
-are written under a sequence lock, so a late helper never mixes two jobs'). While a decode
-pass's attention runs, where the helpers would only spin, they read their share of the output
-projection into their own caches (`prefetch`), and that matmul leaves them the larger share.
-A helper that dies or fails makes the caller compute its share and stop sharing. Only on
-x86-64 Linux: the protocol relies on x86's ordered stores (a job's fields land before its
-sequence number) and on memfd_create.
-
-Run as a script, this file is the helper (it imports only NumPy).
+are written under a sequence lock). While a decode pass's attention runs, the helpers read
+their share of the output projection into their caches (`prefetch`), and that matmul leaves
+them the larger share. A helper that dies or fails makes the caller compute its share and
+stop sharing. Only on x86-64 Linux (x86's ordered stores: a job's fields land before its
+sequence number; memfd_create). Run as a script, this file is the helper (it imports only NumPy).
 """
 
 from __future__ import annotations
@@ -46,9 +42,9 @@ SPIN_S = 0.002              # a helper spins this long after a job (a step's mat
 X_FLOATS = 1 << 20          # input rows: rows x K floats
 OUT_FLOATS = 8 << 20        # output: [blocks, rows, 64] floats; bigger jobs stay whole
 SLOT_INTS = 32              # per helper: 0 seq (-1 while its fields are written), 1 file, 2 offset,
-#                             3 blocks, 4 K, 5 rows, 6 out, 7 sleeping, 8 done (its own cache line),
-#                             9 failed, 10 ready, 16 started (its own line), 24 taken back (its own line)
-STARTED, TAKEN = 16, 24
+#                             3 blocks, 4 K, 5 rows, 6 out, 7 transposed; 8 done (its own cache line),
+#                             9 failed, 10 ready, 11 sleeping; 16 started, 24 taken back (each its own line)
+SLEEPING, STARTED, TAKEN = 11, 16, 24
 PATIENCE_S = 20e-6          # a helper's share is taken back once it is this much (or this thread's
 #                             own share's time) late: a spinning helper starts a job in ~1 us
 PREFETCH_MINE = 0.25        # of a matrix the helpers read ahead, the share this thread reads from memory
@@ -101,38 +97,46 @@ def warm(n: int, timeout: float = 2.0) -> int:
     return len(pool.ready(n - 1))
 
 
-def matmul(x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """x [N, K] @ W given as blocks [nb, K, 64]: a new [N, nb*64] array."""
-    job = _job(x, blocks)
+def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False) -> np.ndarray:
+    """x [N, K] @ W given as blocks [nb, K, 64] (`transposed`: [nb, 64, K]): a new [N, nb*64] array."""
+    K = blocks.shape[2 if transposed else 1]
+    job = _rows_job(len(x), blocks, transposed) if x.dtype is _F32 and x.shape[1] == K else None
     if job is None or not _busy.acquire(blocking=False):
-        return np.matmul(x, blocks).transpose(1, 0, 2).reshape(len(x), -1)  # [N, out]
+        return products(x, blocks, transposed).transpose(1, 0, 2).reshape(len(x), -1)  # [N, out]
     try:
-        return _pool_or_start().run(x, blocks, job)
+        return _pool_or_start().run(x, blocks, transposed, job)
     finally:
         _busy.release()
 
 
-def prefetch(blocks: np.ndarray, rows: int) -> None:
+def products(x: np.ndarray, blocks: np.ndarray, transposed: bool, out: np.ndarray | None = None):
+    """x [N, K] times each block: [nb, N, 64] (into `out`). Transposed blocks [nb, 64, K] go as
+    a GEMV per block for one row (along rows of K), else as x times the block's transpose (a view)."""
+    if not transposed:
+        return np.matmul(x, blocks, out=out)                                          # [nb, N, 64]
+    if len(x) == 1:
+        return np.matmul(blocks, x[0], out=None if out is None else out[:, 0])[:, None]  # [nb, 1, 64]
+    return np.matmul(x, blocks.transpose(0, 2, 1), out=out)                           # [nb, N, 64]
+
+
+def prefetch(blocks: np.ndarray, rows: int, transposed: bool = False) -> None:
     """Have the helpers read their share of `blocks` (the next matmul's, of `rows` rows) into their
     cores' caches while this thread does other work: a decode pass's attention, where they would
     only spin. That matmul then leaves them the larger share, from cache."""
-    job = None if _pool is None else _rows_job(rows, blocks)
+    job = None if _pool is None else _rows_job(rows, blocks, transposed)
     if job is not None and _busy.acquire(blocking=False):
         try:
-            _pool.prefetch(blocks, job)
+            _pool.prefetch(blocks, transposed, job)
         finally:
             _busy.release()
 
 
-def _job(x: np.ndarray, blocks: np.ndarray) -> tuple[int, int] | None:
-    """(file, byte offset) of blocks a helper can read, or None where this matmul stays whole."""
-    return _rows_job(len(x), blocks) if x.dtype is _F32 and x.shape[1] == blocks.shape[1] else None
-
-
-def _rows_job(rows: int, blocks: np.ndarray) -> tuple[int, int] | None:
-    """_job for float32 input rows of the blocks' K."""
+def _rows_job(rows: int, blocks: np.ndarray, transposed: bool) -> tuple[int, int] | None:
+    """(file, byte offset) of blocks a helper can read for `rows` float32 rows, or None where
+    this matmul stays whole."""
+    K = blocks.shape[2 if transposed else 1]
     if (_parts < 2 or not can_share(rows) or blocks.nbytes < SHARE_BYTES
-            or rows * blocks.shape[1] > X_FLOATS or blocks.shape[0] * rows * blocks.shape[2] > OUT_FLOATS
+            or rows * K > X_FLOATS or blocks.shape[0] * rows * 64 > OUT_FLOATS
             or blocks.dtype is not _F32 or not blocks.flags.c_contiguous):
         return None
     at = blocks.ctypes.data
@@ -166,9 +170,9 @@ class _Helper:
 
     def post(self, seq: int, fields: tuple[int, ...]) -> None:
         self.slot[0] = -1               # a helper that read some fields before this sees them change
-        self.slot[1:7] = fields
+        self.slot[1:8] = fields
         self.slot[0] = seq              # last: x86 makes every store above visible first
-        if self.slot[7]:
+        if self.slot[SLEEPING]:
             self.poke()
 
     def poke(self) -> None:
@@ -226,21 +230,21 @@ class _Pool:
             self.up += 1
         return self.helpers[:min(n, self.up)]
 
-    def prefetch(self, blocks: np.ndarray, job: tuple[int, int]) -> None:
-        (nb, K, C), (file, offset) = blocks.shape, job
+    def prefetch(self, blocks: np.ndarray, transposed: bool, job: tuple[int, int]) -> None:
+        nb, K, C, (file, offset) = blocks.shape[0], blocks.shape[2 if transposed else 1], 64, job
         helpers = self.ready(min(_parts, nb) - 1)
         if not helpers:
             return
         cuts = shares(nb, len(helpers), True)
         self.seq += 1
         for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
-            h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, 0, 0))  # 0 rows: read ahead
-        self.prefetched = (job, blocks.shape)
+            h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, 0, 0, transposed))  # 0 rows: ahead
+        self.prefetched = (job, blocks.shape, transposed)
 
-    def run(self, x: np.ndarray, blocks: np.ndarray, job: tuple[int, int]) -> np.ndarray:
-        N, (nb, K, C) = x.shape[0], blocks.shape
+    def run(self, x: np.ndarray, blocks: np.ndarray, transposed: bool, job: tuple[int, int]) -> np.ndarray:
+        N, nb, K, C = x.shape[0], blocks.shape[0], blocks.shape[2 if transposed else 1], 64
         helpers = self.ready(min(_parts, nb) - 1)
-        prefetched, self.prefetched = self.prefetched == (job, blocks.shape), None
+        prefetched, self.prefetched = self.prefetched == (job, blocks.shape, transposed), None
         out = self.out[:nb * N * C].reshape(nb, N, C)                          # [nb, N, 64]
         cuts = shares(nb, len(helpers), prefetched)
         if helpers:
@@ -248,11 +252,11 @@ class _Pool:
             self.seq += 1
             file, offset = job
             for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
-                h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, N, lo * N * C))
+                h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, N, lo * N * C, transposed))
         result = np.empty((N, nb, C), dtype=np.float32)                        # [N, nb, 64]
         mine = result.transpose(1, 0, 2)                                       # [nb, N, 64] view
         t0 = time.perf_counter()
-        np.matmul(x, blocks[:cuts[1]], out=mine[:cuts[1]])
+        products(x, blocks[:cuts[1]], transposed, mine[:cuts[1]])
         patience = max(PATIENCE_S, time.perf_counter() - t0)
         for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
             got = h.collect(self.seq, patience)
@@ -261,7 +265,7 @@ class _Pool:
                 continue
             if got != "take":
                 _stop(got)
-            np.matmul(x, blocks[lo:hi], out=mine[lo:hi])  # never into `out`: a late helper may write there
+            products(x, blocks[lo:hi], transposed, mine[lo:hi])  # not `out`: a late helper may write there
         return result.reshape(N, nb * C)                                       # [N, out]
 
 
@@ -334,15 +338,15 @@ def _serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
         while slot[0] == last or slot[0] < 0:
             os.sched_yield()        # as BLAS's threads spin: a thread that has work (a UI) runs first
             if time.perf_counter() > until:
-                slot[7] = 1
+                slot[SLEEPING] = 1
                 if slot[0] == last:
                     if any(fd == gone_fd for fd, _ in waits.poll()):
                         return      # the engine's process is gone
                     os.eventfd_read(wake_fd)
-                slot[7] = 0
+                slot[SLEEPING] = 0
                 until = time.perf_counter() + SPIN_S
         seq = int(slot[0])
-        fields = tuple(slot[1:7].tolist())
+        fields = tuple(slot[1:8].tolist())
         if seq < 0 or slot[0] != seq:
             continue                # its fields were being rewritten: read them again
         last = seq
@@ -354,7 +358,7 @@ def _serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
                 if len(views) > 4096:
                     views.clear()
                 views[fields] = _views(fields, maps, buf, x, out)
-            np.matmul(*views[fields])
+            products(*views[fields])
             slot[9] = 0
         except Exception:  # noqa: BLE001 - the caller computes this share itself
             slot[9] = 1
@@ -362,16 +366,17 @@ def _serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
 
 
 def _views(fields: tuple, maps: list, buf: mmap.mmap, x: np.ndarray, out: np.ndarray) -> tuple:
-    """A job's matmul arguments: (input rows, its blocks, out=...); 0 rows is a read ahead, a
-    GEMV (it reads memory fastest) whose answer goes unused."""
-    file, offset, n, K, rows, at = fields
+    """A job's `products` arguments: (input rows, its blocks, transposed, out); 0 rows is a read
+    ahead, a GEMV (it reads memory fastest) whose answer goes unused."""
+    file, offset, n, K, rows, at, transposed = fields
     while file >= len(maps):
         dev, ino, path = bytes(buf[:PATHS_BYTES]).split(b"\n")[len(maps)].decode().split(" ", 2)
         maps.append(np.frombuffer(_map(path, int(dev), int(ino)), dtype=np.uint8))
-    w = maps[file][offset:offset + n * K * 64 * 4].view(np.float32).reshape(n, K, 64)
+    w = maps[file][offset:offset + n * K * 64 * 4].view(np.float32)
+    w = w.reshape((n, 64, K) if transposed else (n, K, 64))
     if not rows:
-        return np.zeros((1, K), dtype=np.float32), w, np.empty((n, 1, 64), dtype=np.float32)
-    return x[:rows * K].reshape(rows, K), w, out[at:at + n * rows * 64].reshape(n, rows, 64)
+        return np.zeros((1, K), dtype=np.float32), w, bool(transposed), np.empty((n, 1, 64), dtype=np.float32)
+    return x[:rows * K].reshape(rows, K), w, bool(transposed), out[at:at + n * rows * 64].reshape(n, rows, 64)
 
 
 def _map(path: str, dev: int, ino: int) -> mmap.mmap:

@@ -27,23 +27,26 @@ def _logits(model, prompts):
     return forward(model, pool, sessions, prompts)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (8, 1), (1, 20), (4, 9)])
-def test_both_layouts_compute_the_same_logits(real_model, shape):
-    """A decode row, a batch of 3 or 8, a 20-token prefill and a mix: same logits either way."""
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (8, 1), (1, 20), (4, 9), (1, 80)])
+def test_every_layout_computes_the_same_logits(real_model, shape):
+    """A decode row, a batch of 3 or 8, a 20-token prefill (shared like decode rows), a mix and an
+    80-token prefill (BLAS's own threads): the same logits whichever copy is read."""
     n_seq, n_tok = shape
     rng = np.random.default_rng(n_seq * 100 + n_tok)
     prompts = [rng.integers(1, 40000, size=n_tok).tolist() for _ in range(n_seq)]
     w = real_model.weights
-    assert set(w.column_blocks) >= {"wqkv", "wo", "w_gate_up", "w_down", "output_t"}
+    for kind in layout.BLOCKS:
+        assert set(w.block_copies[kind]) >= {"wqkv", "wo", "w_gate_up", "w_down", "output_t"}
     before, one_row = w.layout, w.one_row
     try:
         w.layout = "plain"
         plain = _logits(real_model, prompts)
-        w.layout = "blocks"
         blocks = {}
-        for form in layout.ONE_ROW:  # one row as a pair and as a GEMV
-            w.one_row = form
-            blocks[form] = _logits(real_model, prompts)
+        for kind in layout.BLOCKS:
+            w.layout = kind
+            for form in layout.ONE_ROW:  # one row as a pair and as a GEMV
+                w.one_row = form
+                blocks[kind, form] = _logits(real_model, prompts)
     finally:
         w.layout, w.one_row = before, one_row
     scale = np.abs(plain).max()
@@ -52,12 +55,13 @@ def test_both_layouts_compute_the_same_logits(real_model, shape):
         assert (got.argmax(-1) == plain.argmax(-1)).all()
 
 
-def test_a_tied_embedding_is_read_from_the_head_blocks(real_model):
+@pytest.mark.parametrize("kind", layout.BLOCKS)
+def test_a_tied_embedding_is_read_from_the_head_blocks(real_model, kind):
     w = real_model.weights
     tokens = np.array([0, 1, 63, 64, 12345, w.output.shape[0] - 1])
     before = w.layout
     try:
-        w.layout = "blocks"
+        w.layout = kind
         np.testing.assert_array_equal(w.embed(tokens), w.token_embd[tokens])
     finally:
         w.layout = before
@@ -75,10 +79,24 @@ def test_the_winner_keeps_blocks_only_when_they_pay_for_the_burst_and_cost_one_s
     assert layout.winner({**base, "blocks_1": 15.0, "blocks_1_gemv": 11.0, "blocks_8": 17.0}) == "blocks"
 
 
+def test_of_two_kinds_of_blocks_the_winner_is_the_one_a_stream_and_a_burst_cost_least_together():
+    base = {"plain_1": 10.0, "plain_8": 30.0, "blocks_1": 9.5, "blocks_1_gemv": 9.0, "blocks_8": 18.0}
+    # the Xeon's trade: transposed, one row 4% slower and eight rows 8% faster
+    xeon = {**base, "blocks_t_1": 12.0, "blocks_t_1_gemv": 9.4, "blocks_t_8": 16.5}
+    assert layout.winner(xeon) == "blocks_t" and layout.one_row(xeon, "blocks_t") == "gemv"
+    assert layout.winner({**xeon, "blocks_t_8": 17.8}) == "blocks"  # the burst gains less than one row loses
+    assert layout.winner({**base, "blocks_t_1": 8.0, "blocks_t_8": 40.0}) == "blocks"
+    # transposed blocks must pay for the burst against plain as the others must
+    only_t = {"plain_1": 10.0, "plain_8": 30.0, "blocks_t_1": 15.0, "blocks_t_8": 17.0}
+    assert layout.winner(only_t) == "plain"
+
+
 def test_one_row_reads_the_blocks_in_the_form_measured_faster_here():
     assert layout.one_row({"blocks_1": 10.0, "blocks_1_gemv": 7.5}) == "gemv"   # the Xeon: GEMV 1.3x
     assert layout.one_row({"blocks_1": 10.0, "blocks_1_gemv": 11.0}) == "pair"  # the EPYC's pair kernel
     assert layout.one_row({"blocks_1": 10.0}) == "pair"                         # not measured
+    assert layout.one_row({"blocks_1": 10.0, "blocks_1_gemv": 7.5}, "blocks_t") == "pair"
+    assert layout.one_row({"blocks_t_1": 10.0, "blocks_t_1_gemv": 7.5}, "blocks_t") == "gemv"
 
 
 @pytest.mark.skipif(not split.SUPPORTED or threads.usable_cores() < 2, reason="no decode helper here")
@@ -92,14 +110,19 @@ def test_the_probe_reads_blocks_shared_with_the_helper_as_decode_does(monkeypatc
     monkeypatch.setattr(threads, "_default", threads.BlasThreads())
     seen = []
     real_blocks, real_plain = layout.blocks_matmul, layout.plain_matmul
-    monkeypatch.setattr(layout, "blocks_matmul", lambda x, w, one_row: seen.append(
-        ("blocks", split._parts, one_row)) or real_blocks(x, w, one_row))
+    monkeypatch.setattr(layout, "blocks_matmul", lambda x, w, one_row, transposed: seen.append(
+        ("blocks_t" if transposed else "blocks", split._parts, one_row))
+        or real_blocks(x, w, one_row, transposed))
     monkeypatch.setattr(layout, "plain_matmul", lambda x, w: seen.append(
         ("plain", threads.blas_threads()._current)) or real_plain(x, w))
     w = np.random.default_rng(0).standard_normal((1, 64, 192), dtype=np.float32)
-    layout.measure(layout.probe_arrays({"wqkv": w}, {"wqkv": layout.to_column_blocks(w)}))
+    copies = {kind: {"wqkv": layout.to_blocks(w, kind)} for kind in layout.BLOCKS}
+    times = layout.measure(layout.probe_arrays({"wqkv": w}, copies))
     cores = threads.blas_threads().max_threads
-    assert {("blocks", cores, "pair"), ("blocks", cores, "gemv"), ("plain", cores)} == set(seen)
+    blocks = {(kind, cores, form) for kind in layout.BLOCKS for form in layout.ONE_ROW}
+    assert blocks | {("plain", cores)} == set(seen)
+    want = {"plain_1", "plain_8", *(f"{k}_{s}" for k in layout.BLOCKS for s in ("1", "8", "1_gemv"))}
+    assert set(times) == want
     assert cores >= 2 and split._pool is not None and len(split._pool.ready(cores - 1)) == cores - 1
     conftest_chooser._current = None  # the next pass sets BLAS's threads again, as conftest's chooser says
 
@@ -107,7 +130,7 @@ def test_the_probe_reads_blocks_shared_with_the_helper_as_decode_does(monkeypatc
 def test_the_layout_is_measured_once_then_remembered_for_this_machine(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     plain = {"wqkv": rng.standard_normal((2, 64, 192), dtype=np.float32)}
-    blocks = {"wqkv": layout.to_column_blocks(plain["wqkv"])}
+    blocks = {"blocks": {"wqkv": layout.to_blocks(plain["wqkv"])}}
     arrays = layout.probe_arrays(plain, blocks)
     calls = []
     real_measure = layout.measure
@@ -117,7 +140,7 @@ def test_the_layout_is_measured_once_then_remembered_for_this_machine(tmp_path, 
     first, rec = layout.choose(str(tmp_path), arrays)
     assert rec["source"] == "measured" and rec["kept"]
     assert set(rec["seconds"]) == {"plain_1", "plain_8", "blocks_1", "blocks_8", "blocks_1_gemv"}
-    assert first == layout.winner(rec["seconds"]) and rec["one_row"] == layout.one_row(rec["seconds"])
+    assert first == layout.winner(rec["seconds"]) and rec["one_row"] == layout.one_row(rec["seconds"], first)
     again, rec2 = layout.choose(str(tmp_path), arrays)
     assert (again, rec2["source"], len(calls)) == (first, "remembered", 1)
     saved = json.loads((tmp_path / layout.LAYOUT_FILE).read_text())
@@ -136,7 +159,7 @@ def test_a_probe_on_a_busy_machine_serves_this_run_and_is_measured_again(tmp_pat
     """Another process busy during the probe takes cores from the candidates (a build at first
     start made plain win 3x too slow for the burst), so that choice is not remembered."""
     plain = {"wqkv": np.random.default_rng(1).standard_normal((2, 64, 192), dtype=np.float32)}
-    arrays = layout.probe_arrays(plain, {"wqkv": layout.to_column_blocks(plain["wqkv"])})
+    arrays = layout.probe_arrays(plain, {"blocks": {"wqkv": layout.to_blocks(plain["wqkv"])}})
     monkeypatch.delenv(layout.ENV, raising=False)
     others = {"cores": 1.6}
     monkeypatch.setattr(layout, "others_cores", lambda a, b: others["cores"])
@@ -161,7 +184,7 @@ _RSS_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("forced", ["plain", "blocks", "auto"])
+@pytest.mark.parametrize("forced", ["plain", "blocks", "blocks_t", "auto"])
 def test_only_one_copy_of_the_weights_becomes_resident(forced, tmp_path):
     """Decode rows, a batch of 8 and a prefill all read one copy; the probe's loser is given back."""
     env = {**os.environ, layout.ENV: forced, "PREFIXLAB_CACHE_DIR": os.environ["PREFIXLAB_CACHE_DIR"]}
@@ -177,5 +200,5 @@ def test_only_one_copy_of_the_weights_becomes_resident(forced, tmp_path):
         assert got["layout"] == forced
     else:
         assert got["source"] == "measured"
-    # one copy is ~540 MB; both would be ~1,080 MB. The rest of the process stays under 300 MB.
+    # one copy is ~540 MB; two would be ~1,080 MB. The rest of the process stays under 300 MB.
     assert got["rss"] < got["weights"] + (300 << 20), got

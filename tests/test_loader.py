@@ -108,9 +108,11 @@ def test_warm_load_does_not_reread_the_weights_but_a_rewrite_is_caught(gguf, cac
     m = engine.load_model(gguf)
     assert m.from_image
     assert (data, None) not in reads, "a warm load read the whole weights.bin again"
-    blocks = m.weights.column_blocks
-    assert set(blocks) >= {"wqkv", "w_gate_up"}, "the small-batch blocks come from the image"
-    np.testing.assert_array_equal(blocks["wqkv"][0, 1], m.weights.wqkv[0, :, 64:128])
+    copies = m.weights.block_copies
+    for kind in ("blocks", "blocks_t"):
+        assert set(copies[kind]) >= {"wqkv", "w_gate_up"}, "the small-batch blocks come from the image"
+    np.testing.assert_array_equal(copies["blocks"]["wqkv"][0, 1], m.weights.wqkv[0, :, 64:128])
+    np.testing.assert_array_equal(copies["blocks_t"]["wqkv"][0, 1], m.weights.wqkv[0, :, 64:128].T)
     _flip_weights(gguf)                                  # rewritten in place, same size
     again = engine.load_model(gguf)
     assert not again.from_image and (data, None) in reads
@@ -406,8 +408,9 @@ def test_the_copy_settled_in_huge_pages_is_the_one_a_forward_pass_reads(gguf, ca
     """Blocks where a matrix has them; its plain array where it has none (N not a multiple of 64)."""
     w = engine.load_model(gguf).weights
     assert w.read_copy("wqkv") is w.wqkv                       # a small model reads plain
-    w.layout = "blocks"
-    name = next(iter(w.column_blocks))
-    assert w.read_copy(name) is w.column_blocks[name]
-    w.column_blocks.pop(name)
-    assert w.read_copy(name) is getattr(w, name)
+    for kind in ("blocks", "blocks_t"):
+        w.layout = kind
+        name = next(iter(w.block_copies[kind]))
+        assert w.read_copy(name) is w.block_copies[kind][name]
+        w.block_copies[kind].pop(name)
+        assert w.read_copy(name) is getattr(w, name)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from engine import split
-from engine.layout import blocks_matmul, to_column_blocks
+from engine.layout import BLOCKS, blocks_matmul, to_blocks
 
 pytestmark = pytest.mark.skipif(not split.SUPPORTED, reason="helpers run on x86-64 Linux only")
 
@@ -51,28 +51,31 @@ def mapped(tmp_path, arrays: list[np.ndarray], name: str = "weights.bin") -> tup
     return path, views
 
 
-def until_helpers(n: int, x: np.ndarray, blocks: np.ndarray) -> None:
+def until_helpers(n: int, x: np.ndarray, blocks: np.ndarray, transposed: bool = False) -> None:
     """Shared matmuls until n helpers are up (they start in the background, ~0.2 s)."""
     deadline = time.monotonic() + 60
     while len(split._pool_or_start().ready(n)) < n:
         assert time.monotonic() < deadline, "no helper came up"
-        split.matmul(x, blocks)
+        split.matmul(x, blocks, transposed)
         time.sleep(0.01)
 
 
-def test_shared_blocks_equal_one_worker_bit_for_bit(shared, tmp_path):
+@pytest.mark.parametrize("kind", BLOCKS)
+def test_shared_blocks_equal_one_worker_bit_for_bit(shared, tmp_path, kind):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((96, 64 * 13), dtype=np.float32)
-    _, (blocks,) = mapped(tmp_path, [to_column_blocks(w)])            # [13, 96, 64]
+    _, (blocks,) = mapped(tmp_path, [to_blocks(w, kind)])             # [13, 96, 64] or [13, 64, 96]
+    assert blocks.shape == ((13, 64, 96) if kind == "blocks_t" else (13, 96, 64))
+    t = kind == "blocks_t"
     xs = {rows: rng.standard_normal((rows, 96), dtype=np.float32) for rows in (1, 2, 8, 33)}
     forms = [(rows, form) for rows in xs for form in (("pair", "gemv") if rows == 1 else ("pair",))]
     shared(1)
-    alone = {(rows, form): blocks_matmul(xs[rows], blocks, form) for rows, form in forms}
+    alone = {(rows, form): blocks_matmul(xs[rows], blocks, form, t) for rows, form in forms}
     shared(3)
-    until_helpers(2, xs[2], blocks)
+    until_helpers(2, xs[2], blocks, t)
     jobs = split._pool.seq
     for rows, form in forms:
-        np.testing.assert_array_equal(blocks_matmul(xs[rows], blocks, form), alone[rows, form])
+        np.testing.assert_array_equal(blocks_matmul(xs[rows], blocks, form, t), alone[rows, form])
         np.testing.assert_allclose(alone[rows, form], xs[rows] @ w, rtol=1e-4, atol=1e-4)
     assert split._pool.seq == jobs + len(forms)                       # each one was shared
 
@@ -116,26 +119,32 @@ def test_many_callers_at_once_each_get_their_own_answer(shared, tmp_path):
     assert not bad
 
 
-def test_blocks_the_helpers_read_ahead_go_mostly_to_them_with_the_same_answer(shared, tmp_path):
+@pytest.mark.parametrize("kind", BLOCKS)
+def test_blocks_the_helpers_read_ahead_go_mostly_to_them_with_the_same_answer(shared, tmp_path, kind):
     """A decode pass has the helpers read the output projection while its attention runs; that
-    matmul then gives them all but PREFETCH_MINE of it. A read-ahead of another matrix changes nothing."""
+    matmul then gives them all but PREFETCH_MINE of it. A read-ahead of another matrix, or of
+    the same one as the other kind of blocks, changes nothing."""
     rng = np.random.default_rng(4)
-    _, (wo, other) = mapped(tmp_path, [rng.standard_normal((9, 64, 64), dtype=np.float32)] * 2)
+    w = rng.standard_normal((64, 64 * 9), dtype=np.float32)
+    _, (wo, other) = mapped(tmp_path, [to_blocks(w, kind)] * 2)
+    t = kind == "blocks_t"
     shared(2)
     x = rng.standard_normal((1, 64), dtype=np.float32)
-    want = np.matmul(x, np.array(wo)).transpose(1, 0, 2).reshape(1, -1)
-    until_helpers(1, x, wo)
+    want = split.matmul(x, np.array(wo), t)                          # whole, in this thread
+    np.testing.assert_allclose(want, x @ w, rtol=1e-4, atol=1e-4)
+    until_helpers(1, x, wo, t)
     pool = split._pool
     assert split.shares(9, 1, prefetched=False) == (0, 4, 9)
     assert split.shares(9, 1, prefetched=True) == (0, 2, 9)         # the helper reads 7 blocks from cache
-    for ahead in (wo, other, None):
+    for ahead, ahead_t in ((wo, t), (other, t), (wo, not t), (None, t)):
         jobs = pool.seq
         if ahead is not None:
-            split.prefetch(ahead, rows=1)
-        assert pool.prefetched == (None if ahead is None else (split._job(x, ahead), ahead.shape))
-        np.testing.assert_array_equal(split.matmul(x, wo), want)
+            split.prefetch(ahead, 1, ahead_t)
+        read = None if ahead is None else (split._rows_job(1, ahead, t), ahead.shape, ahead_t)
+        assert pool.prefetched == read
+        np.testing.assert_array_equal(split.matmul(x, wo, t), want)
         assert pool.seq == jobs + 1 + (ahead is not None) and pool.prefetched is None
-    split.prefetch(wo, rows=split.SHARE_ROWS + 1)                  # prefill reads no helper's cache
+    split.prefetch(wo, split.SHARE_ROWS + 1, t)                    # prefill reads no helper's cache
     assert pool.prefetched is None
 
 
@@ -192,7 +201,7 @@ def test_a_sleeping_helper_wakes_for_the_next_job_and_does_it(shared, tmp_path, 
     slot = split._pool.helpers[0].slot
     for _ in range(3):
         deadline = time.monotonic() + 30
-        while not slot[7]:                           # asleep
+        while not slot[split.SLEEPING]:              # asleep
             assert time.monotonic() < deadline, "the helper never went to sleep"
             time.sleep(split.SPIN_S)
         want = np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1)
