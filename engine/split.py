@@ -99,6 +99,8 @@ def warm(n: int, timeout: float = 2.0) -> int:
 
 def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False) -> np.ndarray:
     """x [N, K] @ W given as blocks [nb, K, 64] (`transposed`: [nb, 64, K]): a new [N, nb*64] array."""
+    if transposed and len(x) > SHARE_ROWS:  # prefill: side by side, transposed blocks are W^T [nb*64, K],
+        return x @ blocks.reshape(-1, blocks.shape[2]).T   # so one GEMM (1.2x column blocks' speed here)
     K = blocks.shape[2 if transposed else 1]
     job = _rows_job(len(x), blocks, transposed) if x.dtype is _F32 and x.shape[1] == K else None
     if job is None or not _busy.acquire(blocking=False):

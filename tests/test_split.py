@@ -95,6 +95,22 @@ def test_arrays_outside_a_shared_file_and_prefill_passes_stay_whole(shared, tmp_
     assert split._pool.seq == jobs + 1                                # only the file's decode rows
 
 
+def test_a_prefill_over_transposed_blocks_is_one_gemm_over_them_side_by_side(shared, tmp_path, monkeypatch):
+    """Transposed blocks side by side are W^T: a prefill pass reads them as one matrix (one GEMM,
+    1.2x as fast as a GEMM per block), while decode rows go block by block, as they are shared."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((96, 64 * 5), dtype=np.float32)
+    _, (blocks,) = mapped(tmp_path, [to_blocks(w, "blocks_t")])
+    shared(1)
+    per_block, real = [], split.products
+    monkeypatch.setattr(split, "products", lambda x, *a: per_block.append(len(x)) or real(x, *a))
+    prefill = rng.standard_normal((split.SHARE_ROWS + 1, 96), dtype=np.float32)
+    np.testing.assert_allclose(split.matmul(prefill, blocks, True), prefill @ w, rtol=1e-4, atol=1e-4)
+    assert per_block == []
+    np.testing.assert_allclose(split.matmul(prefill[:8], blocks, True), prefill[:8] @ w, rtol=1e-4, atol=1e-4)
+    assert per_block == [8]
+
+
 def test_many_callers_at_once_each_get_their_own_answer(shared, tmp_path):
     """Two forward passes on two threads (the app's tour beside its worker): one shares, the
     others run whole; none reads another's output."""
