@@ -6,9 +6,8 @@ steps 12-24% cheaper, one row's 2-3%). A helper thread that sleeps between jobs 
 half a layer's matrix: waking it cost 40-80 us there (the VM's guest halts an idle core at
 once), about what it saved. So the helper is a process, started once, that spins on shared
 memory as BLAS's own threads do, for SPIN_S after its last job, then sleeps on an eventfd.
-Not a pipe: a pipe's write is a "sync" wake-up, and Linux then puts the woken helper on the
-core of the caller that woke it, which goes on spinning there; every share of the next ~30 ms
-was taken back (a step 30 ms where it takes 23), until the kernel moved one of them.
+Not a pipe: its "sync" wake-up put the helper on the waking caller's busy core, and every
+share of the next ~30 ms was taken back (docs/design.md §7).
 It maps the weight image's file itself (`share_file`), so a job is a few integers and the
 input rows, and it writes its blocks into shared memory: each block is computed exactly as
 it would be alone, so the answer is the same bit for bit. Passes of more than SHARE_ROWS
@@ -37,6 +36,8 @@ import weakref
 import numpy as np
 
 SHARE_ROWS = 64             # passes of at most this many rows share (decode; prefill keeps BLAS's threads)
+CHUNK_ROWS = 8              # BLAS's small-matrix GEMM kernel (no packing) takes 8 rows, not 28: a pass
+#                             of 9-64 rows goes 8 at a time (28 rows over a layer's gate/up 1.58 -> 1.24 ms)
 SHARE_BYTES = 1 << 20       # smaller matrices stay whole: a hand-off costs a few microseconds
 SPIN_S = 0.002              # a helper spins this long after a job (a step's matmuls come ~0.1 ms apart)
 X_FLOATS = 1 << 20          # input rows: rows x K floats
@@ -112,20 +113,28 @@ def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False) -> np.nd
 
 
 def products(x: np.ndarray, blocks: np.ndarray, transposed: bool, out: np.ndarray | None = None):
-    """x [N, K] times each block: [nb, N, 64] (into `out`). Transposed blocks [nb, 64, K] go as
-    a GEMV per block for one row (along rows of K), else as x times the block's transpose (a view)."""
-    if not transposed:
-        return np.matmul(x, blocks, out=out)                                          # [nb, N, 64]
-    if len(x) == 1:
+    """x [N, K] times each block: [nb, N, 64] (into `out`); transposed blocks [nb, 64, K] as a GEMV
+    each for one row, else through a view of their transpose; 9-64 rows 8 at a time, zero-padded."""
+    n, K = x.shape
+    if transposed and n == 1:
         return np.matmul(blocks, x[0], out=None if out is None else out[:, 0])[:, None]  # [nb, 1, 64]
-    return np.matmul(x, blocks.transpose(0, 2, 1), out=out)                           # [nb, N, 64]
+    w = blocks.transpose(0, 2, 1) if transposed else blocks                           # [nb, K, 64]
+    if n <= CHUNK_ROWS or n > SHARE_ROWS:
+        return np.matmul(x, w, out=out)                                               # [nb, N, 64]
+    chunks = np.zeros((-(-n // CHUNK_ROWS), CHUNK_ROWS, K), dtype=np.float32)         # [c, 8, K]
+    chunks.reshape(-1, K)[:n] = x
+    y = np.matmul(chunks, w[:, None]).reshape(len(w), -1, w.shape[2])[:, :n]         # [nb, N, 64]
+    if out is not None:
+        out[...] = y
+    return y if out is None else out
 
 
 def prefetch(blocks: np.ndarray, rows: int, transposed: bool = False) -> None:
     """Have the helpers read their share of `blocks` (the next matmul's, of `rows` rows) into their
     cores' caches while this thread does other work: a decode pass's attention, where they would
-    only spin. That matmul then leaves them the larger share, from cache."""
-    job = None if _pool is None else _rows_job(rows, blocks, transposed)
+    only spin. That matmul then leaves them the larger share, from cache. Not for more than
+    CHUNK_ROWS rows: their arithmetic, not the read, sets the time, and the larger share ends last."""
+    job = None if _pool is None or rows > CHUNK_ROWS else _rows_job(rows, blocks, transposed)
     if job is not None and _busy.acquire(blocking=False):
         try:
             _pool.prefetch(blocks, transposed, job)
@@ -299,17 +308,9 @@ def shutdown() -> None:
         os.close(pool.fd)   # the map goes with the last array over it
 
 
-def helper_cpu_seconds() -> float:
-    """CPU seconds the helpers have used (engine/threads.py counts them as this process's own)."""
-    total = 0.0
-    for h in _pool.helpers if _pool is not None else ():
-        try:
-            with open(f"/proc/{h.proc.pid}/stat", encoding="ascii") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
+def helper_pids() -> list[int]:
+    """The helpers' process ids (engine/threads.py counts their CPU time as this process's own)."""
+    return [h.proc.pid for h in _pool.helpers] if _pool is not None else []
 
 
 def _forget_pool() -> None:

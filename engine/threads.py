@@ -66,7 +66,17 @@ def _load_average() -> float:
 def _own_seconds() -> float:
     """CPU seconds of this process and its split helpers (engine/split.py), which are its own work."""
     t = os.times()
-    return t.user + t.system + split.helper_cpu_seconds()
+    return t.user + t.system + sum(map(_cpu_seconds, split.helper_pids()))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds process `pid` has used (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def load_sample() -> tuple[float, float | None, float]:

@@ -67,7 +67,7 @@ def test_shared_blocks_equal_one_worker_bit_for_bit(shared, tmp_path, kind):
     _, (blocks,) = mapped(tmp_path, [to_blocks(w, kind)])             # [13, 96, 64] or [13, 64, 96]
     assert blocks.shape == ((13, 64, 96) if kind == "blocks_t" else (13, 96, 64))
     t = kind == "blocks_t"
-    xs = {rows: rng.standard_normal((rows, 96), dtype=np.float32) for rows in (1, 2, 8, 33)}
+    xs = {rows: rng.standard_normal((rows, 96), dtype=np.float32) for rows in (1, 2, 8, 28, 33, 64)}
     forms = [(rows, form) for rows in xs for form in (("pair", "gemv") if rows == 1 else ("pair",))]
     shared(1)
     alone = {(rows, form): blocks_matmul(xs[rows], blocks, form, t) for rows, form in forms}
