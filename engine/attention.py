@@ -21,7 +21,20 @@ def unnormalized_softmax(x: np.ndarray) -> np.ndarray:
 
 def row_sums(w: np.ndarray) -> np.ndarray:
     # w [..., S] -> [..., 1], taken as a GEMV (15 us where w.sum took 60 at S=149)
-    return w @ np.ones((w.shape[-1], 1), dtype=np.float32)
+    return w @ ones(w.shape[-1])
+
+
+def ones(n: int) -> np.ndarray:
+    # [n, 1] float32 ones: a view of one array that grows, not a new one per layer (each
+    # thread slices the array it checked, so another thread's growing cannot shrink it)
+    global _ones
+    have = _ones
+    if len(have) < n:
+        have = _ones = np.ones((max(n, 2 * len(have)), 1), dtype=np.float32)
+    return have[:n]
+
+
+_ones = np.ones((1024, 1), dtype=np.float32)
 
 
 def causal_bias(T: int, S: int, n_past: int, key_start: int = 0, window: int = 0) -> np.ndarray:
@@ -39,8 +52,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
     S, KV, _ = k.shape          # k, v [S, KV, hd]
     R = H // KV
     # the scale goes on the queries as they are regrouped (T*H*hd products, not T*H*S)
-    qg = np.empty((KV, R, T, hd), dtype=np.float32)                               # [KV, R, T, hd]
-    np.multiply(q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3), np.float32(1.0 / np.sqrt(hd)), out=qg)
+    scale = np.float32(1.0 / np.sqrt(hd))
+    if T == 1:                  # one query (a lone stream's decode) is grouped as it lies
+        qg = q.reshape(KV, R, T, hd) * scale                                      # [KV, R, 1, hd]
+    else:
+        qg = np.empty((KV, R, T, hd), dtype=np.float32)                           # [KV, R, T, hd]
+        np.multiply(q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3), scale, out=qg)
     # Strided views stay on BLAS (each matrix has a unit stride): no copy of K/V here.
     scores = qg.reshape(KV, R * T, hd) @ k.transpose(1, 2, 0)                     # [KV, R*T, S]
     if T > 1 or (window and key_start + window <= n_past):  # else every key is visible

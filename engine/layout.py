@@ -70,16 +70,17 @@ def to_blocks(w: np.ndarray, layout: str = "blocks") -> np.ndarray | None:
 
 
 def blocks_matmul(x: np.ndarray, blocks: np.ndarray, one_row: str = "pair",
-                  transposed: bool = False) -> np.ndarray:
+                  transposed: bool = False, then: np.ndarray | None = None) -> np.ndarray:
     """x [N, K] @ W given as blocks (to_blocks; `transposed` for "blocks_t"): [N, out]. One row
     goes as `one_row` says, whichever the probe found faster here: "pair", as two rows (BLAS's
     small-matrix GEMM kernel), or "gemv", as itself (a GEMV per block). A decode pass's blocks
-    are shared with a helper process (engine/split.py)."""
+    are shared with a helper process (engine/split.py), which starts reading `then` (the
+    pass's next matmul's blocks) once its share is done."""
     if len(x) == 1 and one_row == "pair":
         x2 = np.zeros((2, x.shape[1]), dtype=np.float32)                   # [2, K]
         x2[0] = x[0]
-        return split.matmul(x2, blocks, transposed)[:1]                    # [1, out]
-    return split.matmul(x, blocks, transposed)                             # [N, out]
+        return split.matmul(x2, blocks, transposed, then)[:1]              # [1, out]
+    return split.matmul(x, blocks, transposed, then)                       # [N, out]
 
 
 def plain_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import split
 from .attention import AttentionPlan, attention_plan, paged_attention
 from .block_manager import SeqSlots
 from .config import ModelConfig
@@ -71,21 +70,23 @@ def layer_ropes(cfg: ModelConfig, positions: np.ndarray,
     return out
 
 
-def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None) -> np.ndarray:
-    """x @ W (one layer's when `layer` is given), in the one layout this machine reads (engine/layout.py)."""
+Matmul = tuple[str, int | None]  # a weight's name and layer (None: not per layer)
+
+
+def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None,
+           then: Matmul | None = None) -> np.ndarray:
+    """x @ W (one layer's when `layer` is given), in the one layout this machine reads
+    (engine/layout.py). `then`: the pass's next matmul, whose weights a decode pass's helpers
+    start reading once done with this one (engine/split.py)."""
     blocks = w.blocks(name)
     if blocks is not None:
-        one = blocks if layer is None else blocks[layer]
-        return blocks_matmul(x, one, w.one_row, w.transposed)            # [N, out]
-    weight = getattr(w, name)
-    return plain_matmul(x, weight if layer is None else weight[layer])     # [N, out]
+        after = None if then is None else layer_of(w.blocks(then[0]), then[1])
+        return blocks_matmul(x, layer_of(blocks, layer), w.one_row, w.transposed, after)  # [N, out]
+    return plain_matmul(x, layer_of(getattr(w, name), layer))              # [N, out]
 
 
-def prefetch(w: Weights, name: str, layer: int, rows: int) -> None:
-    """Start a decode pass's next matmul on its way to the helpers' caches (engine/split.py)."""
-    blocks = w.blocks(name)
-    if blocks is not None and split.can_share(rows):
-        split.prefetch(blocks[layer], rows, w.transposed)
+def layer_of(a: np.ndarray, layer: int | None) -> np.ndarray:
+    return a if layer is None else a[layer]
 
 
 def gelu_tanh(g: np.ndarray) -> np.ndarray:
@@ -102,8 +103,9 @@ def gelu_tanh(g: np.ndarray) -> np.ndarray:
     return inner
 
 
-def gated_ffn(x: np.ndarray, w: Weights, layer: int, act_name: str = "silu") -> np.ndarray:
-    gu = linear(x, w, "w_gate_up", layer)      # [N, 2*ff]
+def gated_ffn(x: np.ndarray, w: Weights, layer: int, act_name: str = "silu",
+              then: Matmul | None = None) -> np.ndarray:
+    gu = linear(x, w, "w_gate_up", layer, ("w_down", layer))  # [N, 2*ff]
     ff = gu.shape[1] // 2
     g, u = gu[:, :ff], gu[:, ff:]              # [N, ff] each
     if act_name == "gelu_tanh":
@@ -113,11 +115,15 @@ def gated_ffn(x: np.ndarray, w: Weights, layer: int, act_name: str = "silu") -> 
         act += 1.0
         np.divide(g, act, out=act)
     act *= u
-    return linear(act, w, "w_down", layer)     # [N, d]
+    return linear(act, w, "w_down", layer, then)  # [N, d]
 
 
-def page_slots(rows: int, sessions: list[SeqSlots], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Pool page and row of every new position, sessions concatenated."""
+def page_slots(rows: int, sessions: list[SeqSlots], counts: list[int]) -> tuple:
+    """Pool page and row of every new position, sessions concatenated: two arrays, or two ints
+    for one position (a lone stream's decode then writes its K/V by plain indexing, 3 us a layer, not 9)."""
+    if counts == [1]:
+        page, row = divmod(sessions[0].n_past, rows)
+        return int(sessions[0].page_table[page]), row
     pages, offsets = [], []
     for s, n in zip(sessions, counts):
         pos = np.arange(s.n_past, s.n_past + n)
@@ -128,12 +134,13 @@ def page_slots(rows: int, sessions: list[SeqSlots], counts: list[int]) -> tuple[
 
 def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
           plan: AttentionPlan, rope: Callable[[np.ndarray], np.ndarray],
-          slots: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """One transformer block over the concatenated new tokens of every session."""
+          slots: tuple, then: Matmul | None = None) -> np.ndarray:
+    """One transformer block over the concatenated new tokens of every session; `then`: the
+    pass's matmul after it."""
     q_dim, kv, H, KV, hd = cfg.q_dim, cfg.kv_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     N = x.shape[0]
     h = rms_norm(x, w.attn_norm[layer], cfg.norm_eps)            # [N, d]
-    qkv = linear(h, w, "wqkv", layer)                            # [N, q_dim + 2kv]
+    qkv = linear(h, w, "wqkv", layer, ("wo", layer))             # [N, q_dim + 2kv]
     if w.bqkv is not None:
         qkv += w.bqkv[layer]                                     # [N, q_dim + 2kv]
     qk = qkv[:, :q_dim + kv].reshape(N, H + KV, hd)              # [N, H+KV, hd]
@@ -145,14 +152,13 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
     v = qkv[:, q_dim + kv:].reshape(N, KV, hd)                   # [N, KV, hd]
     pool.k[layer, slots[0], slots[1]] = k
     pool.v[layer, slots[0], slots[1]] = v
-    prefetch(w, "wo", layer, N)                                  # read while attention runs
     attn = paged_attention(q, pool, layer, plan, cfg.layer_window(layer))  # [N, q_dim]
-    out = linear(attn, w, "wo", layer)                           # [N, d]
+    out = linear(attn, w, "wo", layer, ("w_gate_up", layer))     # [N, d]
     if w.post_attn_norm is not None:
         out = rms_norm(out, w.post_attn_norm[layer], cfg.norm_eps)  # [N, d]
     x = x + out                                                  # [N, d]
     h = rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)             # [N, d]
-    out = gated_ffn(h, w, layer, cfg.ffn_act)                    # [N, d]
+    out = gated_ffn(h, w, layer, cfg.ffn_act, then)              # [N, d]
     if w.post_ffn_norm is not None:
         out = rms_norm(out, w.post_ffn_norm[layer], cfg.norm_eps)   # [N, d]
     return x + out                                               # [N, d]
@@ -186,7 +192,8 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
     if cfg.scale_embeddings:
         x = x * np.float32(cfg.embed_scale)                          # [N, d]
     for layer in range(cfg.n_layers):
-        x = block(x, w, cfg, layer, pool, plan, ropes[layer], slots)
+        then = ("wqkv", layer + 1) if layer + 1 < cfg.n_layers else ("output_t", None)
+        x = block(x, w, cfg, layer, pool, plan, ropes[layer], slots, then)
     rows = slice(None) if all_positions else logit_rows(counts, n_logits)
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
     logits = linear(h, w, "output_t")                                # [B or N, vocab]

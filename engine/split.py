@@ -15,11 +15,13 @@ rows (prefill) keep BLAS's own threads; the pass's thread count sets `parts`
 (engine/threads.py), so a busy machine shares nothing. A helper more than the caller's own
 share's time late (asleep, or its core taken by a UI thread) has its share taken back: the
 caller computes it into its own result and never reads the helper's late copy (job fields
-are written under a sequence lock). While a decode pass's attention runs, the helpers read
-their share of the output projection into their caches (`prefetch`), and that matmul leaves
-them the larger share. A helper that dies or fails makes the caller compute its share and
-stop sharing. Only on x86-64 Linux (x86's ordered stores: a job's fields land before its
-sequence number; memfd_create). Run as a script, this file is the helper (it imports only NumPy).
+are written under a sequence lock). Each job names the pass's next matmul too: once a helper's
+share is done it reads the first blocks of its share of that one into its core's caches while
+this thread runs what lies between (attention, norms, the activation), and that matmul then
+leaves it a larger share; how many blocks is tuned as it runs, by whether the helper had
+finished reading before the next job came. A helper that dies or fails makes the caller
+compute its share and stop sharing. Only on x86-64 Linux (x86's ordered stores: a job's
+fields land before its sequence number; memfd_create). The helper's side is engine/helper.py.
 """
 
 from __future__ import annotations
@@ -35,26 +37,37 @@ import weakref
 
 import numpy as np
 
-SHARE_ROWS = 64             # passes of at most this many rows share (decode; prefill keeps BLAS's threads)
-CHUNK_ROWS = 8              # BLAS's small-matrix GEMM kernel (no packing) takes 8 rows, not 28: a pass
-#                             of 9-64 rows goes 8 at a time (28 rows over a layer's gate/up 1.58 -> 1.24 ms)
+from .helper import (
+    AHEAD_READ,
+    CHUNK_ROWS,
+    CTL_BYTES,
+    DONE,
+    FAILED,
+    FIELDS,
+    OUT_AT,
+    OUT_FLOATS,
+    PATHS_BYTES,
+    READY,
+    SHARE_ROWS,
+    SLEEPING,
+    SLOT_INTS,
+    SLOTS_AT,
+    STARTED,
+    TAKEN,
+    X_AT,
+    X_FLOATS,
+    products,
+)
+
 SHARE_BYTES = 1 << 20       # smaller matrices stay whole: a hand-off costs a few microseconds
-SPIN_S = 0.002              # a helper spins this long after a job (a step's matmuls come ~0.1 ms apart)
-X_FLOATS = 1 << 20          # input rows: rows x K floats
-OUT_FLOATS = 8 << 20        # output: [blocks, rows, 64] floats; bigger jobs stay whole
-SLOT_INTS = 32              # per helper: 0 seq (-1 while its fields are written), 1 file, 2 offset,
-#                             3 blocks, 4 K, 5 rows, 6 out, 7 transposed; 8 done (its own cache line),
-#                             9 failed, 10 ready, 11 sleeping; 16 started, 24 taken back (each its own line)
-SLEEPING, STARTED, TAKEN = 11, 16, 24
 PATIENCE_S = 20e-6          # a helper's share is taken back once it is this much (or this thread's
 #                             own share's time) late: a spinning helper starts a job in ~1 us
-PREFETCH_MINE = 0.25        # of a matrix the helpers read ahead, the share this thread reads from memory
-#                             (a 2-core Xeon: 9 blocks, one row, from L2 in 33 us, from memory 88)
-PATHS_BYTES = 1 << 16       # the shared files' paths, one per line
-SLOTS_AT = PATHS_BYTES
-X_AT = SLOTS_AT + 64 * SLOT_INTS * 8
-OUT_AT = X_AT + X_FLOATS * 4
-CTL_BYTES = OUT_AT + OUT_FLOATS * 4
+AHEAD_BYTES = 256 << 10     # what a helper first reads ahead of the next matmul; then tuned a block at a time
+CACHED_COST = (0.35, 0.7)   # a block a helper read ahead costs it this much of one from memory: for
+#                             one row or two (a 2-core Xeon: 9 blocks, from L2 in 33 us, from memory 88),
+#                             and for more, whose arithmetic stays (8 rows: 0.35 made the step 13% slower)
+HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helper.py")
+NO_AHEAD = ((0, 0),) * 64     # (offset, bytes) for each helper: nothing to read ahead
 SUPPORTED = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
 
 _F32 = np.dtype(np.float32)
@@ -98,8 +111,10 @@ def warm(n: int, timeout: float = 2.0) -> int:
     return len(pool.ready(n - 1))
 
 
-def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False) -> np.ndarray:
-    """x [N, K] @ W given as blocks [nb, K, 64] (`transposed`: [nb, 64, K]): a new [N, nb*64] array."""
+def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False,
+           then: np.ndarray | None = None) -> np.ndarray:
+    """x [N, K] @ W given as blocks [nb, K, 64] (`transposed`: [nb, 64, K]): a new [N, nb*64] array.
+    `then`: the blocks of the pass's next matmul, which the helpers start reading once done here."""
     if transposed and len(x) > SHARE_ROWS:  # prefill: side by side, transposed blocks are W^T [nb*64, K],
         return x @ blocks.reshape(-1, blocks.shape[2]).T   # so one GEMM (1.2x column blocks' speed here)
     K = blocks.shape[2 if transposed else 1]
@@ -107,39 +122,9 @@ def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False) -> np.nd
     if job is None or not _busy.acquire(blocking=False):
         return products(x, blocks, transposed).transpose(1, 0, 2).reshape(len(x), -1)  # [N, out]
     try:
-        return _pool_or_start().run(x, blocks, transposed, job)
+        return _pool_or_start().run(x, blocks, transposed, job, then)
     finally:
         _busy.release()
-
-
-def products(x: np.ndarray, blocks: np.ndarray, transposed: bool, out: np.ndarray | None = None):
-    """x [N, K] times each block: [nb, N, 64] (into `out`); transposed blocks [nb, 64, K] as a GEMV
-    each for one row, else through a view of their transpose; 9-64 rows 8 at a time, zero-padded."""
-    n, K = x.shape
-    if transposed and n == 1:
-        return np.matmul(blocks, x[0], out=None if out is None else out[:, 0])[:, None]  # [nb, 1, 64]
-    w = blocks.transpose(0, 2, 1) if transposed else blocks                           # [nb, K, 64]
-    if n <= CHUNK_ROWS or n > SHARE_ROWS:
-        return np.matmul(x, w, out=out)                                               # [nb, N, 64]
-    chunks = np.zeros((-(-n // CHUNK_ROWS), CHUNK_ROWS, K), dtype=np.float32)         # [c, 8, K]
-    chunks.reshape(-1, K)[:n] = x
-    y = np.matmul(chunks, w[:, None]).reshape(len(w), -1, w.shape[2])[:, :n]         # [nb, N, 64]
-    if out is not None:
-        out[...] = y
-    return y if out is None else out
-
-
-def prefetch(blocks: np.ndarray, rows: int, transposed: bool = False) -> None:
-    """Have the helpers read their share of `blocks` (the next matmul's, of `rows` rows) into their
-    cores' caches while this thread does other work: a decode pass's attention, where they would
-    only spin. That matmul then leaves them the larger share, from cache. Not for more than
-    CHUNK_ROWS rows: their arithmetic, not the read, sets the time, and the larger share ends last."""
-    job = None if _pool is None or rows > CHUNK_ROWS else _rows_job(rows, blocks, transposed)
-    if job is not None and _busy.acquire(blocking=False):
-        try:
-            _pool.prefetch(blocks, transposed, job)
-        finally:
-            _busy.release()
 
 
 def _rows_job(rows: int, blocks: np.ndarray, transposed: bool) -> tuple[int, int] | None:
@@ -174,14 +159,14 @@ class _Helper:
         gone, self.life = os.pipe()
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(  # -P: not this folder on sys.path (its modules are not NumPy's)
-            [sys.executable, "-P", os.path.abspath(__file__), *map(str, (ctl_fd, self.wake, gone, index))],
+            [sys.executable, "-P", HELPER, *map(str, (ctl_fd, self.wake, gone, index))],
             pass_fds=(ctl_fd, self.wake, gone), env=env, stdin=subprocess.DEVNULL, close_fds=True)
         os.close(gone)
         self.slot = slot
 
     def post(self, seq: int, fields: tuple[int, ...]) -> None:
         self.slot[0] = -1               # a helper that read some fields before this sees them change
-        self.slot[1:8] = fields
+        self.slot[FIELDS] = fields
         self.slot[0] = seq              # last: x86 makes every store above visible first
         if self.slot[SLEEPING]:
             self.poke()
@@ -195,7 +180,7 @@ class _Helper:
         such as a UI's); else what went wrong. A share taken back may still be computed by the
         helper, into the output this thread then never reads for that job."""
         spins, until = 0, 0.0
-        while self.slot[8] != seq:
+        while self.slot[DONE] != seq:
             spins += 1
             if spins % 64 == 0:
                 now = time.perf_counter()
@@ -204,11 +189,11 @@ class _Helper:
                     if self.slot[STARTED] != seq:
                         self.slot[TAKEN] = seq  # the helper skips it if it has not read this far
                     return self.trouble() or "take"
-        return f"helper {self.proc.pid} failed a job" if self.slot[9] else "done"
+        return f"helper {self.proc.pid} failed a job" if self.slot[FAILED] else "done"
 
     def trouble(self) -> str:
         """Why this helper cannot take shares (its last job failed, or it died), else ""."""
-        if self.slot[9]:
+        if self.slot[FAILED]:
             return f"helper {self.proc.pid} failed a job"
         return f"helper {self.proc.pid} died" if self.proc.poll() is not None else ""
 
@@ -224,7 +209,9 @@ class _Pool:
         self.x = np.frombuffer(self.buf, np.float32, X_FLOATS, X_AT)
         self.out = np.frombuffer(self.buf, np.float32, OUT_FLOATS, OUT_AT)
         self.slots, self.helpers, self.seq = slots, [], 0
-        self.prefetched: tuple | None = None  # (job, shape) of the blocks the helpers read ahead
+        self.read: tuple | None = None  # what the last job had the helpers read ahead (`ahead`)
+        self.tuned: dict[tuple, int] = {}  # (shape, rows, transposed) -> blocks a helper reads ahead
+        self.plans: dict[tuple, tuple] = {}  # (job, that key, helpers, blocks) -> `plan`
         self.up = 0                           # helpers[:up] are up
         self.write_paths()
 
@@ -234,36 +221,29 @@ class _Pool:
 
     def ready(self, n: int) -> list[_Helper]:
         """The first n helpers that are up (starting any missing; they come up in ~0.2 s)."""
+        if n <= self.up:
+            return self.helpers[:n]
         while len(self.helpers) < min(n, 63):
             i = len(self.helpers)
             self.helpers.append(_Helper(self.fd, i, self.slots[i]))
-        while self.up < len(self.helpers) and self.helpers[self.up].slot[10]:
+        while self.up < len(self.helpers) and self.helpers[self.up].slot[READY]:
             self.up += 1
         return self.helpers[:min(n, self.up)]
 
-    def prefetch(self, blocks: np.ndarray, transposed: bool, job: tuple[int, int]) -> None:
-        nb, K, C, (file, offset) = blocks.shape[0], blocks.shape[2 if transposed else 1], 64, job
-        helpers = self.ready(min(_parts, nb) - 1)
-        if not helpers:
-            return
-        cuts = shares(nb, len(helpers), True)
-        self.seq += 1
-        for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
-            h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, 0, 0, transposed))  # 0 rows: ahead
-        self.prefetched = (job, blocks.shape, transposed)
-
-    def run(self, x: np.ndarray, blocks: np.ndarray, transposed: bool, job: tuple[int, int]) -> np.ndarray:
+    def run(self, x: np.ndarray, blocks: np.ndarray, transposed: bool, job: tuple[int, int],
+            then: np.ndarray | None) -> np.ndarray:
         N, nb, K, C = x.shape[0], blocks.shape[0], blocks.shape[2 if transposed else 1], 64
         helpers = self.ready(min(_parts, nb) - 1)
-        prefetched, self.prefetched = self.prefetched == (job, blocks.shape, transposed), None
         out = self.out[:nb * N * C].reshape(nb, N, C)                          # [nb, N, 64]
-        cuts = shares(nb, len(helpers), prefetched)
+        cuts = shares(nb, len(helpers), self.cached(job, blocks.shape, N, transposed, helpers), N)
         if helpers:
             self.x[:x.size] = x.reshape(-1)
             self.seq += 1
             file, offset = job
-            for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
-                h.post(self.seq, (file, offset + lo * K * C * 4, hi - lo, K, N, lo * N * C, transposed))
+            aheads = self.ahead(then, N, transposed, job, len(helpers))
+            for h, lo, hi, ahead in zip(helpers, cuts[1:], cuts[2:], aheads):
+                share = (file, offset + lo * K * C * 4, hi - lo, K, N, lo * N * C, transposed)
+                h.post(self.seq, share + ahead)
         result = np.empty((N, nb, C), dtype=np.float32)                        # [N, nb, 64]
         mine = result.transpose(1, 0, 2)                                       # [nb, N, 64] view
         t0 = time.perf_counter()
@@ -279,12 +259,62 @@ class _Pool:
             products(x, blocks[lo:hi], transposed, mine[lo:hi])  # not `out`: a late helper may write there
         return result.reshape(N, nb * C)                                       # [N, out]
 
+    def ahead(self, then: np.ndarray | None, rows: int, transposed: bool, job: tuple[int, int],
+              helpers: int) -> tuple[tuple[int, int], ...]:
+        """(byte offset, bytes) of the blocks of `then`, the pass's next matmul, each helper reads
+        once its share of this job's matmul is done: the first of its share of that one."""
+        if then is None or rows > CHUNK_ROWS:  # more rows: their arithmetic, not the read, sets the time
+            return NO_AHEAD
+        key = (then.shape, rows, transposed)
+        n = self.tuned.get(key, 0)
+        at = (job, key, helpers, n)
+        plan = self.plans.get(at)
+        if plan is None:  # once per matmul and count: a decode step's jobs repeat, each with one next
+            if len(self.plans) > 4096:
+                self.plans.clear()
+            plan = self.plans[at] = self.plan(then, key, job[0], helpers, n)
+        self.read = (plan[0], self.seq, at)
+        return plan[1]
+
+    def plan(self, then: np.ndarray, key: tuple, file: int, helpers: int, n: int) -> tuple:
+        """((then's job, key, helpers, blocks each helper reads), each helper's (offset, bytes))."""
+        job = _rows_job(key[1], then, key[2])
+        if job is None or job[0] != file:
+            return None, NO_AHEAD
+        nb, size = then.shape[0], then.nbytes // then.shape[0]
+        n = n or max(1, AHEAD_BYTES // size)
+        cuts = shares(nb, helpers, n, key[1])
+        while n > 1 and min(hi - lo for lo, hi in zip(cuts[1:], cuts[2:])) < n:  # within every share
+            n -= 1
+            cuts = shares(nb, helpers, n, key[1])
+        self.tuned[key] = n
+        return (job, key, helpers, n), tuple((job[1] + lo * size, n * size) for lo in cuts[1:-1])
+
+    def cached(self, job: tuple[int, int], shape: tuple, rows: int, transposed: bool,
+               helpers: list[_Helper]) -> int:
+        """How many blocks of this matmul each helper read ahead (the first of its share). Each
+        such read is tuned by how the last went: a block more where every helper had finished
+        before this job came, a block fewer where one had not (it starts this job late)."""
+        read, self.read = self.read, None
+        if read is None:
+            return 0
+        if read[0] is None or read[0][0] != job:  # a plan made for another next matmul: made again
+            self.plans.pop(read[2], None)
+            return 0
+        (_, key, count, n), seq, _ = read
+        if key != (shape, rows, transposed) or count != len(helpers):
+            return 0
+        finished = all([h.slot[AHEAD_READ] == seq for h in helpers])
+        self.tuned[key] = n + 1 if finished else max(1, n - 1)
+        return n
+
 
 @functools.lru_cache(maxsize=1024)
-def shares(nb: int, helpers: int, prefetched: bool) -> tuple[int, ...]:
-    """Where the shares of nb blocks start: this thread's first, then each helper's, then nb;
-    as even as blocks allow, or this thread's PREFETCH_MINE where the helpers read ahead."""
-    mine = max(1, int(nb * PREFETCH_MINE)) if prefetched and helpers else nb // (helpers + 1)
+def shares(nb: int, helpers: int, cached: int = 0, rows: int = 1) -> tuple[int, ...]:
+    """Where the shares of nb blocks start: this thread's first, then each helper's, then nb; as
+    even as blocks allow, a block a helper read ahead (`cached` each) counting CACHED_COST of one."""
+    saved = (1 - CACHED_COST[rows > 2]) * cached
+    mine = max(1, int((nb - helpers * saved) / (helpers + 1))) if helpers else nb
     return (0, *(mine + (nb - mine) * i // helpers for i in range(helpers)), nb)
 
 
@@ -320,81 +350,3 @@ def _forget_pool() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
-
-
-# the helper process ----------------------------------------------------------------------
-def _serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
-    import select
-    waits = select.poll()
-    waits.register(wake_fd, select.POLLIN)
-    waits.register(gone_fd, select.POLLIN)  # the pipe's end (POLLHUP is always reported)
-    buf = mmap.mmap(ctl_fd, CTL_BYTES)
-    slot = np.frombuffer(buf, np.int64, SLOT_INTS, SLOTS_AT + index * SLOT_INTS * 8)
-    x = np.frombuffer(buf, np.float32, X_FLOATS, X_AT)
-    out = np.frombuffer(buf, np.float32, OUT_FLOATS, OUT_AT)
-    maps: list[np.ndarray] = []
-    views: dict[tuple, tuple] = {}
-    last = int(slot[0])
-    slot[10] = 1
-    while True:
-        until = time.perf_counter() + SPIN_S
-        while slot[0] == last or slot[0] < 0:
-            os.sched_yield()        # as BLAS's threads spin: a thread that has work (a UI) runs first
-            if time.perf_counter() > until:
-                slot[SLEEPING] = 1
-                if slot[0] == last:
-                    if any(fd == gone_fd for fd, _ in waits.poll()):
-                        return      # the engine's process is gone
-                    os.eventfd_read(wake_fd)
-                slot[SLEEPING] = 0
-                until = time.perf_counter() + SPIN_S
-        seq = int(slot[0])
-        fields = tuple(slot[1:8].tolist())
-        if seq < 0 or slot[0] != seq:
-            continue                # its fields were being rewritten: read them again
-        last = seq
-        slot[STARTED] = seq
-        if slot[TAKEN] == seq:      # the caller took this share back before it started
-            continue
-        try:
-            if fields not in views:   # a decode step's jobs repeat: their views are made once
-                if len(views) > 4096:
-                    views.clear()
-                views[fields] = _views(fields, maps, buf, x, out)
-            products(*views[fields])
-            slot[9] = 0
-        except Exception:  # noqa: BLE001 - the caller computes this share itself
-            slot[9] = 1
-        slot[8] = seq
-
-
-def _views(fields: tuple, maps: list, buf: mmap.mmap, x: np.ndarray, out: np.ndarray) -> tuple:
-    """A job's `products` arguments: (input rows, its blocks, transposed, out); 0 rows is a read
-    ahead, a GEMV (it reads memory fastest) whose answer goes unused."""
-    file, offset, n, K, rows, at, transposed = fields
-    while file >= len(maps):
-        dev, ino, path = bytes(buf[:PATHS_BYTES]).split(b"\n")[len(maps)].decode().split(" ", 2)
-        maps.append(np.frombuffer(_map(path, int(dev), int(ino)), dtype=np.uint8))
-    w = maps[file][offset:offset + n * K * 64 * 4].view(np.float32)
-    w = w.reshape((n, 64, K) if transposed else (n, K, 64))
-    if not rows:
-        return np.zeros((1, K), dtype=np.float32), w, bool(transposed), np.empty((n, 1, 64), dtype=np.float32)
-    return x[:rows * K].reshape(rows, K), w, bool(transposed), out[at:at + n * rows * 64].reshape(n, rows, 64)
-
-
-def _map(path: str, dev: int, ino: int) -> mmap.mmap:
-    with open(path, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if (st.st_dev, st.st_ino) != (dev, ino):
-            raise OSError(f"{path} was replaced since the engine mapped it")
-        raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            raw.madvise(mmap.MADV_HUGEPAGE)   # as the engine maps it (engine/weight_image.py)
-        except OSError:
-            pass
-    return raw
-
-
-if __name__ == "__main__":
-    _serve(*(int(a) for a in sys.argv[1:5]))

@@ -136,32 +136,50 @@ def test_many_callers_at_once_each_get_their_own_answer(shared, tmp_path):
 
 
 @pytest.mark.parametrize("kind", BLOCKS)
-def test_blocks_the_helpers_read_ahead_go_mostly_to_them_with_the_same_answer(shared, tmp_path, kind):
-    """A decode pass has the helpers read the output projection while its attention runs; that
-    matmul then gives them all but PREFETCH_MINE of it. A read-ahead of another matrix, or of
-    the same one as the other kind of blocks, changes nothing."""
+def test_the_helpers_read_the_next_matmul_ahead_and_it_gives_them_more_with_the_same_answer(
+        shared, tmp_path, monkeypatch, kind):
+    """A matmul names the pass's next one: once its share is done, a helper reads the first blocks
+    of its share of that one, and that matmul then leaves it more (a block it read costs it
+    CACHED_COST of one from memory). How many it reads grows by a block while it has finished
+    before the next job comes, never past its share. A read-ahead of another matrix, or of an
+    array outside the shared file, leaves the shares as they were; the answers never change."""
     rng = np.random.default_rng(4)
     w = rng.standard_normal((64, 64 * 9), dtype=np.float32)
-    _, (wo, other) = mapped(tmp_path, [to_blocks(w, kind)] * 2)
+    _, (wo, other, first) = mapped(tmp_path, [to_blocks(w, kind)] * 3)
     t = kind == "blocks_t"
     shared(2)
+    monkeypatch.setattr(split, "AHEAD_BYTES", wo[0].nbytes)          # a block first
+    monkeypatch.setattr(split, "PATIENCE_S", 10.0)                   # a helper asleep is waited for
     x = rng.standard_normal((1, 64), dtype=np.float32)
     want = split.matmul(x, np.array(wo), t)                          # whole, in this thread
     np.testing.assert_allclose(want, x @ w, rtol=1e-4, atol=1e-4)
     until_helpers(1, x, wo, t)
-    pool = split._pool
-    assert split.shares(9, 1, prefetched=False) == (0, 4, 9)
-    assert split.shares(9, 1, prefetched=True) == (0, 2, 9)         # the helper reads 7 blocks from cache
-    for ahead, ahead_t in ((wo, t), (other, t), (wo, not t), (None, t)):
-        jobs = pool.seq
-        if ahead is not None:
-            split.prefetch(ahead, 1, ahead_t)
-        read = None if ahead is None else (split._rows_job(1, ahead, t), ahead.shape, ahead_t)
-        assert pool.prefetched == read
+    pool, helper = split._pool, split._pool.helpers[0]
+    assert split.shares(9, 1) == (0, 4, 9)
+    assert split.shares(9, 1, cached=7) == (0, 2, 9)                 # 7 blocks from the helper's cache
+    assert split.shares(9, 1, cached=7, rows=8) == (0, 3, 9)         # eight rows' arithmetic stays
+    key = (wo.shape, 1, t)
+    for ahead in (wo, other, np.array(wo), None):
+        split.matmul(x, first, t, then=ahead)
+        time.sleep(0.01)                                             # the helper has read it by now
+        read, jobs = pool.tuned.get(key, 0), pool.seq
+        assert helper.slot[split.AHEAD_READ] == jobs
         np.testing.assert_array_equal(split.matmul(x, wo, t), want)
-        assert pool.seq == jobs + 1 + (ahead is not None) and pool.prefetched is None
-    split.prefetch(wo, split.SHARE_ROWS + 1, t)                    # prefill reads no helper's cache
-    assert pool.prefetched is None
+        assert pool.seq == jobs + 1
+        if ahead is wo:
+            assert (read, pool.tuned[key]) == (1, 2)                 # one block, then two: it had finished
+        else:
+            assert pool.tuned.get(key, 0) == read                    # nothing read ahead of wo
+    reads = []
+    for _ in range(12):                                              # it grows to its share, no further
+        split.matmul(x, first, t, then=wo)
+        reads.append(pool.read[0][3])
+        time.sleep(0.01)
+        np.testing.assert_array_equal(split.matmul(x, wo, t), want)
+    assert reads[:6] == [2, 3, 4, 5, 6, 7] and set(reads[6:]) == {8} == {9 - split.shares(9, 1, 8)[1]}
+    prefill = rng.standard_normal((split.SHARE_ROWS + 1, 64), dtype=np.float32)
+    split.matmul(prefill, first, t, then=wo)                         # prefill shares nothing, reads nothing
+    assert pool.read is None
 
 
 def test_a_helper_that_dies_costs_the_sharing_not_the_answer(shared, tmp_path):
@@ -222,7 +240,7 @@ def test_a_sleeping_helper_wakes_for_the_next_job_and_does_it(shared, tmp_path, 
             time.sleep(split.SPIN_S)
         want = np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1)
         np.testing.assert_array_equal(split.matmul(x, blocks), want)
-        assert slot[8] == split._pool.seq and slot[split.TAKEN] != split._pool.seq  # its share, done by it
+        assert slot[split.DONE] == split._pool.seq and slot[split.TAKEN] != split._pool.seq  # done by it
 
 
 def test_a_file_replaced_since_it_was_mapped_is_never_read_by_a_helper(shared, tmp_path):

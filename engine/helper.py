@@ -1,0 +1,133 @@
+"""A decode helper process (engine/split.py starts them): the control block both sides map, the
+arithmetic both sides run, and the loop a helper runs. Run as a script, this file is a helper;
+it imports only NumPy (its folder is not on sys.path: the engine's modules are not NumPy's).
+
+A job is a few integers in the helper's slot and the input rows in shared memory: which
+blocks of which mapped file, and which blocks of the pass's next matrix to read ahead once
+this job's share is in the output (docs/design.md §7).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import time
+
+import numpy as np
+
+SHARE_ROWS = 64             # passes of at most this many rows share (decode; prefill keeps BLAS's threads)
+CHUNK_ROWS = 8              # BLAS's small-matrix GEMM kernel (no packing) takes 8 rows, not 28: a pass
+#                             of 9-64 rows goes 8 at a time (28 rows over a layer's gate/up 1.58 -> 1.24 ms)
+SPIN_S = 0.002              # a helper spins this long after a job (a step's matmuls come ~0.1 ms apart)
+X_FLOATS = 1 << 20          # input rows: rows x K floats
+OUT_FLOATS = 8 << 20        # output: [blocks, rows, 64] floats; bigger jobs stay whole
+SLOT_INTS = 32              # per helper: 0 seq (-1 while its fields are written), 1 file, 2 offset,
+#                             3 blocks, 4 K, 5 rows, 6 out, 7 transposed, 8 ahead offset, 9 ahead bytes;
+#                             then each on its own cache line: 16 done, 17 failed, 18 ready, 19 sleeping;
+#                             24 started, 25 ahead read; 28 taken back
+FIELDS = slice(1, 10)
+DONE, FAILED, READY, SLEEPING, STARTED, AHEAD_READ, TAKEN = 16, 17, 18, 19, 24, 25, 28
+PATHS_BYTES = 1 << 16       # the shared files' paths, one per line
+SLOTS_AT = PATHS_BYTES
+X_AT = SLOTS_AT + 64 * SLOT_INTS * 8
+OUT_AT = X_AT + X_FLOATS * 4
+CTL_BYTES = OUT_AT + OUT_FLOATS * 4
+
+
+def products(x: np.ndarray, blocks: np.ndarray, transposed: bool, out: np.ndarray | None = None):
+    """x [N, K] times each block: [nb, N, 64] (into `out`); transposed blocks [nb, 64, K] as a GEMV
+    each for one row, else through a view of their transpose; 9-64 rows 8 at a time, zero-padded."""
+    n, K = x.shape
+    if transposed and n == 1:
+        return np.matmul(blocks, x[0], out=None if out is None else out[:, 0])[:, None]  # [nb, 1, 64]
+    w = blocks.transpose(0, 2, 1) if transposed else blocks                           # [nb, K, 64]
+    if n <= CHUNK_ROWS or n > SHARE_ROWS:
+        return np.matmul(x, w, out=out)                                               # [nb, N, 64]
+    chunks = np.zeros((-(-n // CHUNK_ROWS), CHUNK_ROWS, K), dtype=np.float32)         # [c, 8, K]
+    chunks.reshape(-1, K)[:n] = x
+    y = np.matmul(chunks, w[:, None]).reshape(len(w), -1, w.shape[2])[:, :n]         # [nb, N, 64]
+    if out is not None:
+        out[...] = y
+    return y if out is None else out
+
+
+def serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
+    """Do jobs from slot `index` of the control block until the engine's process is gone."""
+    waits = select.poll()
+    waits.register(wake_fd, select.POLLIN)
+    waits.register(gone_fd, select.POLLIN)  # the pipe's end (POLLHUP is always reported)
+    buf = mmap.mmap(ctl_fd, CTL_BYTES)
+    slot = np.frombuffer(buf, np.int64, SLOT_INTS, SLOTS_AT + index * SLOT_INTS * 8)
+    x = np.frombuffer(buf, np.float32, X_FLOATS, X_AT)
+    out = np.frombuffer(buf, np.float32, OUT_FLOATS, OUT_AT)
+    maps: list[np.ndarray] = []
+    views: dict[tuple, tuple] = {}
+    last = int(slot[0])
+    ones = np.ones(64, dtype=np.float32)
+    slot[READY] = 1
+    while True:
+        until = time.perf_counter() + SPIN_S
+        while slot[0] == last or slot[0] < 0:
+            os.sched_yield()        # as BLAS's threads spin: a thread that has work (a UI) runs first
+            if time.perf_counter() > until:
+                slot[SLEEPING] = 1
+                if slot[0] == last:
+                    if any(fd == gone_fd for fd, _ in waits.poll()):
+                        return      # the engine's process is gone
+                    os.eventfd_read(wake_fd)
+                slot[SLEEPING] = 0
+                until = time.perf_counter() + SPIN_S
+        seq = int(slot[0])
+        fields = tuple(slot[FIELDS].tolist())
+        if seq < 0 or slot[0] != seq:
+            continue                # its fields were being rewritten: read them again
+        last = seq
+        slot[STARTED] = seq
+        if slot[TAKEN] == seq:      # the caller took this share back before it started
+            continue
+        job, (ahead_at, ahead_bytes) = fields[:7], fields[7:]
+        try:
+            if job not in views:    # a decode step's jobs repeat: their views are made once
+                if len(views) > 4096:
+                    views.clear()
+                views[job] = _views(job, maps, buf, x, out)
+            products(*views[job])
+            slot[FAILED] = 0
+        except Exception:  # noqa: BLE001 - the caller computes this share itself
+            slot[FAILED] = 1
+        slot[DONE] = seq
+        if ahead_bytes and not slot[FAILED]:  # the next matmul's first blocks of this share, into
+            # this core's caches while the caller runs what lies between (a GEMV reads fastest)
+            maps[job[0]][ahead_at:ahead_at + ahead_bytes].view(np.float32).reshape(-1, 64) @ ones
+        slot[AHEAD_READ] = seq
+
+
+def _views(job: tuple, maps: list, buf: mmap.mmap, x: np.ndarray, out: np.ndarray) -> tuple:
+    """A job's `products` arguments: (input rows, its blocks, transposed, out)."""
+    file, offset, n, K, rows, at, transposed = job
+    while file >= len(maps):
+        dev, ino, path = bytes(buf[:PATHS_BYTES]).split(b"\n")[len(maps)].decode().split(" ", 2)
+        maps.append(np.frombuffer(_map(path, int(dev), int(ino)), dtype=np.uint8))
+    w = maps[file][offset:offset + n * K * 64 * 4].view(np.float32)
+    w = w.reshape((n, 64, K) if transposed else (n, K, 64))
+    return x[:rows * K].reshape(rows, K), w, bool(transposed), out[at:at + n * rows * 64].reshape(n, rows, 64)
+
+
+def _map(path: str, dev: int, ino: int) -> mmap.mmap:
+    with open(path, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise OSError(f"{path} was replaced since the engine mapped it")
+        raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            raw.madvise(mmap.MADV_HUGEPAGE)   # as the engine maps it (engine/weight_image.py)
+        except OSError:
+            pass
+    return raw
+
+
+if __name__ == "__main__":
+    import sys
+    serve(*(int(a) for a in sys.argv[1:5]))
