@@ -30,6 +30,7 @@ import functools
 import mmap
 import os
 import platform
+import struct
 import sys
 import threading
 import time
@@ -71,6 +72,7 @@ NO_AHEAD = ((0, 0),) * 64     # (offset, bytes) for each helper: nothing to read
 SUPPORTED = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
 
 _F32 = np.dtype(np.float32)
+_FIELDS = struct.Struct(f"{FIELDS.stop - FIELDS.start}q")
 _parts = 1
 _files: list[tuple[str, weakref.ref, int, int]] = []  # ("dev inode path", its map, address, bytes)
 _busy = threading.Lock()
@@ -162,13 +164,14 @@ class _Helper:
             [sys.executable, "-P", HELPER, *map(str, (ctl_fd, self.wake, gone, index))],
             pass_fds=(ctl_fd, self.wake, gone), env=env, stdin=subprocess.DEVNULL, close_fds=True)
         os.close(gone)
-        self.slot = slot
+        self.slot, self.ints = slot, memoryview(slot).cast("B").cast("q")
 
     def post(self, seq: int, fields: tuple[int, ...]) -> None:
-        self.slot[0] = -1               # a helper that read some fields before this sees them change
-        self.slot[FIELDS] = fields
-        self.slot[0] = seq              # last: x86 makes every store above visible first
-        if self.slot[SLEEPING]:
+        ints = self.ints                # the slot as a memoryview: a fifth of NumPy's cost an item
+        ints[0] = -1                    # a helper that read some fields before this sees them change
+        _FIELDS.pack_into(ints, 8, *fields)
+        ints[0] = seq                   # last: x86 makes every store above visible first
+        if ints[SLEEPING]:
             self.poke()
 
     def poke(self) -> None:
@@ -179,8 +182,8 @@ class _Helper:
         it, the helper being `patience` seconds late (asleep, or its core taken by another thread
         such as a UI's); else what went wrong. A share taken back may still be computed by the
         helper, into the output this thread then never reads for that job."""
-        spins, until = 0, 0.0
-        while self.slot[DONE] != seq:
+        spins, until, ints = 0, 0.0, self.ints
+        while ints[DONE] != seq:
             spins += 1
             if spins % 64 == 0:
                 now = time.perf_counter()
@@ -212,6 +215,7 @@ class _Pool:
         self.read: tuple | None = None  # what the last job had the helpers read ahead (`ahead`)
         self.tuned: dict[tuple, int] = {}  # (shape, rows, transposed) -> blocks a helper reads ahead
         self.plans: dict[tuple, tuple] = {}  # (job, that key, helpers, blocks) -> `plan`
+        self.jobs: dict[tuple, tuple] = {}   # `shares_of` each job's arguments
         self.up = 0                           # helpers[:up] are up
         self.write_paths()
 
@@ -232,17 +236,20 @@ class _Pool:
 
     def run(self, x: np.ndarray, blocks: np.ndarray, transposed: bool, job: tuple[int, int],
             then: np.ndarray | None) -> np.ndarray:
-        N, nb, K, C = x.shape[0], blocks.shape[0], blocks.shape[2 if transposed else 1], 64
+        N, nb, C = x.shape[0], blocks.shape[0], 64
         helpers = self.ready(min(_parts, nb) - 1)
-        out = self.out[:nb * N * C].reshape(nb, N, C)                          # [nb, N, 64]
-        cuts = shares(nb, len(helpers), self.cached(job, blocks.shape, N, transposed, helpers), N)
+        cached = self.cached(job, blocks.shape, N, transposed, helpers) if self.read else 0
+        at = (job, blocks.shape, N, transposed, len(helpers), cached)
+        plan = self.jobs.get(at)
+        if plan is None:  # a decode step's jobs repeat: their shares are worked out once
+            if len(self.jobs) > 4096:
+                self.jobs.clear()
+            plan = self.jobs[at] = self.shares_of(*at)
+        cuts, posts, out = plan                                                 # out [nb, N, 64]
         if helpers:
             self.x[:x.size] = x.reshape(-1)
             self.seq += 1
-            file, offset = job
-            aheads = self.ahead(then, N, transposed, job, len(helpers))
-            for h, lo, hi, ahead in zip(helpers, cuts[1:], cuts[2:], aheads):
-                share = (file, offset + lo * K * C * 4, hi - lo, K, N, lo * N * C, transposed)
+            for h, share, ahead in zip(helpers, posts, self.ahead(then, N, transposed, job, len(helpers))):
                 h.post(self.seq, share + ahead)
         result = np.empty((N, nb, C), dtype=np.float32)                        # [N, nb, 64]
         mine = result.transpose(1, 0, 2)                                       # [nb, N, 64] view
@@ -258,6 +265,15 @@ class _Pool:
                 _stop(got)
             products(x, blocks[lo:hi], transposed, mine[lo:hi])  # not `out`: a late helper may write there
         return result.reshape(N, nb * C)                                       # [N, out]
+
+    def shares_of(self, job: tuple[int, int], shape: tuple, rows: int, transposed: bool, helpers: int,
+                  cached: int) -> tuple:
+        """(shares, each helper's job fields, the output [nb, rows, 64] they write) of a matmul."""
+        (file, offset), nb, K, C = job, shape[0], shape[2 if transposed else 1], 64
+        cuts = shares(nb, helpers, cached, rows)
+        posts = [(file, offset + lo * K * C * 4, hi - lo, K, rows, lo * rows * C, transposed)
+                 for lo, hi in zip(cuts[1:], cuts[2:])]
+        return cuts, posts, self.out[:nb * rows * C].reshape(nb, rows, C)
 
     def ahead(self, then: np.ndarray | None, rows: int, transposed: bool, job: tuple[int, int],
               helpers: int) -> tuple[tuple[int, int], ...]:

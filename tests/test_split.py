@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from engine import split
+from engine.helper import SPIN_S
 from engine.layout import BLOCKS, blocks_matmul, to_blocks
 
 pytestmark = pytest.mark.skipif(not split.SUPPORTED, reason="helpers run on x86-64 Linux only")
@@ -237,7 +238,7 @@ def test_a_sleeping_helper_wakes_for_the_next_job_and_does_it(shared, tmp_path, 
         deadline = time.monotonic() + 30
         while not slot[split.SLEEPING]:              # asleep
             assert time.monotonic() < deadline, "the helper never went to sleep"
-            time.sleep(split.SPIN_S)
+            time.sleep(SPIN_S)
         want = np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1)
         np.testing.assert_array_equal(split.matmul(x, blocks), want)
         assert slot[split.DONE] == split._pool.seq and slot[split.TAKEN] != split._pool.seq  # done by it
