@@ -85,8 +85,8 @@ def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None,
     return plain_matmul(x, layer_of(getattr(w, name), layer))              # [N, out]
 
 
-def layer_of(a: np.ndarray, layer: int | None) -> np.ndarray:
-    return a if layer is None else a[layer]
+def layer_of(a: np.ndarray | None, layer: int | None) -> np.ndarray | None:
+    return a if a is None or layer is None else a[layer]
 
 
 def gelu_tanh(g: np.ndarray) -> np.ndarray:
