@@ -212,7 +212,7 @@ class _Pool:
         self.x = np.frombuffer(self.buf, np.float32, X_FLOATS, X_AT)
         self.out = np.frombuffer(self.buf, np.float32, OUT_FLOATS, OUT_AT)
         self.slots, self.helpers, self.seq = slots, [], 0
-        self.read: tuple | None = None  # what the last job had the helpers read ahead (`ahead`)
+        self.read: tuple | None = None  # (then's job, blocks, seq, plan key): the last job's `ahead`
         self.tuned: dict[tuple, int] = {}  # (shape, rows, transposed) -> blocks a helper reads ahead
         self.plans: dict[tuple, tuple] = {}  # (job, that key, helpers, blocks) -> `plan`
         self.jobs: dict[tuple, tuple] = {}   # `shares_of` each job's arguments
@@ -238,7 +238,7 @@ class _Pool:
             then: np.ndarray | None) -> np.ndarray:
         N, nb, C = x.shape[0], blocks.shape[0], 64
         helpers = self.ready(min(_parts, nb) - 1)
-        cached = self.cached(job, blocks.shape, N, transposed, helpers) if self.read else 0
+        cached = self.cached(job, blocks.shape, N, transposed, helpers)
         at = (job, blocks.shape, N, transposed, len(helpers), cached)
         plan = self.jobs.get(at)
         if plan is None:  # a decode step's jobs repeat: their shares are worked out once
@@ -289,14 +289,14 @@ class _Pool:
             if len(self.plans) > 4096:
                 self.plans.clear()
             plan = self.plans[at] = self.plan(then, key, job[0], helpers, n)
-        self.read = (plan[0], self.seq, at)
-        return plan[1]
+        self.read = (*plan[:2], self.seq, at)
+        return plan[2]
 
     def plan(self, then: np.ndarray, key: tuple, file: int, helpers: int, n: int) -> tuple:
-        """((then's job, key, helpers, blocks each helper reads), each helper's (offset, bytes))."""
+        """(then's job, blocks each helper reads, each helper's (offset, bytes))."""
         job = _rows_job(key[1], then, key[2])
         if job is None or job[0] != file:
-            return None, NO_AHEAD
+            return None, 0, NO_AHEAD
         nb, size = then.shape[0], then.nbytes // then.shape[0]
         n = n or max(1, AHEAD_BYTES // size)
         cuts = shares(nb, helpers, n, key[1])
@@ -304,7 +304,7 @@ class _Pool:
             n -= 1
             cuts = shares(nb, helpers, n, key[1])
         self.tuned[key] = n
-        return (job, key, helpers, n), tuple((job[1] + lo * size, n * size) for lo in cuts[1:-1])
+        return job, n, tuple((job[1] + lo * size, n * size) for lo in cuts[1:-1])
 
     def cached(self, job: tuple[int, int], shape: tuple, rows: int, transposed: bool,
                helpers: list[_Helper]) -> int:
@@ -314,10 +314,10 @@ class _Pool:
         read, self.read = self.read, None
         if read is None:
             return 0
-        if read[0] is None or read[0][0] != job:  # a plan made for another next matmul: made again
-            self.plans.pop(read[2], None)
+        then, n, seq, (_, key, count, _) = read
+        if then != job:             # a plan made for another next matmul: made again
+            self.plans.pop(read[3], None)
             return 0
-        (_, key, count, n), seq, _ = read
         if key != (shape, rows, transposed) or count != len(helpers):
             return 0
         finished = all([h.slot[AHEAD_READ] == seq for h in helpers])

@@ -174,7 +174,7 @@ def test_the_helpers_read_the_next_matmul_ahead_and_it_gives_them_more_with_the_
     reads = []
     for _ in range(12):                                              # it grows to its share, no further
         split.matmul(x, first, t, then=wo)
-        reads.append(pool.read[0][3])
+        reads.append(pool.read[1])                                   # blocks it reads ahead
         time.sleep(0.01)
         np.testing.assert_array_equal(split.matmul(x, wo, t), want)
     assert reads[:6] == [2, 3, 4, 5, 6, 7] and set(reads[6:]) == {8} == {9 - split.shares(9, 1, 8)[1]}
