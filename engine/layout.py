@@ -71,16 +71,21 @@ def to_blocks(w: np.ndarray, layout: str = "blocks") -> np.ndarray | None:
 
 def blocks_matmul(x: np.ndarray, blocks: np.ndarray, one_row: str = "pair",
                   transposed: bool = False, then: np.ndarray | None = None) -> np.ndarray:
-    """x [N, K] @ W given as blocks (to_blocks; `transposed` for "blocks_t"): [N, out]. One row
-    goes as `one_row` says, whichever the probe found faster here: "pair", as two rows (BLAS's
-    small-matrix GEMM kernel), or "gemv", as itself (a GEMV per block). A decode pass's blocks
-    are shared with a helper process (engine/split.py), which starts reading `then` (the
-    pass's next matmul's blocks) once its share is done."""
+    """x [N, K] @ W given as blocks (to_blocks; `transposed` for "blocks_t"): [N, out]. A decode
+    pass's blocks are shared with a helper process (engine/split.py), which starts reading
+    `then` (the pass's next matmul's blocks) once its share is done."""
+    return site_matmul(x, split.Site(blocks, transposed, then), one_row)
+
+
+def site_matmul(x: np.ndarray, site: split.Site, one_row: str = "pair") -> np.ndarray:
+    """`blocks_matmul` of a prepared split.Site. One row goes as `one_row` says, whichever the
+    probe found faster here: "pair", as two rows (BLAS's small-matrix GEMM kernel), or "gemv",
+    as itself (a GEMV per block)."""
     if len(x) == 1 and one_row == "pair":
         x2 = np.zeros((2, x.shape[1]), dtype=np.float32)                   # [2, K]
         x2[0] = x[0]
-        return split.matmul(x2, blocks, transposed, then)[:1]              # [1, out]
-    return split.matmul(x, blocks, transposed, then)                       # [N, out]
+        return split.matmul_site(x2, site)[:1]                             # [1, out]
+    return split.matmul_site(x, site)                                      # [N, out]
 
 
 def plain_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -112,9 +117,10 @@ def measure(arrays: dict[str, list[np.ndarray]]) -> dict:
     each kind of blocks as a GEMV ("blocks_1_gemv"; "blocks_1" goes as a pair): the fastest
     round (load only ever adds time), rounds interleaved so a burst of load hits every candidate alike."""
     passes = [("plain", "", plain_matmul, rows) for rows in (1, BATCH_ROWS)]  # (copy, key suffix, run, rows)
+    mats = {"plain": arrays["plain"]}  # what each pass reads: the plain arrays, the blocks as decode's Sites
     for kind in (k for k in BLOCKS if k in arrays):
-        run = functools.partial(blocks_matmul, transposed=kind == "blocks_t")
-        pair, gemv = functools.partial(run, one_row="pair"), functools.partial(run, one_row="gemv")
+        mats[kind] = [split.Site(w, kind == "blocks_t") for w in arrays[kind]]
+        pair, gemv = (functools.partial(site_matmul, one_row=form) for form in ONE_ROW)
         passes += [(kind, "", pair, 1), (kind, "", pair, BATCH_ROWS), (kind, "_gemv", gemv, 1)]
     chooser = blas_threads()
     pinned = chooser.pinned
@@ -124,15 +130,15 @@ def measure(arrays: dict[str, list[np.ndarray]]) -> dict:
     try:
         for rnd in range(PROBE_ROUNDS + 1):
             for copy, suffix, run, rows in passes:
-                ws = arrays[copy]
-                k_axis = -1 if copy == "blocks_t" else -2  # where each matrix keeps its K
+                ws = mats[copy]
+                ks = [w.K if copy in BLOCKS else w.shape[0] for w in ws]  # each matrix's K
                 chooser.fit(rows, blocks=copy in BLOCKS)  # the threads a decode pass of it gets
-                xs = {k: np.full((rows, k), 0.5, dtype=np.float32) for k in {w.shape[k_axis] for w in ws}}
-                for w in ws[:SETTLE]:
-                    run(xs[w.shape[k_axis]], w)
+                xs = {k: np.full((rows, k), 0.5, dtype=np.float32) for k in set(ks)}
+                for w, k in zip(ws[:SETTLE], ks):
+                    run(xs[k], w)
                 t0 = time.perf_counter()
-                for w in ws:
-                    run(xs[w.shape[k_axis]], w)
+                for w, k in zip(ws, ks):
+                    run(xs[k], w)
                 if rnd:
                     times.setdefault(f"{copy}_{rows}{suffix}", []).append(time.perf_counter() - t0)
     finally:

@@ -16,6 +16,7 @@ from .errors import ModelLoadError
 from .layout import BLOCKS, COLUMN_BLOCK, probe_arrays, to_blocks
 from .layout import choose as choose_layout
 from .registry import resolve_model
+from .split import Site
 from .threads import blas_threads
 from .tokenizer import TextTokenizer, build_tokenizer
 from .weight_image import image_dir, read_image, release, settle_huge, write_image
@@ -60,6 +61,7 @@ class Weights:
     layout_record: dict = field(default_factory=dict, repr=False)  # how the layout was chosen
     one_row: str = "pair"  # how one row reads the blocks: engine/layout.py's ONE_ROW, as measured
     pages: dict = field(default_factory=dict, repr=False)  # how the copy read is mapped (settle_huge)
+    sites: dict = field(default_factory=dict, repr=False)  # (layout, name, layer, then) -> `site`
 
     @property
     def reads_blocks(self) -> bool:
@@ -74,6 +76,19 @@ class Weights:
     def blocks(self, name: str) -> np.ndarray | None:
         """`name`'s blocks when they are the copy read, else None (read the plain array)."""
         return self.block_copies.get(self.layout, {}).get(name)
+
+    def site(self, name: str, layer: int | None, then: tuple[str, int | None] | None) -> Site | None:
+        """The decode matmul of `name` (`layer`'s) followed by `then` (a name and layer), prepared
+        once (engine/split.py's Site), where blocks are the copy read; else None."""
+        key = (self.layout, name, layer, then)
+        site = self.sites.get(key)
+        if site is None:
+            blocks = self.blocks(name)
+            if blocks is None:
+                return None
+            after = None if then is None else layer_of(self.blocks(then[0]), then[1])
+            site = self.sites[key] = Site(layer_of(blocks, layer), self.transposed, after)
+        return site
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Embedding rows [N, d]; a tied embedding is read from the head's copy that is read."""
@@ -134,6 +149,11 @@ class Model:
         if head >= BIG_HEAD_BYTES:  # e.g. Gemma's 262,144-token vocabulary: the head bounds decode speed
             text += f"; every decoded token reads a {head / 1e6:.0f} MB output head"
         return text
+
+
+def layer_of(a: np.ndarray | None, layer: int | None) -> np.ndarray | None:
+    """One layer's array of a stacked one; the array itself for None (not per layer)."""
+    return a if a is None or layer is None else a[layer]
 
 
 def default_model_path() -> str:

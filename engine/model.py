@@ -11,8 +11,8 @@ from .attention import AttentionPlan, attention_plan, paged_attention
 from .block_manager import SeqSlots
 from .config import ModelConfig
 from .kv_pool import KVPool
-from .layout import blocks_matmul, plain_matmul
-from .loader import Model, Weights
+from .layout import plain_matmul, site_matmul
+from .loader import Model, Weights, layer_of
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -78,15 +78,10 @@ def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None,
     """x @ W (one layer's when `layer` is given), in the one layout this machine reads
     (engine/layout.py). `then`: the pass's next matmul, whose weights a decode pass's helpers
     start reading once done with this one (engine/split.py)."""
-    blocks = w.blocks(name)
-    if blocks is not None:
-        after = None if then is None else layer_of(w.blocks(then[0]), then[1])
-        return blocks_matmul(x, layer_of(blocks, layer), w.one_row, w.transposed, after)  # [N, out]
+    site = w.site(name, layer, then)
+    if site is not None:
+        return site_matmul(x, site, w.one_row)                             # [N, out]
     return plain_matmul(x, layer_of(getattr(w, name), layer))              # [N, out]
-
-
-def layer_of(a: np.ndarray | None, layer: int | None) -> np.ndarray | None:
-    return a if a is None or layer is None else a[layer]
 
 
 def gelu_tanh(g: np.ndarray) -> np.ndarray:

@@ -109,10 +109,10 @@ def test_the_probe_reads_blocks_shared_with_the_helper_as_decode_does(monkeypatc
     monkeypatch.setattr(threads, "_env_threads", lambda: None)
     monkeypatch.setattr(threads, "_default", threads.BlasThreads())
     seen = []
-    real_blocks, real_plain = layout.blocks_matmul, layout.plain_matmul
-    monkeypatch.setattr(layout, "blocks_matmul", lambda x, w, one_row, transposed: seen.append(
-        ("blocks_t" if transposed else "blocks", split._parts, one_row))
-        or real_blocks(x, w, one_row, transposed))
+    real_blocks, real_plain = layout.site_matmul, layout.plain_matmul
+    monkeypatch.setattr(layout, "site_matmul", lambda x, site, one_row: seen.append(
+        ("blocks_t" if site.transposed else "blocks", split._parts, one_row))
+        or real_blocks(x, site, one_row))
     monkeypatch.setattr(layout, "plain_matmul", lambda x, w: seen.append(
         ("plain", threads.blas_threads()._current)) or real_plain(x, w))
     w = np.random.default_rng(0).standard_normal((1, 64, 192), dtype=np.float32)

@@ -159,7 +159,7 @@ def test_the_helpers_read_the_next_matmul_ahead_and_it_gives_them_more_with_the_
     assert split.shares(9, 1) == (0, 4, 9)
     assert split.shares(9, 1, cached=7) == (0, 2, 9)                 # 7 blocks from the helper's cache
     assert split.shares(9, 1, cached=7, rows=8) == (0, 3, 9)         # eight rows' arithmetic stays
-    key = (wo.shape, 1, t)
+    key = ((wo.shape, t), 1)                                         # what the tuning is kept by
     for ahead in (wo, other, np.array(wo), None):
         split.matmul(x, first, t, then=ahead)
         time.sleep(0.01)                                             # the helper has read it by now
