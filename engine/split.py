@@ -120,12 +120,16 @@ class Site:
     Python runs between weight reads that empty this core's caches, so each call it saves
     counts (a step of 121 matmuls: 26.6 -> 25.4 ms on a 2-core Xeon)."""
 
-    __slots__ = ("blocks", "transposed", "then", "K", "job", "then_job", "key", "then_key", "plans", "aheads")
+    __slots__ = ("blocks", "transposed", "then", "K", "nb", "job", "then_job", "rows", "key", "then_key",
+                 "plans", "aheads")
 
     def __init__(self, blocks: np.ndarray, transposed: bool = False, then: np.ndarray | None = None):
         self.blocks, self.transposed, self.then = blocks, transposed, then
-        self.K = blocks.shape[2 if transposed else 1]
+        self.K, self.nb = blocks.shape[2 if transposed else 1], blocks.shape[0]
         self.job, self.then_job = _in_file(blocks), None if then is None else _in_file(then)
+        # the most rows it shares: the control block's input and output must hold them
+        most = min(SHARE_ROWS, X_FLOATS // self.K, OUT_FLOATS // (self.nb * 64))
+        self.rows = most if self.job is not None and SUPPORTED else 0
         self.key = (blocks.shape, transposed)                      # what the read-ahead tuning is kept by
         self.then_key = None if then is None else (then.shape, transposed)
         self.plans: dict[tuple, tuple] = {}   # (rows, helpers, blocks read ahead) -> `shares_of`
@@ -141,23 +145,16 @@ def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False,
 
 def matmul_site(x: np.ndarray, site: Site) -> np.ndarray:
     """`matmul` of a prepared Site (a pass's matmuls repeat: engine/loader.py keeps their Sites)."""
-    blocks, transposed, rows = site.blocks, site.transposed, len(x)
-    if transposed and rows > SHARE_ROWS:  # prefill: side by side, transposed blocks are W^T [nb*64, K],
-        return x @ blocks.reshape(-1, blocks.shape[2]).T   # so one GEMM (1.2x column blocks' speed here)
-    if not _shares(x, site) or not _busy.acquire(blocking=False):
-        return products(x, blocks, transposed).transpose(1, 0, 2).reshape(rows, -1)  # [N, out]
+    rows = len(x)
+    if site.transposed and rows > SHARE_ROWS:  # prefill: side by side, transposed blocks are W^T [nb*64, K],
+        return x @ site.blocks.reshape(-1, site.K).T  # so one GEMM (1.2x column blocks' speed here)
+    if (rows > site.rows or _parts < 2 or _disabled or x.dtype is not _F32 or x.shape[1] != site.K
+            or not _busy.acquire(blocking=False)):  # not shared: whole, in this thread
+        return products(x, site.blocks, site.transposed).transpose(1, 0, 2).reshape(rows, -1)  # [N, out]
     try:
         return _pool_or_start().run(x, site)
     finally:
         _busy.release()
-
-
-def _shares(x: np.ndarray, site: Site) -> bool:
-    """Whether this matmul of x's rows goes to the helpers too."""
-    rows = len(x)
-    return (site.job is not None and _parts > 1 and can_share(rows) and x.dtype is _F32
-            and x.shape[1] == site.K and rows * site.K <= X_FLOATS
-            and site.blocks.shape[0] * rows * 64 <= OUT_FLOATS)
 
 
 def _in_file(blocks: np.ndarray) -> tuple[int, int] | None:
@@ -261,24 +258,24 @@ class _Pool:
         return self.helpers[:min(n, self.up)]
 
     def run(self, x: np.ndarray, site: Site) -> np.ndarray:
-        blocks, transposed = site.blocks, site.transposed
-        N, nb, C = x.shape[0], blocks.shape[0], 64
+        N, nb, C = x.shape[0], site.nb, 64
         n = min(_parts, nb) - 1
         helpers = self.helpers[:n] if n <= self.up else self.ready(n)
-        cached = self.cached(site, N, len(helpers))
-        plan = site.plans.get((N, len(helpers), cached))
+        n, read, self.read = len(helpers), self.read, None
+        cached = 0 if read is None or read[0] != site.job else self.tune(read, site, N, n)
+        plan = site.plans.get((N, n, cached))
         if plan is None:  # a decode step's jobs repeat: their shares are worked out once
-            plan = site.plans[N, len(helpers), cached] = self.shares_of(site, N, len(helpers), cached)
-        cuts, posts, out = plan                                                 # out [nb, N, 64]
-        if helpers:
+            plan = site.plans[N, n, cached] = self.shares_of(site, N, n, cached)
+        cuts, posts, out, first = plan                                          # out [nb, N, 64]
+        if n:
             self.x[:x.size] = x.reshape(-1)
             self.seq += 1
-            for h, share, ahead in zip(helpers, posts, self.ahead(site, N, len(helpers))):
+            for h, share, ahead in zip(helpers, posts, self.ahead(site, N, n)):
                 h.post(self.seq, share + ahead)
         result = np.empty((N, nb, C), dtype=np.float32)                        # [N, nb, 64]
         mine = result.transpose(1, 0, 2)                                       # [nb, N, 64] view
         t0 = time.perf_counter()
-        products(x, blocks[:cuts[1]], transposed, mine[:cuts[1]])
+        products(x, first, site.transposed, mine[:cuts[1]])
         patience = max(PATIENCE_S, time.perf_counter() - t0)
         for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
             got = h.collect(self.seq, patience)
@@ -287,16 +284,18 @@ class _Pool:
                 continue
             if got != "take":
                 _stop(got)
-            products(x, blocks[lo:hi], transposed, mine[lo:hi])  # not `out`: a late helper may write there
+            # not into `out`: a late helper may still write there
+            products(x, site.blocks[lo:hi], site.transposed, mine[lo:hi])
         return result.reshape(N, nb * C)                                       # [N, out]
 
     def shares_of(self, site: Site, rows: int, helpers: int, cached: int) -> tuple:
-        """(shares, each helper's job fields, the output [nb, rows, 64] they write) of a matmul."""
-        (file, offset), nb, K, C = site.job, site.blocks.shape[0], site.K, 64
+        """(shares, each helper's job fields, the output [nb, rows, 64] they write, this thread's
+        blocks) of a matmul."""
+        (file, offset), nb, K, C = site.job, site.nb, site.K, 64
         cuts = shares(nb, helpers, cached, rows)
         posts = [(file, offset + lo * K * C * 4, hi - lo, K, rows, lo * rows * C, site.transposed)
                  for lo, hi in zip(cuts[1:], cuts[2:])]
-        return cuts, posts, self.out[:nb * rows * C].reshape(nb, rows, C)
+        return cuts, posts, self.out[:nb * rows * C].reshape(nb, rows, C), site.blocks[:cuts[1]]
 
     def ahead(self, site: Site, rows: int, helpers: int) -> tuple[tuple[int, int], ...]:
         """(byte offset, bytes) of the blocks of the pass's next matmul each helper reads once
@@ -326,13 +325,11 @@ class _Pool:
         self.tuned[key] = n
         return n, tuple((offset + lo * size, n * size) for lo in cuts[1:-1])
 
-    def cached(self, site: Site, rows: int, helpers: int) -> int:
-        """How many blocks of this matmul each helper read ahead (the first of its share). Each
-        such read is tuned by how the last went: a block more where every helper had finished
-        before this job came, a block fewer where one had not (it starts this job late)."""
-        read, self.read = self.read, None
-        if read is None or read[0] != site.job:  # nothing read ahead, or another matmul's blocks
-            return 0
+    def tune(self, read: tuple, site: Site, rows: int, helpers: int) -> int:
+        """How many blocks of this matmul each helper read ahead (the first of its share), given
+        `read`, what the last job's helpers were to read ahead of it. Each such read is tuned by
+        how the last went: a block more where every helper had finished before this job came,
+        a block fewer where one had not (it starts this job late)."""
         _, n, seq, key, count = read
         if key != (site.key, rows) or count != helpers:
             return 0
