@@ -3,6 +3,7 @@ pages the decoding sessions share (a cached system prompt) once for all of them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,21 +52,29 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
     T, H, hd = q.shape          # q [T, H, hd]
     S, KV, _ = k.shape          # k, v [S, KV, hd]
     R = H // KV
-    # the scale goes on the queries as they are regrouped (T*H*hd products, not T*H*S)
-    scale = np.float32(1.0 / np.sqrt(hd))
-    if T == 1:                  # one query (a lone stream's decode) is grouped as it lies
-        qg = q.reshape(KV, R, T, hd) * scale                                      # [KV, R, 1, hd]
+    # the scale goes on the queries as they are regrouped (T*H*hd products, not T*H*S); one query
+    # (a lone stream's decode) is grouped as it lies
+    if T == 1:
+        qg = q.reshape(KV, R, hd) * query_scale(hd)                              # [KV, R, hd]
     else:
         qg = np.empty((KV, R, T, hd), dtype=np.float32)                           # [KV, R, T, hd]
-        np.multiply(q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3), scale, out=qg)
+        np.multiply(q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3), query_scale(hd), out=qg)
+        qg = qg.reshape(KV, R * T, hd)                                            # [KV, R*T, hd]
     # Strided views stay on BLAS (each matrix has a unit stride): no copy of K/V here.
-    scores = qg.reshape(KV, R * T, hd) @ k.transpose(1, 2, 0)                     # [KV, R*T, S]
+    scores = qg @ k.transpose(1, 2, 0)                                            # [KV, R*T, S]
     if T > 1 or (window and key_start + window <= n_past):  # else every key is visible
         scores.reshape(KV, R, T, S)[...] += causal_bias(T, S, n_past, key_start, window)  # [KV, R, T, S]
     weights = unnormalized_softmax(scores)                                        # [KV, R*T, S]
     out = weights @ v.transpose(1, 0, 2)                                          # [KV, R*T, hd]
     out /= row_sums(weights)                                                      # [KV, R*T, hd]
+    if T == 1:
+        return out.reshape(1, H * hd)                                             # [1, d]: as it lies
     return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
+
+
+@functools.lru_cache(maxsize=16)
+def query_scale(hd: int) -> np.float32:
+    return np.float32(1.0 / np.sqrt(hd))
 
 
 def padding_bias(lengths: np.ndarray, S: int, window: int = 0) -> np.ndarray:
@@ -88,7 +97,7 @@ def decode_attention(q: np.ndarray, own: tuple[np.ndarray, np.ndarray], bias: np
     R, Ss = H // KV, 0 if shared is None else shared[0].shape[0]
     # laid out per KV head, [KV, B, R, ...], so the shared keys' GEMM writes into the scores in
     # place; the scale goes on the queries (B*H*hd products, not B*H*S)
-    qg = q.reshape(B, KV, R, hd) * np.float32(1.0 / np.sqrt(hd))                  # [B, KV, R, hd]
+    qg = q.reshape(B, KV, R, hd) * query_scale(hd)                                # [B, KV, R, hd]
     scores = np.empty((KV, B, R, Ss + So), dtype=np.float32)                      # [KV, B, R, S]
     np.matmul(qg.transpose(1, 0, 2, 3), ko.transpose(2, 0, 3, 1), out=scores[..., Ss:])
     scores[..., Ss:] += bias[None, :, None, :]                                    # [KV, B, R, So]
@@ -188,7 +197,10 @@ def gather_kv(pool: KVPool, layer: int, pages: slice | list, m: int) -> tuple[np
 
 def f32(a: np.ndarray) -> np.ndarray:
     """K/V as float32 for the math: a float16 pool's pages widened, a float32 pool's untouched."""
-    return a.astype(np.float32, copy=False)
+    return a if a.dtype is _F32 else a.astype(np.float32)
+
+
+_F32 = np.dtype(np.float32)
 
 
 def window_first_page(n_past: int, window: int, page_rows: int) -> int:
