@@ -4,7 +4,9 @@ it imports only NumPy (its folder is not on sys.path: the engine's modules are n
 
 A job is a few integers in the helper's slot and the input rows in shared memory: which
 blocks of which mapped file, and which blocks of the pass's next matrix to read ahead once
-this job's share is in the output (docs/design.md §7).
+this job's share is in the output (docs/design.md §7). A job can come before its input (the
+caller posts the pass's next matmul while it waits for this one): the helper then reads its
+fields, reads ahead, and starts once the caller says the input is in (GO).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ SPIN_S = 0.002              # a helper spins this long after a job (a step's mat
 X_FLOATS = 1 << 20          # input rows: rows x K floats
 OUT_FLOATS = 8 << 20        # output: [blocks, rows, 64] floats; bigger jobs stay whole
 SLOT_INTS = 32              # per helper: 0 seq (-1 while its fields are written), 1 file, 2 offset,
-#                             3 blocks, 4 K, 5 rows, 6 out, 7 transposed, 8 ahead offset, 9 ahead bytes;
+#                             3 blocks, 4 K, 5 rows, 6 out, 7 transposed, 8 ahead offset, 9 ahead bytes,
+#                             10 gated (the input comes later), 12 go (the seq whose input is in);
 #                             then each on its own cache line: 16 done, 17 failed, 18 ready, 19 sleeping;
 #                             24 started, 25 ahead read; 28 taken back
-FIELDS = slice(1, 10)
-DONE, FAILED, READY, SLEEPING, STARTED, AHEAD_READ, TAKEN = 16, 17, 18, 19, 24, 25, 28
+FIELDS = slice(1, 11)
+GO, DONE, FAILED, READY, SLEEPING, STARTED, AHEAD_READ, TAKEN = 12, 16, 17, 18, 19, 24, 25, 28
 PATHS_BYTES = 1 << 16       # the shared files' paths, one per line
 SLOTS_AT = PATHS_BYTES
 X_AT = SLOTS_AT + 64 * SLOT_INTS * 8
@@ -65,42 +68,62 @@ def serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
     views: dict[tuple, tuple] = {}
     last = int(slot[0])
     ones = np.ones(64, dtype=np.float32)
+    ints = memoryview(buf).cast("B")[SLOTS_AT + index * SLOT_INTS * 8:][:SLOT_INTS * 8].cast("q")
     slot[READY] = 1
     while True:
-        until = time.perf_counter() + SPIN_S
-        while slot[0] == last or slot[0] < 0:
-            os.sched_yield()        # as BLAS's threads spin: a thread that has work (a UI) runs first
-            if time.perf_counter() > until:
-                slot[SLEEPING] = 1
-                if slot[0] == last:
-                    if any(fd == gone_fd for fd, _ in waits.poll()):
-                        return      # the engine's process is gone
-                    os.eventfd_read(wake_fd)
-                slot[SLEEPING] = 0
-                until = time.perf_counter() + SPIN_S
-        seq = int(slot[0])
-        fields = tuple(slot[FIELDS].tolist())
-        if seq < 0 or slot[0] != seq:
+        if not _wait(ints, lambda last=last: ints[0] != last and ints[0] >= 0, waits, wake_fd, gone_fd):
+            return                  # the engine's process is gone
+        seq = ints[0]
+        fields = tuple(ints[FIELDS])
+        if ints[0] != seq:
             continue                # its fields were being rewritten: read them again
         last = seq
-        slot[STARTED] = seq
-        if slot[TAKEN] == seq:      # the caller took this share back before it started
+        ints[STARTED] = seq
+        job, (ahead_at, ahead_bytes), gated = fields[:7], fields[7:9], fields[9]
+        if gated:                   # posted before its input: wait until the caller says it is in
+            if not _wait(ints, lambda seq=seq: ints[GO] == seq or ints[0] != seq, waits, wake_fd, gone_fd):
+                return
+            if ints[GO] != seq:
+                continue            # another job came instead
+        if ints[TAKEN] == seq:      # the caller took this share back before it started
             continue
-        job, (ahead_at, ahead_bytes) = fields[:7], fields[7:]
         try:
             if job not in views:    # a decode step's jobs repeat: their views are made once
                 if len(views) > 4096:
                     views.clear()
                 views[job] = _views(job, maps, buf, x, out)
             products(*views[job])
-            slot[FAILED] = 0
+            ints[FAILED] = 0
         except Exception:  # noqa: BLE001 - the caller computes this share itself
-            slot[FAILED] = 1
-        slot[DONE] = seq
-        if ahead_bytes and not slot[FAILED]:  # the next matmul's first blocks of this share, into
-            # this core's caches while the caller runs what lies between (a GEMV reads fastest)
-            maps[job[0]][ahead_at:ahead_at + ahead_bytes].view(np.float32).reshape(-1, 64) @ ones
-        slot[AHEAD_READ] = seq
+            ints[FAILED] = 1
+        ints[DONE] = seq
+        if not ints[FAILED]:
+            _ahead(maps, job, ahead_at, ahead_bytes, ones)
+        ints[AHEAD_READ] = seq
+
+
+def _wait(ints: memoryview, ready, waits: select.poll, wake_fd: int, gone_fd: int) -> bool:
+    """Spin until ready() (for SPIN_S, yielding as BLAS's threads do: a thread that has work, a UI,
+    runs first), then sleep on the eventfd until woken; False once the engine's process is gone."""
+    until = time.perf_counter() + SPIN_S
+    while not ready():
+        os.sched_yield()
+        if time.perf_counter() > until:
+            ints[SLEEPING] = 1
+            if not ready():
+                if any(fd == gone_fd for fd, _ in waits.poll()):
+                    return False
+                os.eventfd_read(wake_fd)
+            ints[SLEEPING] = 0
+            until = time.perf_counter() + SPIN_S
+    return True
+
+
+def _ahead(maps: list, job: tuple, at: int, nbytes: int, ones: np.ndarray) -> None:
+    """Read the next matmul's first blocks of this helper's share into this core's caches, while
+    the caller runs what lies between (a GEMV reads fastest)."""
+    if nbytes and job[0] < len(maps):
+        maps[job[0]][at:at + nbytes].view(np.float32).reshape(-1, 64) @ ones
 
 
 def _views(job: tuple, maps: list, buf: mmap.mmap, x: np.ndarray, out: np.ndarray) -> tuple:

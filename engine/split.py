@@ -19,8 +19,10 @@ are written under a sequence lock). Each job names the pass's next matmul too: o
 share is done it reads the first blocks of its share of that one into its core's caches while
 this thread runs what lies between (attention, norms, the activation), and that matmul then
 leaves it a larger share; how many blocks is tuned as it runs, by whether the helper had
-finished reading before the next job came. A helper that dies or fails makes the caller
-compute its share and stop sharing. Only on x86-64 Linux (x86's ordered stores: a job's
+finished reading before the next job came. Once a pass has run, this thread also posts the
+next matmul's job while the helpers end this one (a Site learns which follows it), so they
+take it up as soon as its input is in. A helper that dies or fails makes the caller compute
+its share and stop sharing. Only on x86-64 Linux (x86's ordered stores: a job's
 fields land before its sequence number; memfd_create). The helper's side is engine/helper.py.
 """
 
@@ -45,6 +47,7 @@ from .helper import (
     DONE,
     FAILED,
     FIELDS,
+    GO,
     OUT_AT,
     OUT_FLOATS,
     PATHS_BYTES,
@@ -121,7 +124,7 @@ class Site:
     counts (a step of 121 matmuls: 26.6 -> 25.4 ms on a 2-core Xeon)."""
 
     __slots__ = ("blocks", "transposed", "then", "K", "nb", "job", "then_job", "rows", "key", "then_key",
-                 "plans", "aheads")
+                 "plans", "aheads", "next")
 
     def __init__(self, blocks: np.ndarray, transposed: bool = False, then: np.ndarray | None = None):
         self.blocks, self.transposed, self.then = blocks, transposed, then
@@ -134,6 +137,7 @@ class Site:
         self.then_key = None if then is None else (then.shape, transposed)
         self.plans: dict[tuple, tuple] = {}   # (rows, helpers, blocks read ahead) -> `shares_of`
         self.aheads: dict[tuple, tuple] = {}  # (rows, helpers, blocks to read) -> `plan`
+        self.next: Site | None = None         # the Site that followed it in the last pass
 
 
 def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False,
@@ -198,6 +202,13 @@ class _Helper:
         if ints[SLEEPING]:
             self.poke()
 
+    def go(self, seq: int) -> None:
+        """The input of job `seq`, posted before it (gated), is in."""
+        ints = self.ints
+        ints[GO] = seq
+        if ints[SLEEPING]:
+            self.poke()
+
     def poke(self) -> None:
         os.eventfd_write(self.wake, 1)  # a dead helper is found by `collect`
 
@@ -239,6 +250,8 @@ class _Pool:
         self.read: tuple | None = None  # (the next matmul's job, blocks, seq, tuning key, helpers):
         #                                 what the last job's helpers read ahead
         self.tuned: dict[tuple, int] = {}  # ((shape, transposed), rows) -> blocks a helper reads ahead
+        self.last: Site | None = None      # the Site run last (what follows a Site is learned)
+        self.pending: tuple | None = None  # (Site, seq, rows, helpers, plan, read): posted before its input
         self.up = 0                           # helpers[:up] are up
         self.write_paths()
 
@@ -261,24 +274,37 @@ class _Pool:
         N, nb, C = x.shape[0], site.nb, 64
         n = min(_parts, nb) - 1
         helpers = self.helpers[:n] if n <= self.up else self.ready(n)
-        n, read, self.read = len(helpers), self.read, None
-        cached = 0 if read is None or read[0] != site.job else self.tune(read, site, N, n)
-        plan = site.plans.get((N, n, cached))
-        if plan is None:  # a decode step's jobs repeat: their shares are worked out once
-            plan = site.plans[N, n, cached] = self.shares_of(site, N, n, cached)
-        cuts, posts, out, first = plan                                          # out [nb, N, 64]
-        if n:
+        n, last, self.last, pend, self.pending = len(helpers), self.last, site, self.pending, None
+        if last is not None and last.next is not site and last.then_job == site.job:
+            last.next = site    # what follows `last` in a pass: posted from now on while `last` ends
+        if pend is not None and pend[0] is site and pend[2] == N and pend[3] == n:
+            seq, plan = pend[1], pend[4]    # posted while the last matmul ended: only its input is new
+            if pend[5]:
+                self.tune(pend[5])
             self.x[:x.size] = x.reshape(-1)
-            self.seq += 1
-            for h, share, ahead in zip(helpers, posts, self.ahead(site, N, n)):
-                h.post(self.seq, share + ahead)
+            for h in helpers:
+                h.go(seq)
+        else:
+            read, self.read, seq = self.read, None, 0
+            cached = self.ahead_of(read, site, N, n)
+            plan = self.plan_of(site, N, n, cached)
+            if n:
+                if cached:
+                    self.tune(read)
+                self.x[:x.size] = x.reshape(-1)
+                seq = self.seq = self.seq + 1
+                for h, share, ahead in zip(helpers, plan[1], self.ahead(site, N, n)):
+                    h.post(seq, (*share, *ahead, 0))
+        cuts, posts, out, first = plan                                          # out [nb, N, 64]
         result = np.empty((N, nb, C), dtype=np.float32)                        # [N, nb, 64]
         mine = result.transpose(1, 0, 2)                                       # [nb, N, 64] view
         t0 = time.perf_counter()
         products(x, first, site.transposed, mine[:cuts[1]])
         patience = max(PATIENCE_S, time.perf_counter() - t0)
+        if site.next is not None and n and all([h.ints[STARTED] == seq for h in helpers]):
+            self.post_next(site.next, N, helpers)   # while the helpers end this one
         for h, lo, hi in zip(helpers, cuts[1:], cuts[2:]):
-            got = h.collect(self.seq, patience)
+            got = h.collect(seq, patience)
             if got == "done":
                 mine[lo:hi] = out[lo:hi]
                 continue
@@ -287,6 +313,26 @@ class _Pool:
             # not into `out`: a late helper may still write there
             products(x, site.blocks[lo:hi], site.transposed, mine[lo:hi])
         return result.reshape(N, nb * C)                                       # [N, out]
+
+    def post_next(self, site: Site, rows: int, helpers: list[_Helper]) -> None:
+        """Post the job of `site`, the pass's next matmul, before its input: the helpers read its
+        fields once done with this one and start as soon as its input is in (`go`)."""
+        n = len(helpers)
+        if rows > site.rows:
+            return
+        read, self.read = self.read, None
+        cached = self.ahead_of(read, site, rows, n)
+        plan = self.plan_of(site, rows, n, cached)
+        seq = self.seq = self.seq + 1
+        for h, share, ahead in zip(helpers, plan[1], self.ahead(site, rows, n)):
+            h.post(seq, (*share, *ahead, 1))
+        self.pending = (site, seq, rows, n, plan, read if cached else None)
+
+    def plan_of(self, site: Site, rows: int, helpers: int, cached: int) -> tuple:
+        plan = site.plans.get((rows, helpers, cached))
+        if plan is None:  # a decode step's jobs repeat: their shares are worked out once
+            plan = site.plans[rows, helpers, cached] = self.shares_of(site, rows, helpers, cached)
+        return plan
 
     def shares_of(self, site: Site, rows: int, helpers: int, cached: int) -> tuple:
         """(shares, each helper's job fields, the output [nb, rows, 64] they write, this thread's
@@ -325,17 +371,20 @@ class _Pool:
         self.tuned[key] = n
         return n, tuple((offset + lo * size, n * size) for lo in cuts[1:-1])
 
-    def tune(self, read: tuple, site: Site, rows: int, helpers: int) -> int:
+    @staticmethod
+    def ahead_of(read: tuple | None, site: Site, rows: int, helpers: int) -> int:
         """How many blocks of this matmul each helper read ahead (the first of its share), given
-        `read`, what the last job's helpers were to read ahead of it. Each such read is tuned by
-        how the last went: a block more where every helper had finished before this job came,
-        a block fewer where one had not (it starts this job late)."""
-        _, n, seq, key, count = read
-        if key != (site.key, rows) or count != helpers:
+        `read`, what the last job's helpers were to read ahead: 0 where that was another's."""
+        if read is None or read[0] != site.job or read[3] != (site.key, rows) or read[4] != helpers:
             return 0
-        finished = all([h.slot[AHEAD_READ] == seq for h in self.helpers[:helpers]])
+        return read[1]
+
+    def tune(self, read: tuple) -> None:
+        """Tune a read-ahead by how it went: a block more where every helper had finished it before
+        the job it was for came, a block fewer where one had not (it started that job late)."""
+        _, n, seq, key, helpers = read
+        finished = all([h.ints[AHEAD_READ] == seq for h in self.helpers[:helpers]])
         self.tuned[key] = n + 1 if finished else max(1, n - 1)
-        return n
 
 
 @functools.lru_cache(maxsize=1024)

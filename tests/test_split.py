@@ -183,6 +183,48 @@ def test_the_helpers_read_the_next_matmul_ahead_and_it_gives_them_more_with_the_
     assert pool.read is None
 
 
+@pytest.mark.parametrize("kind", BLOCKS)
+def test_the_next_matmul_is_posted_before_its_input_and_the_helper_starts_it_at_once(
+        shared, tmp_path, monkeypatch, kind):
+    """Once a pass has run, its next matmul's job goes to the helper while the helper ends this
+    one, so it has the job before its input is in (asleep meanwhile, the input wakes it). A
+    different matmul coming instead costs nothing; the answers never change."""
+    monkeypatch.setattr(split, "PATIENCE_S", 10.0)   # a late helper is waited for, never skipped
+    rng = np.random.default_rng(6)
+    t = kind == "blocks_t"
+    ws = [rng.standard_normal((64, 64 * 9), dtype=np.float32) for _ in range(3)]
+    _, (a, b, c) = mapped(tmp_path, [to_blocks(w, kind) for w in ws])
+    first, then, other = split.Site(a, t, b), split.Site(b, t, a), split.Site(c, t)  # a, b, a, b, ...
+    x = rng.standard_normal((1, 64), dtype=np.float32)
+    want = [split.matmul(x, np.array(blocks), t) for blocks in (a, b, c)]  # whole, in this thread
+    np.testing.assert_allclose(want[0], x @ ws[0], rtol=1e-4, atol=1e-4)
+    shared(2)
+    until_helpers(1, x, a, t)
+    pool, slot = split._pool, split._pool.helpers[0].slot
+    for _ in range(2):                                               # the pass runs; `then` follows `first`
+        split.matmul_site(x, first)
+        split.matmul_site(x, then)
+    assert first.next is then and then.next is first
+    for step in range(6):
+        np.testing.assert_array_equal(split.matmul_site(x, first), want[0])
+        assert pool.pending[0] is then                               # posted before its input
+        job = pool.pending[1]
+        deadline = time.monotonic() + 30
+        while slot[split.STARTED] != job:                            # the helper holds it already
+            assert time.monotonic() < deadline, "the helper never took up the posted job"
+            time.sleep(0.001)
+        if step == 3:
+            while not slot[split.SLEEPING]:                          # and falls asleep waiting
+                assert time.monotonic() < deadline, "the helper never went to sleep"
+                time.sleep(SPIN_S)
+        if step == 4:                                                # another matmul comes instead
+            np.testing.assert_array_equal(split.matmul_site(x, other), want[2])
+            assert slot[split.DONE] == pool.seq > job                # the helper did that one
+            continue
+        np.testing.assert_array_equal(split.matmul_site(x, then), want[1])
+        assert slot[split.DONE] == job                               # the helper did its share
+
+
 def test_a_helper_that_dies_costs_the_sharing_not_the_answer(shared, tmp_path):
     rng = np.random.default_rng(3)
     _, (blocks,) = mapped(tmp_path, [rng.standard_normal((16, 64, 64), dtype=np.float32)])
