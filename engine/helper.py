@@ -91,8 +91,9 @@ def serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
             if job not in views:    # a decode step's jobs repeat: their views are made once
                 if len(views) > 4096:
                     views.clear()
-                views[job] = _views(job, maps, buf, x, out)
-            products(*views[job])
+                views[job] = _call(*_views(job, maps, buf, x, out))
+            fn, args = views[job]
+            fn(*args)
             ints[FAILED] = 0
         except Exception:  # noqa: BLE001 - the caller computes this share itself
             ints[FAILED] = 1
@@ -135,6 +136,14 @@ def _views(job: tuple, maps: list, buf: mmap.mmap, x: np.ndarray, out: np.ndarra
     w = maps[file][offset:offset + n * K * 64 * 4].view(np.float32)
     w = w.reshape((n, 64, K) if transposed else (n, K, 64))
     return x[:rows * K].reshape(rows, K), w, bool(transposed), out[at:at + n * rows * 64].reshape(n, rows, 64)
+
+
+def _call(x: np.ndarray, w: np.ndarray, transposed: bool, out: np.ndarray) -> tuple:
+    """(function, arguments) that compute a job: one row over transposed blocks straight as
+    `products` does it, its views made once (this runs between each job's input and its start)."""
+    if transposed and len(x) == 1:
+        return np.matmul, (w, x[0], out[:, 0])
+    return products, (x, w, transposed, out)
 
 
 def _map(path: str, dev: int, ino: int) -> mmap.mmap:
