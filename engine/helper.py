@@ -5,8 +5,8 @@ it imports only NumPy (its folder is not on sys.path: the engine's modules are n
 A job is a few integers in the helper's slot and the input rows in shared memory: which
 blocks of which mapped file, and which blocks of the pass's next matrix to read ahead once
 this job's share is in the output (docs/design.md §7). A job can come before its input (the
-caller posts the pass's next matmul while it waits for this one): the helper then reads its
-fields, reads ahead, and starts once the caller says the input is in (GO).
+caller posts the pass's next matmul while the helper ends this one): the helper then holds its
+fields and starts once the caller says the input is in (GO).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
             return                  # the engine's process is gone
         seq = ints[0]
         fields = tuple(ints[FIELDS])
-        if ints[0] != seq:
+        if seq < 0 or ints[0] != seq:
             continue                # its fields were being rewritten: read them again
         last = seq
         ints[STARTED] = seq

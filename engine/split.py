@@ -119,9 +119,9 @@ def warm(n: int, timeout: float = 2.0) -> int:
 class Site:
     """One matmul as a decode pass repeats it: its blocks and the pass's next matmul's (views
     that live as long as the weights), where each lies in a shared file, found once, and its
-    shares and read-ahead for each count of rows and helpers, worked out once. A step's own
-    Python runs between weight reads that empty this core's caches, so each call it saves
-    counts (a step of 121 matmuls: 26.6 -> 25.4 ms on a 2-core Xeon)."""
+    shares and read-ahead for each count of rows and helpers, worked out once: a step's own
+    Python runs between weight reads that empty this core's caches, and the helpers wait on it
+    (docs/design.md §7)."""
 
     __slots__ = ("blocks", "transposed", "then", "K", "nb", "job", "then_job", "rows", "key", "then_key",
                  "plans", "aheads", "next")
@@ -329,6 +329,7 @@ class _Pool:
         self.pending = (site, seq, rows, n, plan, read if cached else None)
 
     def plan_of(self, site: Site, rows: int, helpers: int, cached: int) -> tuple:
+        """`shares_of`, kept on the Site."""
         plan = site.plans.get((rows, helpers, cached))
         if plan is None:  # a decode step's jobs repeat: their shares are worked out once
             plan = site.plans[rows, helpers, cached] = self.shares_of(site, rows, helpers, cached)
