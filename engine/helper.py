@@ -1,5 +1,6 @@
-"""A decode helper process (engine/split.py starts them): the control block both sides map, the
-arithmetic both sides run, and the loop a helper runs. Run as a script, this file is a helper;
+"""A decode helper process (engine/split.py runs them): the control block both sides map, the
+arithmetic both sides run, the caller's handle on a helper (start, post, go, collect) and the
+loop a helper runs: both ends of a slot's protocol in one file. Run as a script, this file is a helper;
 it imports only NumPy (its folder is not on sys.path: the engine's modules are not NumPy's).
 
 A job is a few integers in the helper's slot and the input rows in shared memory: which
@@ -14,6 +15,8 @@ from __future__ import annotations
 import mmap
 import os
 import select
+import struct
+import sys
 import time
 
 import numpy as np
@@ -36,6 +39,7 @@ SLOTS_AT = PATHS_BYTES
 X_AT = SLOTS_AT + 64 * SLOT_INTS * 8
 OUT_AT = X_AT + X_FLOATS * 4
 CTL_BYTES = OUT_AT + OUT_FLOATS * 4
+_FIELDS = struct.Struct(f"{FIELDS.stop - FIELDS.start}q")
 
 
 def products(x: np.ndarray, blocks: np.ndarray, transposed: bool, out: np.ndarray | None = None):
@@ -53,6 +57,64 @@ def products(x: np.ndarray, blocks: np.ndarray, transposed: bool, out: np.ndarra
     if out is not None:
         out[...] = y
     return y if out is None else out
+
+
+class Handle:
+    """One helper process, its slot of the control block, the eventfd that wakes it and the pipe
+    whose end tells it this process is gone."""
+
+    def __init__(self, ctl_fd: int, index: int, slot: np.ndarray):
+        import subprocess
+        self.wake = os.eventfd(0)
+        gone, self.life = os.pipe()
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(  # -P: not this folder on sys.path (its modules are not NumPy's)
+            [sys.executable, "-P", os.path.abspath(__file__), *map(str, (ctl_fd, self.wake, gone, index))],
+            pass_fds=(ctl_fd, self.wake, gone), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        os.close(gone)
+        self.slot, self.ints = slot, memoryview(slot).cast("B").cast("q")
+
+    def post(self, seq: int, fields: tuple[int, ...]) -> None:
+        ints = self.ints                # the slot as a memoryview: a fifth of NumPy's cost an item
+        ints[0] = -1                    # a helper that read some fields before this sees them change
+        _FIELDS.pack_into(ints, 8, *fields)
+        ints[0] = seq                   # last: x86 makes every store above visible first
+        if ints[SLEEPING]:
+            self.poke()
+
+    def go(self, seq: int) -> None:
+        """The input of job `seq`, posted before it (gated), is in."""
+        ints = self.ints
+        ints[GO] = seq
+        if ints[SLEEPING]:
+            self.poke()
+
+    def poke(self) -> None:
+        os.eventfd_write(self.wake, 1)  # a dead helper is found by `collect`
+
+    def collect(self, seq: int, patience: float) -> str:
+        """"done" once the helper's share is in the output; "take" when this thread should compute
+        it, the helper being `patience` seconds late (asleep, or its core taken by another thread
+        such as a UI's); else what went wrong. A share taken back may still be computed by the
+        helper, into the output this thread then never reads for that job."""
+        spins, until, ints = 0, 0.0, self.ints
+        while ints[DONE] != seq:
+            spins += 1
+            if spins % 64 == 0:
+                now = time.perf_counter()
+                until = until or now + patience
+                if now > until:
+                    if self.slot[STARTED] != seq:
+                        self.slot[TAKEN] = seq  # the helper skips it if it has not read this far
+                    return self.trouble() or "take"
+        return f"helper {self.proc.pid} failed a job" if self.slot[FAILED] else "done"
+
+    def trouble(self) -> str:
+        """Why this helper cannot take shares (its last job failed, or it died), else ""."""
+        if self.slot[FAILED]:
+            return f"helper {self.proc.pid} failed a job"
+        return f"helper {self.proc.pid} died" if self.proc.poll() is not None else ""
+
 
 
 def serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:

@@ -32,7 +32,6 @@ import functools
 import mmap
 import os
 import platform
-import struct
 import sys
 import threading
 import time
@@ -44,22 +43,17 @@ from .helper import (
     AHEAD_READ,
     CHUNK_ROWS,
     CTL_BYTES,
-    DONE,
-    FAILED,
-    FIELDS,
-    GO,
     OUT_AT,
     OUT_FLOATS,
     PATHS_BYTES,
     READY,
     SHARE_ROWS,
-    SLEEPING,
     SLOT_INTS,
     SLOTS_AT,
     STARTED,
-    TAKEN,
     X_AT,
     X_FLOATS,
+    Handle,
     products,
 )
 
@@ -70,12 +64,10 @@ AHEAD_BYTES = 256 << 10     # what a helper first reads ahead of the next matmul
 CACHED_COST = (0.35, 0.7)   # a block a helper read ahead costs it this much of one from memory: for
 #                             one row or two (a 2-core Xeon: 9 blocks, from L2 in 33 us, from memory 88),
 #                             and for more, whose arithmetic stays (8 rows: 0.35 made the step 13% slower)
-HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helper.py")
 NO_AHEAD = ((0, 0),) * 64     # (offset, bytes) for each helper: nothing to read ahead
 SUPPORTED = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
 
 _F32 = np.dtype(np.float32)
-_FIELDS = struct.Struct(f"{FIELDS.stop - FIELDS.start}q")
 _parts = 1
 _files: list[tuple[str, weakref.ref, int, int]] = []  # ("dev inode path", its map, address, bytes)
 _busy = threading.Lock()
@@ -179,63 +171,6 @@ def _pool_or_start() -> _Pool:
     return _pool
 
 
-class _Helper:
-    """One helper process, its slot of the control block, the eventfd that wakes it and the pipe
-    whose end tells it this process is gone."""
-
-    def __init__(self, ctl_fd: int, index: int, slot: np.ndarray):
-        import subprocess
-        self.wake = os.eventfd(0)
-        gone, self.life = os.pipe()
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(  # -P: not this folder on sys.path (its modules are not NumPy's)
-            [sys.executable, "-P", HELPER, *map(str, (ctl_fd, self.wake, gone, index))],
-            pass_fds=(ctl_fd, self.wake, gone), env=env, stdin=subprocess.DEVNULL, close_fds=True)
-        os.close(gone)
-        self.slot, self.ints = slot, memoryview(slot).cast("B").cast("q")
-
-    def post(self, seq: int, fields: tuple[int, ...]) -> None:
-        ints = self.ints                # the slot as a memoryview: a fifth of NumPy's cost an item
-        ints[0] = -1                    # a helper that read some fields before this sees them change
-        _FIELDS.pack_into(ints, 8, *fields)
-        ints[0] = seq                   # last: x86 makes every store above visible first
-        if ints[SLEEPING]:
-            self.poke()
-
-    def go(self, seq: int) -> None:
-        """The input of job `seq`, posted before it (gated), is in."""
-        ints = self.ints
-        ints[GO] = seq
-        if ints[SLEEPING]:
-            self.poke()
-
-    def poke(self) -> None:
-        os.eventfd_write(self.wake, 1)  # a dead helper is found by `collect`
-
-    def collect(self, seq: int, patience: float) -> str:
-        """"done" once the helper's share is in the output; "take" when this thread should compute
-        it, the helper being `patience` seconds late (asleep, or its core taken by another thread
-        such as a UI's); else what went wrong. A share taken back may still be computed by the
-        helper, into the output this thread then never reads for that job."""
-        spins, until, ints = 0, 0.0, self.ints
-        while ints[DONE] != seq:
-            spins += 1
-            if spins % 64 == 0:
-                now = time.perf_counter()
-                until = until or now + patience
-                if now > until:
-                    if self.slot[STARTED] != seq:
-                        self.slot[TAKEN] = seq  # the helper skips it if it has not read this far
-                    return self.trouble() or "take"
-        return f"helper {self.proc.pid} failed a job" if self.slot[FAILED] else "done"
-
-    def trouble(self) -> str:
-        """Why this helper cannot take shares (its last job failed, or it died), else ""."""
-        if self.slot[FAILED]:
-            return f"helper {self.proc.pid} failed a job"
-        return f"helper {self.proc.pid} died" if self.proc.poll() is not None else ""
-
-
 class _Pool:
     """The control block (shared memory: paths, slots, input rows, output) and the helpers."""
 
@@ -259,13 +194,13 @@ class _Pool:
         text = "".join(f[0] + "\n" for f in _files).encode()[:PATHS_BYTES]
         self.buf[:len(text)] = text
 
-    def ready(self, n: int) -> list[_Helper]:
+    def ready(self, n: int) -> list[Handle]:
         """The first n helpers that are up (starting any missing; they come up in ~0.2 s)."""
         if n <= self.up:
             return self.helpers[:n]
         while len(self.helpers) < min(n, 63):
             i = len(self.helpers)
-            self.helpers.append(_Helper(self.fd, i, self.slots[i]))
+            self.helpers.append(Handle(self.fd, i, self.slots[i]))
         while self.up < len(self.helpers) and self.helpers[self.up].slot[READY]:
             self.up += 1
         return self.helpers[:min(n, self.up)]
@@ -314,7 +249,7 @@ class _Pool:
             products(x, site.blocks[lo:hi], site.transposed, mine[lo:hi])
         return result.reshape(N, nb * C)                                       # [N, out]
 
-    def post_next(self, site: Site, rows: int, helpers: list[_Helper]) -> None:
+    def post_next(self, site: Site, rows: int, helpers: list[Handle]) -> None:
         """Post the job of `site`, the pass's next matmul, before its input: the helpers read its
         fields once done with this one and start as soon as its input is in (`go`)."""
         n = len(helpers)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from engine import split
-from engine.helper import SPIN_S
+from engine.helper import DONE, SLEEPING, SPIN_S, TAKEN
 from engine.layout import BLOCKS, blocks_matmul, to_blocks
 
 pytestmark = pytest.mark.skipif(not split.SUPPORTED, reason="helpers run on x86-64 Linux only")
@@ -224,16 +224,16 @@ def test_the_next_matmul_is_posted_before_its_input_and_the_helper_starts_it_at_
         job = pool.pending[1]
         holds(job)                                                   # the helper holds it already
         if step == 3:
-            while not slot[split.SLEEPING]:                          # and falls asleep waiting
+            while not slot[SLEEPING]:                                # and falls asleep waiting
                 assert time.monotonic() < deadline, "the helper never went to sleep"
                 time.sleep(SPIN_S)
         if step == 4:                                                # another matmul comes instead
             np.testing.assert_array_equal(split.matmul_site(x, other), want[2])
-            assert slot[split.DONE] == pool.seq > job                # the helper did that one
+            assert slot[DONE] == pool.seq > job                      # the helper did that one
             runs()
             continue
         np.testing.assert_array_equal(split.matmul_site(x, then), want[1])
-        assert slot[split.DONE] == job                               # the helper did its share
+        assert slot[DONE] == job                                     # the helper did its share
 
 
 def test_a_helper_that_dies_costs_the_sharing_not_the_answer(shared, tmp_path):
@@ -289,12 +289,12 @@ def test_a_sleeping_helper_wakes_for_the_next_job_and_does_it(shared, tmp_path, 
     slot = split._pool.helpers[0].slot
     for _ in range(3):
         deadline = time.monotonic() + 30
-        while not slot[split.SLEEPING]:              # asleep
+        while not slot[SLEEPING]:                    # asleep
             assert time.monotonic() < deadline, "the helper never went to sleep"
             time.sleep(SPIN_S)
         want = np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1)
         np.testing.assert_array_equal(split.matmul(x, blocks), want)
-        assert slot[split.DONE] == split._pool.seq and slot[split.TAKEN] != split._pool.seq  # done by it
+        assert slot[DONE] == split._pool.seq and slot[TAKEN] != split._pool.seq  # done by it
 
 
 def test_a_file_replaced_since_it_was_mapped_is_never_read_by_a_helper(shared, tmp_path):
