@@ -256,3 +256,25 @@ def test_w8_section_times_whole_runs_idle_and_beside_busy_processes(real_model):
         assert close(figures[name]["value"], min(walls[f"busy{n}"]) / min(walls["idle"]))
         assert figures[name]["target"] == TARGETS[name][0] and figures[name]["pass"] is not None
     assert figures["w8_first_token_s"]["value"] > 0 and figures["w8_first_token_s"]["pass"] is not None
+
+
+@pytest.mark.model
+def test_serve_section_keeps_our_server_when_llama_cpps_cannot_start(real_model, monkeypatch):
+    from app.bench import serve
+    real = serve._measure
+
+    def measure(cmd, *args):  # llama.cpp's server as it exits without its extras installed
+        if "llama_cpp.server" in cmd:
+            cmd = [sys.executable, "-c", "raise SystemExit(\"No module named 'sse_starlette'\")"]
+        return real(cmd, *args)
+
+    monkeypatch.setattr(serve, "_measure", measure)
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
+    figures, details = serve.serve_figures(real_model.path, True, real_model.tokenizer.eos_ids)
+    assert figures["serve_w8_wall_s"]["value"] > 0 and "serve_w8_wall_ratio" not in figures
+    assert details["llama_cpp"]["available"] is False and "sse_starlette" in details["llama_cpp"]["reason"]
+    from app.bench.common import machine_info
+    table = bench.format_table({"machine": machine_info(), "model": {}, "figures": figures, "errors": {},
+                                "quick": True, "details": {"serve": details},
+                                "targets": bench.target_summary(figures)})
+    assert "llama.cpp's server not measured" in table and "llama-cpp-python[server]" in table

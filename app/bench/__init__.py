@@ -276,6 +276,9 @@ def format_table(result: dict) -> str:
     peer = result["details"].get("peer")
     if peer is not None and not peer.get("available"):
         tail.append(f"peer: not measured ({peer.get('reason')})")
+    peer_server = (result["details"].get("serve") or {}).get("llama_cpp")
+    if isinstance(peer_server, dict) and peer_server.get("available") is False:
+        tail.append(f"serve: llama.cpp's server not measured ({peer_server['reason']})")
     ui = result["details"].get("ui")
     if ui is not None and not ui.get("available"):
         tail.append(f"ui: not measured ({ui.get('reason')})")
