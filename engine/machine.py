@@ -5,16 +5,24 @@ from __future__ import annotations
 import platform
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform says."""
+def cpu_model(path: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name and x86 family/model numbers (/proc/cpuinfo), else what platform says.
+    The numbers tell CPU generations apart where a VM names them all alike ("AMD EPYC": Zen 4 is
+    family 25, Zen 5 26), and the layout probe's measurement is kept per CPU (engine/layout.py)."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+        with open(path, encoding="utf-8") as fh:
             for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first CPU's fields end at its blank line
+                fields.setdefault(key.strip().lower(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def blas_runtime() -> dict:

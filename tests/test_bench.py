@@ -278,3 +278,14 @@ def test_serve_section_keeps_our_server_when_llama_cpps_cannot_start(real_model,
                                 "quick": True, "details": {"serve": details},
                                 "targets": bench.target_summary(figures)})
     assert "llama.cpp's server not measured" in table and "llama-cpp-python[server]" in table
+
+
+def test_the_cpu_is_named_with_its_family_and_model_where_a_vm_names_every_generation_alike(tmp_path):
+    from engine.machine import cpu_model
+    cpu = ("processor\t: {}\nvendor_id\t: AuthenticAMD\ncpu family\t: {}\nmodel\t\t: {}\n"
+           "model name\t: AMD EPYC\n\n")
+    zen5, zen4 = tmp_path / "zen5", tmp_path / "zen4"
+    zen5.write_text(cpu.format(0, 26, 2) + cpu.format(1, 26, 2))
+    zen4.write_text(cpu.format(0, 25, 17))
+    assert cpu_model(str(zen5)) == "AMD EPYC (family 26, model 2)"
+    assert cpu_model(str(zen4)) != cpu_model(str(zen5))  # the layout probe's record is kept per CPU
