@@ -1,7 +1,8 @@
 """A decode helper process (engine/split.py runs them): the control block both sides map, the
 arithmetic both sides run, the caller's handle on a helper (start, post, go, collect) and the
-loop a helper runs: both ends of a slot's protocol in one file. Run as a script, this file is a helper;
-it imports only NumPy (its folder is not on sys.path: the engine's modules are not NumPy's).
+loop a helper runs, so both ends of a slot's protocol are in one file. Run as a script, this
+file is a helper; it imports only NumPy (its folder is not on sys.path: the engine's modules
+are not NumPy's).
 
 A job is a few integers in the helper's slot and the input rows in shared memory: which
 blocks of which mapped file, and which blocks of the pass's next matrix to read ahead once
@@ -114,7 +115,6 @@ class Handle:
         if self.slot[FAILED]:
             return f"helper {self.proc.pid} failed a job"
         return f"helper {self.proc.pid} died" if self.proc.poll() is not None else ""
-
 
 
 def serve(ctl_fd: int, wake_fd: int, gone_fd: int, index: int) -> None:
