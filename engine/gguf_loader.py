@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -140,12 +141,36 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
             raise ModelLoadError(f"{path}: missing tensor '{name}' (expected shape {shape})")
         if t.shape != shape:
             raise ModelLoadError(f"{path}: tensor '{name}' has shape {t.shape}, expected {shape}")
-    name = meta.get("general.name")
     return GGUFFile(
-        path=path, header=header, arch=arch,
-        name=str(name) if isinstance(name, str) and name else os.path.splitext(os.path.basename(path))[0],
+        path=path, header=header, arch=arch, name=display_name(meta, path),
         quant=_quant_name(meta, tensors), config=cfg, tied_output=tied,
     )
+
+
+# A quantization tag at the end of a file name: "SmolLM2-135M-Instruct.Q4_1", "gemma-3-270m-it-Q4_K_M".
+_QUANT_TAG = re.compile(r"[.\-_](?:i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+def _words(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def display_name(meta: dict, path: str) -> str:
+    """The model's name for people: `general.name`, unless it is a build string.
+
+    Converters fill `general.name` from the checkpoint's folder, so it can carry a training run's
+    tag ("Smollm2 135M 8k Lc100K Mix1 Ep2": its `general.finetune` with digits in it). Then the
+    file's own name says more ("SmolLM2-135M-Instruct"), less its quantization tag.
+    """
+    stem = _QUANT_TAG.sub("", os.path.splitext(os.path.basename(path))[0]) or os.path.basename(path)
+    name = meta.get("general.name")
+    if not isinstance(name, str) or not name.strip():
+        return stem
+    finetune = meta.get("general.finetune")
+    tag = _words(finetune) if isinstance(finetune, str) else ""
+    if tag and any(c.isdigit() for c in tag) and tag in _words(name):
+        return stem
+    return name.strip()
 
 
 def _array(gf: GGUFFile, key: str, kinds: tuple[str, ...]):

@@ -11,6 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from PySide6.QtCore import Qt  # noqa: E402
 from PySide6.QtGui import QKeySequence  # noqa: E402
+from PySide6.QtWidgets import QAbstractButton  # noqa: E402
 
 from engine.metrics import PAGE_STATE_NAMES  # noqa: E402
 from tests.gui_helpers import PROMPTS, RUN_TIMEOUT_MS, SYSTEM, drop_file, set_settings  # noqa: E402
@@ -37,6 +38,11 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     assert w.act_stop_all.shortcut() == QKeySequence("Esc")
     assert w.act_open.shortcut() == QKeySequence("Ctrl+O")
     assert w.act_export.shortcut() == QKeySequence("Ctrl+E")
+    assert w.model_bar.name.text() == "SmolLM2-135M-Instruct"  # the file's name, not a build string
+    for label in ("Run all", "Stop all"):  # one button each, beside the prompts
+        shown = [b for b in w.findChildren(QAbstractButton)
+                 if b.isVisible() and b.text().replace("&", "").startswith(label)]
+        assert len(shown) == 1, (label, [b.text() for b in shown])
 
     set_settings(d, max_new_tokens=8)
     uids = type_prompts(qtbot, d.window, PROMPTS)

@@ -414,3 +414,25 @@ def test_the_copy_settled_in_huge_pages_is_the_one_a_forward_pass_reads(gguf, ca
         assert w.read_copy(name) is w.block_copies[kind][name]
         w.block_copies[kind].pop(name)
         assert w.read_copy(name) is getattr(w, name)
+
+
+@pytest.mark.model
+def test_bundled_model_is_named_by_its_file_not_its_build_string():
+    """SmolLM2's `general.name` is a training run's tag ("Smollm2 135M 8k Lc100K Mix1 Ep2"):
+    the model bar, reports and the window title show the file's name instead."""
+    m = engine.load_model(engine.default_model_path())
+    assert m.name == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("meta,file,expected", [
+    ({"general.name": "Smollm2 135M 8k Lc100K Mix1 Ep2", "general.finetune": "8k-lc100k-mix1-ep2"},
+     "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    ({"general.name": "Gemma 3 270m It", "general.finetune": "it"}, "gemma-3-270m-it-Q4_K_M.gguf",
+     "Gemma 3 270m It"),  # a plain finetune word is a name, not a build string
+    ({"general.name": "Qwen3 0.6B"}, "Qwen3-0.6B-Q8_0.gguf", "Qwen3 0.6B"),
+    ({}, "gemma-3-270m-it-Q4_K_M.gguf", "gemma-3-270m-it"),
+    ({"general.name": "  "}, "model.f16.gguf", "model"),
+])
+def test_display_name(meta, file, expected):
+    from engine.gguf_loader import display_name
+    assert display_name(meta, f"/models/{file}") == expected

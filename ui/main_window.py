@@ -243,7 +243,9 @@ class MainWindow(AskAndTell, QMainWindow):
         tb.setObjectName("mainToolbar")
         tb.setMovable(False)
         tb.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
-        for act in (self.act_run_all, self.act_stop_all, self.act_flush, self.act_server, self.act_settings):
+        # Run all and Stop all are the prompt pane's buttons (and the Run menu's, with their keys):
+        # one of each on screen, beside the prompts they act on.
+        for act in (self.act_flush, self.act_server, self.act_settings):
             tb.addAction(act)
         tb.addSeparator()
         self.model_bar = ModelBar()
