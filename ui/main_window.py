@@ -40,7 +40,7 @@ from .theme import apply_theme, current_theme, icon, titled_box
 from .whatif_panel import WhatIfPanel
 from .window_state import THEME_KEY, default_size, restore_window, save_window
 
-DEFAULT_SPLIT = [290, 470, 640]  # the charts need ~600 px
+DEFAULT_SPLIT = [250, 330, 700]  # 1280 px: the charts need ~700, a card ~300
 DROP_SUFFIXES = (".gguf", ".json")
 POOL_TIP = "KV pool pages by state, cached chains, hits and prefill saved"
 

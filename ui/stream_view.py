@@ -16,10 +16,11 @@ from PySide6.QtWidgets import (
 
 from engine.metrics import hit_rate
 
+from .flow_layout import FlowLayout
 from .format import secs
 from .theme import card_button, color, repolish
 
-CARD_MIN_WIDTH = 320
+CARD_MIN_WIDTH = 240  # four badges on two lines, the answer wrapped
 CARD_HEIGHT = 250
 
 
@@ -78,15 +79,13 @@ class StreamView(QFrame):
         head.addWidget(self.stop_button)
         lay.addLayout(head)
 
-        badges = QHBoxLayout()
-        badges.setSpacing(4)
+        badges = FlowLayout(spacing=4)  # the badges wrap in a narrow column, never cut
         self.badge_cache = _badge("cache")
         self.badge_ttft = _badge()
         self.badge_tps = _badge()
         self.badge_reason = _badge()
         for b in (self.badge_cache, self.badge_ttft, self.badge_tps, self.badge_reason):
             badges.addWidget(b)
-        badges.addStretch(1)
         lay.addLayout(badges)
 
         self.view = QTextEdit()

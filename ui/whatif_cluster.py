@@ -12,6 +12,7 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QVBoxLayout, QWidget
 
 from .colors import theme_for
+from .flow_layout import FlowLayout
 from .whatif import PlotStack
 
 # Okabe-Ito hues, one per router (colour-blind safe).
@@ -98,7 +99,7 @@ class ClusterControls(QWidget):
         self.run_button = QPushButton("Run cluster")
         rows = QVBoxLayout(self)
         rows.setContentsMargins(0, 0, 0, 0)
-        row, checks = QHBoxLayout(), QHBoxLayout()
+        row, checks = QHBoxLayout(), FlowLayout(spacing=8)  # six routers wrap in a narrow pane
         for label, edit in (("replicas", self.replicas), ("pages each", self.budgets)):
             row.addWidget(QLabel(label))
             edit.setMaximumWidth(110)
@@ -107,7 +108,6 @@ class ClusterControls(QWidget):
         row.addWidget(self.run_button)
         for box in self.routers.values():
             checks.addWidget(box)
-        checks.addStretch(1)
         rows.addLayout(row)
         rows.addLayout(checks)
         self.run_button.clicked.connect(self._run)

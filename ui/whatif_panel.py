@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .flow_layout import FlowLayout
 from .whatif import POLICY_COLORS, WhatIfChart
 from .whatif_cluster import CLUSTER_COLUMNS, ClusterChart, ClusterControls, cluster_cells
 
@@ -79,13 +80,15 @@ class WhatIfPanel(QWidget):
         form.addRow("Page sizes (tokens)", self.page_rows)
         form.addRow("Capacities (pages)", self.budgets)
         form.addRow("Disk tiers (pages)", self.disk_budgets)
-        checks = QHBoxLayout()
+        checks = FlowLayout(spacing=8)  # the policies wrap in a narrow pane
         for box in self.policies.values():
             checks.addWidget(box)
-        checks.addStretch(1)
-        checks.addWidget(self.progress)
-        checks.addWidget(self.run_button)
+        run_row = QHBoxLayout()
+        run_row.addWidget(self.progress, 1)
+        run_row.addStretch(1)
+        run_row.addWidget(self.run_button)
         form.addRow("Eviction policies", checks)
+        form.addRow("", run_row)
         form.addRow("Cluster", self.cluster)
         layout = QVBoxLayout(self)
         layout.addLayout(top)
