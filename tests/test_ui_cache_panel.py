@@ -10,8 +10,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from PySide6.QtCore import QEvent, Qt  # noqa: E402
-from PySide6.QtGui import QHelpEvent  # noqa: E402
+from PySide6.QtCore import QEvent, QPoint, QPointF, Qt  # noqa: E402
+from PySide6.QtGui import QHelpEvent, QMouseEvent, QWheelEvent  # noqa: E402
 from PySide6.QtWidgets import QApplication, QToolTip, QWidget  # noqa: E402
 
 from engine.chat import chat_prompt, turn_messages  # noqa: E402
@@ -347,3 +347,59 @@ def test_summary_names_the_page_dtype_and_bytes(run, panel):
     text = panel.summary.text()
     assert snap.kv_dtype == "float32" and "float32" in text
     assert f"{snap.bytes_per_page / 1024:,.0f} KiB each" in text
+
+
+def default_pool_pages() -> int:
+    """The pool the app and serve start with: the default KV budget of this machine's RAM, in
+    SmolLM2's 16-position float32 pages (~3,400 on 24 GB)."""
+    from types import SimpleNamespace
+
+    from app.serve.budget import DEFAULT_KV_BUDGET, budget_pages, parse_budget
+    smollm2 = SimpleNamespace(config=SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64))
+    return budget_pages(parse_budget(DEFAULT_KV_BUDGET), smollm2, 16)
+
+
+def test_page_map_of_the_default_pool_draws_pages_in_use_at_a_readable_size(qtbot):
+    """W8 under the default budget uses ~18 of ~3,400 pages: those are cells a person can point at,
+    and the free rest is a line of text, not 3,400 dots."""
+    n = max(default_pool_pages(), 3000)
+    states = np.zeros(n, dtype=np.int8)
+    states[:12], states[12:16], states[16:18] = PAGE_PRIVATE, PAGE_SHARED, PAGE_CACHED
+    pm = PageMap()
+    qtbot.addWidget(pm)
+    pm.resize(640, 300)  # the Cache tab's map at 1280x800
+    pm.set_pages(states, (states > 0).astype(np.int64))
+    pm.show()
+    qtbot.waitExposed(pm)
+    for page in range(18):
+        r = pm.cell_rect(page)
+        assert r.width() >= 8 and r.height() >= 8 and pm.rect().contains(r), (page, r)
+        assert pm.page_at(r.center()) == page
+    pos = pm.cell_rect(13).center()  # hovering a shared page shows its tooltip
+    QApplication.sendEvent(pm, QHelpEvent(QEvent.Type.ToolTip, pos, pm.mapToGlobal(pos)))
+    assert QToolTip.text() == pm.tooltip_for(13) and "shared" in QToolTip.text()
+    shown = pm.shown_pages()
+    assert shown.start == 0 and 18 <= len(shown) < n
+    assert f"{n - len(shown):,} free pages" in pm.summary() and f"of {n:,}" in pm.summary()
+    assert pm.cell_rect(n - 1).isEmpty()  # not drawn: summed up instead
+    # the wheel pans to the rest, a page in use far away is counted until it is drawn
+    states[n - 1] = PAGE_PRIVATE
+    pm.set_pages(states)
+    assert "and 1 in use" in pm.summary()
+    for _ in range(200):
+        pm.wheelEvent(QWheelEvent(QPointF(10, 40), QPointF(pm.mapToGlobal(QPoint(10, 40))), QPoint(0, 0),
+                                  QPoint(0, -120), Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier,
+                                  Qt.ScrollPhase.NoScrollPhase, False))
+    assert n - 1 in pm.shown_pages() and pm.cell_rect(n - 1).width() >= 8
+    pm.mouseDoubleClickEvent(QMouseEvent(QEvent.Type.MouseButtonDblClick, QPointF(10, 40),
+                                         QPointF(pm.mapToGlobal(QPoint(10, 40))), Qt.MouseButton.LeftButton,
+                                         Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier))
+    assert pm.shown_pages().start == 0  # fit: back to the region in use
+
+
+def test_small_pool_still_shows_every_page(qtbot):
+    pm = PageMap()
+    qtbot.addWidget(pm)
+    pm.resize(640, 300)
+    pm.set_pages(np.zeros(64, dtype=np.int8))  # the tour's pool
+    assert pm.shown_pages() == range(64) and pm.summary() == ""

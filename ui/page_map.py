@@ -21,6 +21,8 @@ MAX_IMAGE_CELL = 40
 MIN_CELL = 2
 LABEL_CELL = 18      # cells at least this big show their reference count
 LEGEND_H = 24
+SUMMARY_H = 18       # the line under a map that shows part of the pool
+READABLE_CELL = 10   # the smallest cell a person can point at and tell the colour of
 MARGIN = 6
 STATE_WORDS = {
     PAGE_FREE: "free",
@@ -88,8 +90,28 @@ def grid_image(colors: np.ndarray, geo: GridGeometry, background: QColor) -> QIm
     return qimg.copy()  # own the pixels: `img` dies with this frame
 
 
+@dataclass(frozen=True)
+class MapView:
+    """What the map draws: `count` pages from page `first`, laid out by `geo` from `origin`."""
+
+    geo: GridGeometry
+    origin: QPoint
+    first: int
+    count: int
+
+    def index(self, page: int) -> int | None:
+        """The page's cell number in this view, or None when it is not drawn."""
+        i = page - self.first
+        return i if 0 <= i < self.count else None
+
+
 class PageMap(QWidget):
-    """One cell per pool page coloured free/private/shared/cached, with a legend and tooltips."""
+    """One cell per pool page coloured free/private/shared/cached, with a legend and tooltips.
+
+    A pool too large to draw at a readable cell size (the default KV budget makes ~3,400 pages)
+    shows the region in use at a readable size and sums up the rest in a line under it; the
+    wheel pans over the rest, Ctrl+wheel zooms, a double click fits again.
+    """
 
     page_clicked = Signal(int)
 
@@ -107,6 +129,8 @@ class PageMap(QWidget):
         self._hover: int | None = None
         self._cache_key = None
         self._cache_img = QImage()
+        self._first_row = 0          # the pan: the first row of cells drawn
+        self._zoom: int | None = None  # a cell size the wheel chose; None: fit the region in use
 
     # data -------------------------------------------------------------
     def set_snapshot(self, snapshot: Snapshot) -> None:
@@ -193,21 +217,47 @@ class PageMap(QWidget):
 
     def page_at(self, pos: QPoint) -> int | None:
         """The page under a widget position, or None."""
-        geo, origin = self._layout(self.rect())
-        x, y = pos.x() - origin.x(), pos.y() - origin.y()
+        view = self._view(self.rect())
+        geo = view.geo
+        x, y = pos.x() - view.origin.x(), pos.y() - view.origin.y()
         if x < 0 or y < 0:
             return None
         col, ox = divmod(x, geo.pitch)
         row, oy = divmod(y, geo.pitch)
         if col >= geo.cols or ox >= geo.cell or oy >= geo.cell:
             return None
-        page = row * geo.cols + col
-        return page if page < len(self._states) else None
+        i = row * geo.cols + col
+        return view.first + i if i < view.count else None
 
     def cell_rect(self, page: int) -> QRect:
-        """Where a page's cell is drawn in the widget."""
-        geo, origin = self._layout(self.rect())
-        return geo.cell_rect(page, origin)
+        """Where a page's cell is drawn in the widget (an empty rect when it is not drawn now)."""
+        view = self._view(self.rect())
+        i = view.index(page)
+        return QRect() if i is None else view.geo.cell_rect(i, view.origin)
+
+    def shown_pages(self) -> range:
+        """The pages drawn now (all of them, or the region in use and what the pan shows)."""
+        view = self._view(self.rect())
+        return range(view.first, view.first + view.count)
+
+    def wheelEvent(self, e) -> None:  # noqa: N802 - Qt's name
+        steps = e.angleDelta().y() // 120
+        if not steps:
+            return super().wheelEvent(e)
+        view = self._view(self.rect())
+        if e.modifiers() & Qt.KeyboardModifier.ControlModifier:  # zoom
+            self._zoom = max(MIN_CELL, min(MAX_CELL, view.geo.cell + 2 * steps))
+        else:  # pan by rows
+            self._first_row = max(0, view.first // max(view.geo.cols, 1) - 3 * steps)
+        self._cache_key = None
+        self.update()
+        e.accept()
+
+    def mouseDoubleClickEvent(self, e) -> None:  # noqa: N802 - Qt's name
+        self._first_row, self._zoom = 0, None  # fit the region in use again
+        self._cache_key = None
+        self.update()
+        super().mouseDoubleClickEvent(e)
 
     def event(self, e: QEvent) -> bool:
         if e.type() == QEvent.Type.ToolTip:
@@ -244,10 +294,43 @@ class PageMap(QWidget):
     def sizeHint(self) -> QSize:  # noqa: N802
         return QSize(420, 220)
 
-    def _layout(self, rect: QRect, max_cell: int = MAX_CELL) -> tuple[GridGeometry, QPoint]:
+    def _view(self, rect: QRect, max_cell: int = MAX_CELL) -> MapView:
+        """The whole pool when it fits at a readable cell size (or the wheel zoomed out to it);
+        else the region in use (up to the last page not free) at the largest readable cells,
+        from the panned row, with a summary line under it."""
         area = rect.adjusted(MARGIN, MARGIN + LEGEND_H, -MARGIN, -MARGIN)
-        geo = fit_grid(len(self._states), area.width(), area.height(), max_cell)
-        return geo, area.topLeft()
+        n = len(self._states)
+        whole = fit_grid(n, area.width(), area.height(), max_cell)
+        if self._zoom is None and whole.cell >= READABLE_CELL:
+            return MapView(whole, area.topLeft(), 0, n)
+        area.setBottom(area.bottom() - SUMMARY_H)
+        if self._zoom is not None:
+            cell = self._zoom
+        else:
+            used = np.flatnonzero(self._states != PAGE_FREE)
+            region = int(used[-1]) + 1 if len(used) else 1
+            cell = max(READABLE_CELL, fit_grid(region, area.width(), area.height(), max_cell).cell)
+        gap = 2 if cell >= 9 else 1
+        cols = max(1, (area.width() + gap) // (cell + gap))
+        rows = max(1, (area.height() + gap) // (cell + gap))
+        if cols * rows >= n:  # zoomed out far enough to see it all
+            return MapView(GridGeometry(cell, gap, cols, math.ceil(n / cols)), area.topLeft(), 0, n)
+        last_row = max(0, math.ceil(n / cols) - rows)
+        first = min(self._first_row, last_row) * cols
+        count = min(n - first, cols * rows)
+        return MapView(GridGeometry(cell, gap, cols, math.ceil(count / cols)), area.topLeft(), first, count)
+
+    def summary(self, view: MapView | None = None) -> str:
+        """The line under a partial map: which pages it shows and what the rest hold."""
+        view = view or self._view(self.rect())
+        n = len(self._states)
+        if view.count >= n:
+            return ""
+        hidden = np.concatenate([self._states[:view.first], self._states[view.first + view.count:]])
+        in_use = int(np.count_nonzero(hidden != PAGE_FREE))
+        rest = f"{len(hidden) - in_use:,} free pages" + (f" and {in_use:,} in use" if in_use else "")
+        return (f"pages {view.first:,}–{view.first + view.count - 1:,} of {n:,}; {rest} not drawn "
+                "(wheel: scroll, Ctrl+wheel: zoom, double click: fit)")
 
     def _colors(self, theme: Theme) -> np.ndarray:
         lut = np.zeros((4, 4), dtype=np.uint8)
@@ -261,22 +344,31 @@ class PageMap(QWidget):
         """Draw legend, grid and outlines into rect (the widget and render_image share this)."""
         painter.fillRect(rect, theme.color("background"))
         self._paint_legend(painter, rect, theme)
-        geo, origin = self._layout(rect, max_cell)
         if not len(self._states):
             painter.setPen(theme.color("muted"))
             painter.drawText(rect.adjusted(0, LEGEND_H, 0, 0), Qt.AlignmentFlag.AlignCenter,
                              "No pool yet: the map fills in when the engine runs.")
             return
-        key = (self._states.tobytes(), geo, theme)
+        view = self._view(rect, max_cell)
+        geo, origin = view.geo, view.origin
+        shown = slice(view.first, view.first + view.count)
+        key = (self._states.tobytes(), geo, view.first, view.count, theme)
         if cached and key == self._cache_key:
             img = self._cache_img
         else:
-            img = grid_image(self._colors(theme), geo, theme.color("background"))
+            img = grid_image(self._colors(theme)[shown], geo, theme.color("background"))
             if cached:
                 self._cache_key, self._cache_img = key, img
         painter.drawImage(origin, img)
+        if view.count < len(self._states):
+            painter.setPen(theme.color("muted"))
+            painter.drawText(QRect(rect.left() + MARGIN, rect.bottom() - MARGIN - SUMMARY_H + 1,
+                                   rect.width() - 2 * MARGIN, SUMMARY_H),
+                             Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft,
+                             QFontMetrics(painter.font()).elidedText(
+                                 self.summary(view), Qt.TextElideMode.ElideRight, rect.width() - 2 * MARGIN))
         if geo.cell >= LABEL_CELL:
-            self._paint_refcounts(painter, geo, origin, theme)
+            self._paint_refcounts(painter, view, theme)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing, False)
         painter.setBrush(Qt.BrushStyle.NoBrush)
         if len(self._highlight):
@@ -285,23 +377,27 @@ class PageMap(QWidget):
             painter.setPen(pen)
             outset = 1 if geo.cell >= 6 else 0
             for page in self._highlight:
-                painter.drawRect(geo.cell_rect(int(page), origin).adjusted(-outset, -outset, outset - 1,
-                                                                            outset - 1))
-        if self._hover is not None and cached:
+                i = view.index(int(page))
+                if i is not None:
+                    rect_i = geo.cell_rect(i, origin)
+                    painter.drawRect(rect_i.adjusted(-outset, -outset, outset - 1, outset - 1))
+        hover = view.index(self._hover) if self._hover is not None else None
+        if hover is not None and cached:
             painter.setPen(QPen(theme.color("hover"), 1))
-            painter.drawRect(geo.cell_rect(self._hover, origin).adjusted(-1, -1, 0, 0))
+            painter.drawRect(geo.cell_rect(hover, origin).adjusted(-1, -1, 0, 0))
 
-    def _paint_refcounts(self, painter: QPainter, geo: GridGeometry, origin: QPoint, theme: Theme) -> None:
+    def _paint_refcounts(self, painter: QPainter, view: MapView, theme: Theme) -> None:
         """The reference count inside each page in use (only when cells are big, so only a few)."""
         font = QFont(painter.font())
-        font.setPixelSize(max(8, int(geo.cell * 0.45)))
+        font.setPixelSize(max(8, int(view.geo.cell * 0.45)))
         painter.setFont(font)
-        used = np.flatnonzero(self._states != PAGE_FREE)
-        for page in used[:4096]:
+        shown = self._states[view.first:view.first + view.count]
+        for i in np.flatnonzero(shown != PAGE_FREE)[:4096]:
+            page = view.first + int(i)
             ref = int(self._refcounts[page]) if page < len(self._refcounts) else 0
             bg = state_color(int(self._states[page]), theme)
             painter.setPen(QColor("#ffffff") if bg.lightness() < 170 else QColor("#1f2328"))
-            painter.drawText(geo.cell_rect(int(page), origin), Qt.AlignmentFlag.AlignCenter, str(ref))
+            painter.drawText(view.geo.cell_rect(int(i), view.origin), Qt.AlignmentFlag.AlignCenter, str(ref))
 
     def _paint_legend(self, painter: QPainter, rect: QRect, theme: Theme) -> None:
         font = QFont(painter.font())
