@@ -132,3 +132,54 @@ def test_the_first_start_opens_the_tour_and_only_the_first(open_desktop, qtbot):
     again.window.act_tour.trigger()  # Help -> Tour
     assert again.tour.active
     again.tour.close()
+
+
+def test_each_step_shows_its_call_and_copy_as_python_reproduces_it(window, qtbot, tmp_path):
+    """The panel shows the tutorial's call that made each step with its real return value
+    (step 5: `dl.prefix_attach(cache, pool, s_b, p_b)  # -> 80`), A's and B's prompts with their
+    shared part marked, and Copy as Python gives a script that prints the same numbers."""
+    import subprocess
+    import sys
+
+    from PySide6.QtGui import QGuiApplication
+
+    d = window
+    tour = start_tour(d)
+    with qtbot.waitSignal(tour.step_shown, timeout=STEP_TIMEOUT_MS):
+        pass
+    eng = tour.runner.engine
+    panel = tour.panel
+    assert panel.prompts.isVisible()
+    assert eng.texts[1][:eng.shared_chars()].replace("\n", "⏎")[-20:] in panel.prompts.toPlainText()
+    assert "background" in panel.prompts.toHtml()  # the shared part is marked
+    assert f"len(p_a)  # -> {len(eng.prompts[1])}" in panel.code.text()
+    for name in STEPS[1:5]:  # through attach_b, step 5
+        with qtbot.waitSignal(tour.step_shown, timeout=STEP_TIMEOUT_MS):
+            panel.next_button.click()
+        assert tour.code_shown() == eng.code(name)
+    assert tour.current == "attach_b" and "step 5 of" in panel.heading.text()
+    matched = tour.facts["attach_b"]["matched"]
+    assert matched == eng.session(2).n_past > 0
+    assert f"dl.prefix_attach(cache, pool, s_b, p_b)  # -> {matched}" in panel.code.text().splitlines()
+    assert panel.code.isVisible()
+    for name in STEPS[5:-1]:  # to the teardown
+        with qtbot.waitSignal(tour.step_shown, timeout=STEP_TIMEOUT_MS):
+            panel.next_button.click()
+        assert tour.code_shown() == eng.code(name)
+    panel.copy_button.click()
+    script = QGuiApplication.clipboard().text()
+    assert script == tour.script() and script.startswith("import engine as dl")
+    path = tmp_path / "tour.py"
+    path.write_text(script)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.splitlines()
+    results = [r for _, _, r in eng.calls if r is not None]  # one printed line each, in order
+    assert len(printed) == len(results)
+    for line, r in zip(printed, results):
+        if not isinstance(r, str):  # the chain list prints records, the tour words
+            assert line == str(r), (line, r)
+    assert str(matched) in printed
+    tour.close()

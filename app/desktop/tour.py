@@ -10,7 +10,7 @@ table and charts; its caption quotes the step's numbers. The first start opens t
 from __future__ import annotations
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
-from PySide6.QtGui import QAction
+from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import QDockWidget, QWidget
 
 from engine.snapshot import SnapshotMaker
@@ -98,6 +98,9 @@ class TourRunner(QObject):
     def step(self, name: str) -> None:
         try:
             facts = self.engine.run(name)
+            facts["script"] = self.engine.python_script(self.engine.model.path)  # Copy as Python
+            if name == "intro":
+                facts["texts"] = (self.engine.texts[1], self.engine.texts[2], self.engine.shared_chars())
             snap = self._maker.take(self.engine, since_row=0)
         except Exception as e:  # noqa: BLE001
             self.failed.emit(f"{type(e).__name__}: {e}")
@@ -136,6 +139,7 @@ class Tour(QObject):
         self.runner.failed.connect(self._on_failed)
         self.panel.next_clicked.connect(self.next)
         self.panel.skip_clicked.connect(self.close)
+        self.panel.copy_clicked.connect(self.copy_script)
         self.panel.run_all_clicked.connect(w.act_run_all.trigger)
         w.act_run_all.triggered.connect(self._on_run_all)
         w.closing.connect(self.shutdown)
@@ -183,8 +187,27 @@ class Tour(QObject):
         self.current = facts["step"]
         w.show_stats(snap, [], True)
         w.tabs.setCurrentWidget(w.charts if TABS.get(self.current) == "charts" else w.cache_panel)
-        self.panel.show_step(STEPS.index(self.current) + 1, len(STEPS), TITLES[self.current], caption(facts))
+        if "texts" in facts:
+            self.panel.show_prompts(*facts["texts"])
+        self.panel.show_step(STEPS.index(self.current) + 1, len(STEPS), TITLES[self.current], caption(facts),
+                             code=facts.get("code", []))
         self.step_shown.emit(self.current)
+
+    def code_shown(self) -> list[str]:
+        """The calls the panel shows now, one a line."""
+        text = self.panel.code.text()
+        return text.splitlines() if self.panel.code.isVisible() or text else []
+
+    def script(self) -> str:
+        """The steps shown so far as a Python script on the public API."""
+        done = [self.facts[s] for s in STEPS if s in self.facts]
+        return done[-1]["script"] if done else ""
+
+    def copy_script(self) -> None:
+        """Copy as Python: the script to the clipboard, and a word in the status bar."""
+        QGuiApplication.clipboard().setText(self.script())
+        self.desktop.window.show_status("Copied the tour's steps as Python: paste them into a terminal's "
+                                        "python (PYTHONPATH at this checkout)", 6000)
 
     @Slot(str)
     def _on_failed(self, message: str) -> None:
