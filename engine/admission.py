@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .api import prefix_probe
 from .block_manager import BlockManager, attach_cap
-from .prefix_cache import PrefixCache, prefix_probe
+from .prefix_cache import PrefixCache
 from .stream import Stream
 
 
@@ -73,8 +74,9 @@ def settle_borrowers(active: list[Stream], pool: BlockManager,
             s.lender = None
             n_pages = s.borrowed // pool.page_rows
             page = pool.table(s.session)[n_pages - 1]
-            cache.count_shared(page, n_pages, s.borrowed)
             s.record.chain_hit = cache.chain_of(page)
+            cache.count_query()  # the hit it would have been had it waited
+            cache.count_hit(s.record.chain_hit, n_pages, s.borrowed)
             saved += s.borrowed
         elif s.lender.cancel_requested and not s.cancel_requested:
             orphans.append(s)

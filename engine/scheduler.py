@@ -27,10 +27,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from .admission import can_lend, can_take, computing, plan_prefill, settle_borrowers
-from .api import create_kv_pool, create_session, eval_batch
+from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch, prefix_attach, prefix_insert
 from .loader import Model
 from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
-from .prefix_cache import create_prefix_cache, prefix_attach, prefix_insert
 from .sampler import Sampler, SamplingParams
 from .spec import plan_drafts, verify
 from .stream import (
