@@ -13,26 +13,12 @@ _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "22")
 
 from .api import (  # noqa: E402 - after the setting above
     create_kv_pool,
+    create_prefix_cache,
     create_session,
     decode,
     encode,
     eval,
     eval_batch,
-    release_kv_pages,
-)
-from .arena import configure_malloc
-from .block_manager import BlockManager
-from .config import ModelConfig
-from .errors import ModelLoadError, PoolExhausted, TemplateError
-from .kv_pool import KVPool, Session
-from .loader import Model, default_model_path, load_model
-from .prefix_cache import (
-    CachedPageInfo,
-    CacheEvent,
-    ChainRecord,
-    PrefixCache,
-    ProbeResult,
-    create_prefix_cache,
     prefix_attach,
     prefix_chain_list,
     prefix_held_groups,
@@ -42,7 +28,16 @@ from .prefix_cache import (
     prefix_probe,
     prefix_release,
     prefix_unpin,
+    release_kv_pages,
 )
+from .arena import configure_malloc
+from .block_manager import BlockManager
+from .config import ModelConfig
+from .errors import ModelLoadError, PoolExhausted, TemplateError
+from .kv_pool import KVPool, Session
+from .loader import Model, default_model_path, load_model
+from .prefix_cache import PrefixCache
+from .prefix_records import CachedPageInfo, CacheEvent, ChainRecord, ProbeResult
 from .registry import BUILTIN_MODELS, BuiltinModel, ModelNotInstalled, resolve_model
 from .sampler import Sampler, SamplingParams
 

@@ -1,24 +1,14 @@
-"""Admission and planning rules of the scheduler: who may start, and what one pass computes.
-
-Pure functions over streams, the pool and the cache, so the rules read apart from the loop.
+"""Admission and planning rules of the scheduler: whether a request's pages can be had, and
+what one pass prefills. Pure functions over streams, the pool and the cache, so the rules read
+apart from the loop; sharing pages another stream is computing is engine/lending.py's.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from .block_manager import BlockManager, attach_cap
-from .prefix_cache import PrefixCache, prefix_probe
+from .block_manager import BlockManager
+from .lending import may_join, unsettled
+from .prefix_cache import PrefixCache
 from .stream import Stream
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two token lists share."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
 
 
 def can_take(pool: BlockManager, cache: PrefixCache, pages: int) -> bool:
@@ -30,55 +20,6 @@ def can_take(pool: BlockManager, cache: PrefixCache, pages: int) -> bool:
     if pool.max_pages is None:
         return True
     return pool.num_free_pages + cache.num_evictable() >= pages
-
-
-def computing(s: Stream, streams: list[Stream], cache: PrefixCache,
-              page_rows: int) -> tuple[Stream, int] | None:
-    """(the stream, its pages this prompt shares) while another stream is computing pages of
-    this prompt that the cache lacks (a prompt prefilling, or a finished turn's closing tokens);
-    None when none is. The request shares those pages instead of computing them twice."""
-    cached = prefix_probe(cache, s.prompt, s.record.namespace).matched_pages
-    for other in streams:
-        if other.record.namespace != s.record.namespace or other.session is None:
-            continue
-        target = other.target()
-        if other.session.n_past < len(target):
-            shared = min(common_prefix(s.prompt, target) // page_rows, attach_cap(len(s.prompt), page_rows))
-            if shared > cached:
-                return other, shared
-    return None
-
-
-def can_lend(owner: Stream, pages: int, page_rows: int, chunk_tokens: int) -> bool:
-    """A stream prefilling its own prompt lends pages it has yet to write when its next pass
-    can write them all, so the borrower joins that pass instead of waiting for the next one
-    (docs/design.md §4). A closing turn, a stream leaving, or a borrower itself does not lend."""
-    return (owner.prefilling and owner.cancel_requested is None and owner.lender is None
-            and pages * page_rows - owner.session.n_past <= chunk_tokens)
-
-
-def unsettled(s: Stream) -> bool:
-    """True while pages this stream borrowed are unwritten: it may read them in their pass only."""
-    return s.lender is not None and s.lender.session.n_past < s.borrowed
-
-
-def settle_borrowers(active: list[Stream], pool: BlockManager,
-                     cache: PrefixCache) -> tuple[int, list[Stream]]:
-    """Borrowers whose pages are written now read them as any and count as the cache hits they
-    would have been had they waited: (tokens they saved, those whose lender is leaving before
-    writing them, which start over from the queue)."""
-    saved, orphans = 0, []
-    for s in [s for s in active if s.lender is not None]:
-        if not unsettled(s):
-            s.lender = None
-            n_pages = s.borrowed // pool.page_rows
-            page = pool.table(s.session)[n_pages - 1]
-            cache.count_shared(page, n_pages, s.borrowed)
-            s.record.chain_hit = cache.chain_of(page)
-            saved += s.borrowed
-        elif s.lender.cancel_requested and not s.cancel_requested:
-            orphans.append(s)
-    return saved, orphans
 
 
 def plan_prefill(active: list[Stream], leaving: set[int],
@@ -96,7 +37,7 @@ def plan_prefill(active: list[Stream], leaving: set[int],
     for s in [s for s in waiting if not unsettled(s)] + [s for s in waiting if unsettled(s)]:
         if budget == 0:
             break
-        if unsettled(s) and reach.get(s.lender.id, 0) < s.borrowed:
+        if not may_join(s, reach):
             continue
         n = s.session.n_past
         piece = s.prompt[n:n + budget]

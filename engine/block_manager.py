@@ -3,14 +3,15 @@ page table and tokens (docs/design.md §1, nano-vllm's BlockManager).
 
 The manager never touches tensors: `KVPool` (engine/kv_pool.py) adds the K/V arrays, and
 the trace replay drives a bare manager with no storage at all. Everything here is plain
-lists and dicts, O(1) per page. A bounded manager that runs out of pages asks its prefix
-caches to evict; releasing a session goes through it so a cache over its budget gives
-pages back at once.
+lists and dicts, O(1) per page. A bounded manager that runs out of pages asks its evictor
+(the prefix cache bound to it) for pages; releasing a session goes through it so a cache
+over its budget gives pages back at once.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,7 +57,7 @@ class Session:
     def __init__(self, pool: BlockManager):
         self.pool = pool
         self.id = next(_session_ids)
-        self._seq = pool._open(self)
+        self._seq = pool.open(self)
 
     @property
     def page_table(self) -> list[int]:
@@ -102,8 +103,8 @@ class BlockManager:
         self.refs: list[int] = [0] * start
         self._refcount: np.ndarray | None = None   # `refcount`'s array, until a count changes
         self._free: list[int] = list(range(start - 1, -1, -1))  # pop() gives the lowest id
-        self._seqs: dict[int, _Seq] = {}
-        self.caches: list = []  # prefix caches bound to these pages (they evict on request)
+        self._seqs: dict[int, _Seq] = {}    # live sessions' records, by session id
+        self.evictor: Callable[[int], int] | None = None  # see `bind_evictor`
         self.lent: set[int] = set()  # shared before their owner wrote them: see `lend`
 
     # counts -----------------------------------------------------------
@@ -146,14 +147,12 @@ class BlockManager:
         """Storage hook: a KVPool extends its K/V arrays here."""
 
     def alloc(self) -> int:
-        """A free page with reference count 1; grows, asks the caches to evict, or raises."""
+        """A free page with reference count 1; grows, asks the evictor for one, or raises."""
         if not self._free:
             if self.max_pages is None:
                 self._grow()
-            else:
-                for cache in self.caches:
-                    if cache.evict(1):
-                        break
+            elif self.evictor is not None:
+                self.evictor(1)
         if not self._free:
             raise PoolExhausted(
                 f"KV pool is full: all {self.capacity} pages are in use by sessions "
@@ -180,30 +179,35 @@ class BlockManager:
             self._free.append(page)
             self.lent.discard(page)
 
-    def add_cache(self, cache) -> None:
-        """Bind a prefix cache: it evicts when a bounded manager runs out of pages."""
-        if cache not in self.caches:
-            self.caches.append(cache)
+    def bind_evictor(self, evictor: Callable[[int], int]) -> None:
+        """Bind, once, what gives pages back (the prefix cache's `give_back`): `evictor(n)` frees
+        up to n pages when a bounded manager has none free; `evictor(0)`, after a session's
+        release, gives back what is over the cache's budget. Each returns how many it freed."""
+        if self.evictor is not None and self.evictor != evictor:
+            raise ValueError("this KV pool already has a prefix cache; one pool serves one cache")
+        self.evictor = evictor
 
     # sessions ---------------------------------------------------------
-    def _open(self, s: Session) -> _Seq:
+    def open(self, s: Session) -> _Seq:
+        """The record of a new session (its constructor calls this; the manager writes it)."""
         seq = self._seqs[s.id] = _Seq()
         return seq
 
     def _live(self, s: Session) -> _Seq:
         if s.pool is not self:
             raise ValueError(f"session {s.id} belongs to another KV pool")
-        if s._seq.released:
+        seq = self._seqs.get(s.id)
+        if seq is None:
             raise ValueError(f"session {s.id} was released; create a new session")
-        return s._seq
+        return seq
 
     def table(self, s: Session) -> list[int]:
-        """The session's page table itself (read-only for callers; no copy)."""
-        return s._seq.pages
+        """A live session's page table itself (read-only for callers; no copy)."""
+        return self._seqs[s.id].pages
 
     def tokens(self, s: Session) -> list[int]:
-        """The session's evaluated tokens themselves (read-only for callers; no copy)."""
-        return s._seq.tokens
+        """A live session's evaluated tokens themselves (read-only for callers; no copy)."""
+        return self._seqs[s.id].tokens
 
     def reserve(self, s: Session, n_positions: int) -> None:
         """Allocate pages until the session's table covers `n_positions`; all or nothing."""
@@ -228,14 +232,14 @@ class BlockManager:
                 self.reserve(s, s.n_past + n)
         except PoolExhausted:
             for s, had in taken:
-                seq = s._seq
+                seq = self._seqs[s.id]
                 for page in seq.pages[had:]:
                     self.release(page)
                 del seq.pages[had:]
             raise
         rows = self.page_rows
         for s, n in zip(sessions, counts):
-            pages = s._seq.pages
+            pages = self._seqs[s.id].pages
             start = s.n_past
             for i in range(start // rows, pages_for(start + n, rows)):
                 if self.refs[pages[i]] != 1 and pages[i] not in self.lent:
@@ -243,7 +247,7 @@ class BlockManager:
                     # writing into it would corrupt every holder (a lent page is written by its owner).
                     raise RuntimeError(f"refusing to write K/V into shared or free page {pages[i]} "
                                        f"of session {s.id}")
-        return [SeqSlots(list(s._seq.pages), s.n_past) for s in sessions]
+        return [SeqSlots(list(self._seqs[s.id].pages), s.n_past) for s in sessions]
 
     def commit(self, sessions: list[Session], token_lists: list[list[int]]) -> None:
         """Record tokens whose K/V the forward pass wrote into the allocated slots."""
@@ -281,8 +285,8 @@ class BlockManager:
 
     def attach(self, s: Session, pages: list[int], tokens: list[int]) -> None:
         """Give a fresh session cached pages (one reference each) holding `tokens`."""
+        seq = self._live(s)
         self.check_fresh(s)
-        seq = s._seq
         if len(tokens) != len(pages) * self.page_rows:
             raise ValueError(f"attach: {len(tokens)} tokens do not fill {len(pages)} pages")
         for page in pages:
@@ -303,8 +307,8 @@ class BlockManager:
         """Release every page of the session; a cache over its budget gives pages back now."""
         if s.pool is not self:
             raise ValueError(f"session {s.id} belongs to another KV pool")
-        seq = s._seq
-        if seq.released:
+        seq = self._seqs.get(s.id)
+        if seq is None:
             raise ValueError(f"session {s.id} was already released")
         # last page first: the next session then pops them in ascending order, side by side,
         # and attention reads side-by-side pages as a view instead of copying them per layer
@@ -313,8 +317,8 @@ class BlockManager:
         seq.pages.clear()
         seq.released = True
         del self._seqs[s.id]
-        for cache in self.caches:
-            cache.enforce_budget()
+        if self.evictor is not None:
+            self.evictor(0)
 
     # checks -----------------------------------------------------------
     def check(self) -> None:

@@ -14,7 +14,9 @@ so replay runs the same code with a second capacity.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +38,8 @@ class TierPage:
 
 class DiskTier:
     """Up to `capacity` evicted pages, K/V in a memory-mapped file (an unlinked temporary file
-    in `directory`, or the system's temporary folder)."""
+    in `directory`, or the system's temporary folder). The prefix cache holds one and calls
+    `demote` and `promote`; `put`, `take` and `clear` move the bytes."""
 
     def __init__(self, capacity: int, directory: str | None = None):
         if not isinstance(capacity, int) or capacity < 1:
@@ -102,3 +105,29 @@ class DiskTier:
         self.pages.clear()
         self._free = list(range(self.capacity - 1, -1, -1))
         return gone
+
+    # the prefix cache's calls -----------------------------------------
+    def demote(self, entry, pool, preview: str = "") -> list[TierPage]:
+        """Take a cached page about to be evicted from the pool (it keeps its key, parent, tokens
+        and chain); return the pages dropped, oldest stored first, to make room for it."""
+        return self.put(entry, pool, preview)
+
+    def promote(self, pool, path: Iterable[tuple[int, int | None, tuple]],
+                namespace: str) -> list[tuple[TierPage, int]]:
+        """Move the pages of `path` ((key, parent key, tokens the page must hold), root to leaf)
+        back into free pool pages, stopping at the first this tier lacks or that differs (hashes
+        route, tokens verify), or when the pool has no free page: loading never evicts, so it
+        cannot take what the attach it serves is about to use. Returns (page, pool page) each."""
+        loaded: list[tuple[TierPage, int]] = []
+        t0 = time.perf_counter()
+        for key, parent, tokens in path:
+            tp = self.pages.get(key)
+            if tp is None or tp.parent != parent or tp.namespace != namespace or tp.tokens != tokens:
+                break
+            if pool.max_pages is not None and not pool.num_free_pages:
+                break
+            page = pool.alloc()
+            loaded.append((self.take(key, pool, page), page))
+        if loaded:
+            self.load_seconds += time.perf_counter() - t0
+        return loaded

@@ -20,8 +20,9 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .api import prefix_probe
 from .conversations import ChatFrontEnd
-from .prefix_cache import ProbeResult, prefix_probe
+from .prefix_records import ProbeResult
 from .scheduler import FinishEvent, QueueFull, Request, Scheduler, SubmitRefused, TokenEvent
 
 Sink = Callable[[object], None]

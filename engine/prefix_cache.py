@@ -1,94 +1,586 @@
-"""The prefix cache's public calls, the dasLLAMA tutorial's (docs/design.md §3): one line each
-over the methods of `PrefixCache` (engine/prefix_store.py, where the semantics are written)."""
+"""The prefix cache (a page-granular one over a KVPool, ported from dasLLAMA): `PrefixCache`,
+the one class that owns chains and keys.
+
+Page i of a prompt is keyed by a chained hash of page i-1's key and page i's
+tokens (the namespace salts page 0), so equal keys mean equal prefixes. Hashes
+route, tokens verify: a hit is accepted only when the stored tokens, parent and
+namespace equal the prompt's. The cache holds one pool reference per page.
+
+Eviction gives back pages that no session holds and no pin keeps, in the order of
+a pluggable policy (engine/eviction.py). The default, leaf-LRU, takes the least
+recently used leaf (a page with no cached child): the deepest page of a chain goes
+first and no cached page is ever stranded behind an evicted head. The cache binds
+itself to its pool as the pool's evictor: a bounded pool out of pages asks it to
+give some back, and a released session lets it return to its budget.
+
+A cache made with `id_keys=True` (the replay of hash-id traces) keys each page
+by an id the caller passes in place of its tokens: one id per page (page_rows 1),
+already chained like Mooncake's block hashes, so nothing is hashed and the page
+stores and indexes no tokens; the same attach and insert calls drive it.
+
+The cache works over any BlockManager (a KVPool, or a bare manager with no K/V
+storage, as the trace replay uses): it only moves page ids and references, and reads
+the pool only through its public calls. An optional disk tier (engine/disk_tier.py)
+takes pages about to be evicted and gives them back to an attach that walks past the
+pool's pages. The tutorial's free functions (`prefix_insert`, ...) are one-line wrappers
+in engine/api.py. Listeners (`add_listener`) hear every change: pages stored, removed,
+or all cleared.
+
+Reading order: keys; the tutorial's operations (insert, attach, probe, release); pins;
+eviction; the tree of cached pages and its sibling index; the disk tier's moves; saved
+pages adopted back.
+"""
 
 from __future__ import annotations
 
-from .block_manager import BlockManager, Session
+import copy
+import dataclasses
+import hashlib
+import itertools
+import logging
+import struct
+import time
+from collections.abc import Callable, Iterator
+
+from .block_manager import BlockManager, Session, attach_cap
 from .disk_tier import DiskTier
-from .eviction import DEFAULT_POLICY
-from .prefix_records import ProbeResult
-from .prefix_store import (  # the records re-exported here, where the tutorial's callers look
+from .eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
+from .prefix_records import (
     CacheCounters,
     CachedPage,
     CachedPageInfo,
     CacheEvent,
     ChainRecord,
-    HashFn,
     Inserted,
-    PrefixCache,
-    blake2b_64,
+    ProbeResult,
 )
 
-__all__ = ["CacheCounters", "CacheEvent", "CachedPage", "CachedPageInfo", "ChainRecord", "Inserted",
-           "PrefixCache", "ProbeResult", "blake2b_64", "create_prefix_cache", "prefix_attach",
-           "prefix_chain_list", "prefix_held_groups", "prefix_held_pages", "prefix_insert", "prefix_pin",
-           "prefix_probe", "prefix_release", "prefix_unpin"]
+HashFn = Callable[[bytes], int]
+log = logging.getLogger("prefixlab.cache")
 
 
-def create_prefix_cache(max_pages: int = 0, hash_fn: HashFn | None = None,
-                        policy: str = DEFAULT_POLICY, disk_pages: int = 0) -> PrefixCache:
-    """A prefix cache with a page budget (0: unbounded) and an eviction policy (engine.eviction);
-    `disk_pages` > 0 adds a disk tier of that many pages that evicted pages move to;
-    `hash_fn` is injectable for tests."""
-    tier = DiskTier(disk_pages) if disk_pages else None
-    return PrefixCache(max_pages=max_pages, hash_fn=hash_fn, policy=policy, tier=tier)
+def blake2b_64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def prefix_insert(cache: PrefixCache, pool: BlockManager, s: Session, tokens, preview: str = "",
-                  namespace: str = "", chain_id: int | None = None) -> Inserted:
-    """Donate the session's full pages covering `tokens`; return how many pages were new.
-
-    `chain_id` appends the new pages to that live chain instead of making a new
-    record (the scheduler publishes a prompt page by page as prefill computes it);
-    a chain that no longer exists is an error. The count is an int whose `.short` says
-    how many full pages were left out because pinned pages hold the budget (logged too).
-    """
-    return cache.insert(pool, s, tokens, preview, namespace, chain_id)
+def _info(entry: CachedPage) -> CachedPageInfo:
+    return CachedPageInfo(entry.key, entry.parent, entry.tokens, entry.namespace)
 
 
-def prefix_attach(cache: PrefixCache, pool: BlockManager, s: Session, prompt, namespace: str = "") -> int:
-    """Attach cached pages matching the prompt's start to a fresh session; return tokens matched."""
-    return cache.attach(pool, s, prompt, namespace)
+def _check_session(pool: BlockManager, s: Session) -> None:
+    if s.released:
+        raise ValueError(f"session {s.id} was released; create a new session")
+    if s.pool is not pool:
+        raise ValueError(f"session {s.id} belongs to another KV pool")
 
 
-def prefix_probe(cache: PrefixCache, prompt, namespace: str = "") -> ProbeResult:
-    """Read-only: how far `prompt` would match and why it stops; counts and touches nothing.
+class _Trie:
+    """The tokens of sibling pages (one parent), so a probe finds the nearest in O(page_rows)."""
 
-    stop_reason: "cap" (the next page is cached, but attach keeps the last token for the
-    model), "miss" (no cached page under the next page's key), "token_mismatch" (the key is
-    cached but its tokens or parent differ: a hash collision, never attached), "end" (no
-    full page left). first_diff_index is the first prompt position not found along the
-    cached path (None when every prompt token is); nearest_chain_id is the chain of the
-    cached page closest to the prompt there.
-    """
-    return cache.probe(prompt, namespace)
+    __slots__ = ("n", "next", "key")
+
+    def __init__(self):
+        self.n = 0                        # sibling pages whose tokens pass through this node
+        self.next: dict[int, _Trie] = {}
+        self.key: int | None = None       # the page whose tokens end here
 
 
-def prefix_chain_list(cache: PrefixCache) -> list[ChainRecord]:
-    """Snapshots (copies) of every chain that still has a live page, oldest first."""
-    return cache.chain_list()
+class PrefixCache:
+    """Cached pages by chained key, chain records, pins, an eviction policy (default leaf-LRU),
+    the sibling index a probe reads, and an optional disk tier that evicted pages move to."""
+
+    def __init__(self, max_pages: int = 0, hash_fn: HashFn | None = None,
+                 policy: str | EvictionPolicy = DEFAULT_POLICY, id_keys: bool = False,
+                 tier: DiskTier | None = None):
+        if not isinstance(max_pages, int) or max_pages < 0:
+            raise ValueError(f"max_pages must be an integer >= 0 (0: unbounded), got {max_pages!r}")
+        self.max_pages = max_pages
+        self.id_keys = id_keys
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.hash_fn = hash_fn or blake2b_64
+        self.pages: dict[int, CachedPage] = {}
+        self.roots: dict[str, set[int]] = {}
+        self.chains: dict[int, ChainRecord] = {}
+        self.counters = CacheCounters()
+        self.page_rows: int | None = None
+        self.pool: BlockManager | None = None
+        self._clock = itertools.count(1)
+        self._chain_ids = itertools.count(1)
+        self._births = itertools.count(1)
+        self.by_page: dict[int, int] = {}                        # pool page -> key
+        self.siblings: dict[tuple[str, int | None], _Trie] = {}  # (namespace, parent) -> children's tokens
+        self.listeners: list[Callable[[CacheEvent], None]] = []
+        self.tier = tier
+
+    # listeners --------------------------------------------------------
+    def add_listener(self, fn: Callable[[CacheEvent], None]) -> None:
+        """Call `fn(event)` with a CacheEvent after every change (in the engine's thread)."""
+        self.listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[CacheEvent], None]) -> None:
+        self.listeners.remove(fn)
+
+    def _emit(self, kind: str, entries=(), medium: str = "GPU") -> None:
+        # medium, vLLM's word: "GPU" for pool pages (the fast tier), "CPU" for the disk tier
+        if self.listeners:
+            event = CacheEvent(kind, tuple(_info(e) for e in entries), medium)
+            for fn in list(self.listeners):
+                fn(event)
+
+    # keys -------------------------------------------------------------
+    def page_key(self, parent: int | None, tokens, namespace: str) -> int:
+        if self.id_keys:
+            return tokens[0]  # the page's own (already chained) id
+        if parent is None:
+            salt = b"ns:" + namespace.encode("utf-8") + b"\0"
+        else:
+            salt = parent.to_bytes(8, "little")
+        return self.hash_fn(salt + struct.pack(f"<{len(tokens)}q", *tokens))  # int64 LE
+
+    def verify(self, entry: CachedPage, parent: int | None, tokens, namespace: str) -> bool:
+        # An id-keyed page has no tokens: its id is its whole prefix (chained by the trace).
+        return (entry.parent == parent and entry.namespace == namespace
+                and (self.id_keys or entry.tokens == tuple(tokens)))
+
+    def walk(self, prompt, namespace: str, limit_pages: int):
+        """Yield (index, key, entry or None, verified) page by page until a miss."""
+        rows = self.page_rows
+        parent = None
+        for i in range(limit_pages):
+            toks = prompt[i * rows:(i + 1) * rows]
+            key = self.page_key(parent, toks, namespace)
+            entry = self.pages.get(key)
+            ok = entry is not None and self.verify(entry, parent, toks, namespace)
+            yield i, key, entry, ok
+            if not ok:
+                return
+            parent = key
+
+    def chain_of(self, page: int) -> int | None:
+        """The chain owning pool page `page`, or None when the cache does not hold it."""
+        key = self.by_page.get(page)
+        return None if key is None else self.pages[key].chain_id
+
+    def entries(self) -> list[CachedPage]:
+        """Every cached page (a list: callers may evict while reading)."""
+        return list(self.pages.values())
+
+    # the pool ---------------------------------------------------------
+    def bind(self, pool: BlockManager) -> None:
+        """Belong to `pool` (once): become its evictor, and size the disk tier's file for its pages."""
+        if self.id_keys and pool.page_rows != 1:
+            raise ValueError(f"an id-keyed cache needs one id per page (page_rows 1), got {pool.page_rows}")
+        if self.pool is None:
+            pool.bind_evictor(self.give_back)
+            self.pool, self.page_rows = pool, pool.page_rows
+            if self.tier is not None:
+                self.tier.bind(pool)
+        elif self.pool is not pool:
+            raise ValueError("this prefix cache belongs to another KV pool")
+
+    def _check_pool(self, pool: BlockManager) -> None:
+        if self.pool is not None and self.pool is not pool:
+            raise ValueError("this prefix cache belongs to another KV pool")
+
+    # the tutorial's operations ----------------------------------------
+    def insert(self, pool: BlockManager, s: Session, tokens, preview: str = "", namespace: str = "",
+               chain_id: int | None = None) -> Inserted:
+        """`prefix_insert` (engine/api.py): donate the session's full pages covering `tokens`."""
+        _check_session(pool, s)
+        if chain_id is not None and chain_id not in self.chains:
+            raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
+                             f"(its pages were evicted or released)")
+        self.bind(pool)
+        rows = pool.page_rows
+        evaluated, table = pool.tokens(s), pool.table(s)
+        covered = min(len(tokens), len(evaluated))
+        if list(tokens[:covered]) != evaluated[:covered]:
+            first = next((i for i, (a, b) in enumerate(zip(tokens, evaluated, strict=False)) if a != b),
+                         min(len(evaluated), covered))
+            raise ValueError(
+                f"tokens differ from what session {s.id} evaluated, first at position {first}")
+        chain: ChainRecord | None = self.chains.get(chain_id) if chain_id is not None else None
+        parent: int | None = None
+        path: list[CachedPage] = []
+        new: list[CachedPage] = []
+        room: int | None = -1  # -1: not yet known (computed at the first new page)
+        left_out = 0
+        n_full = covered // rows
+        for i in range(n_full):
+            toks = tuple(map(int, tokens[i * rows:(i + 1) * rows]))
+            key = self.page_key(parent, toks, namespace)
+            entry = self.pages.get(key)
+            if entry is not None:
+                if not self.verify(entry, parent, toks, namespace):
+                    break  # a hash collision: never store under another prefix's key
+                path.append(entry)
+                parent = key
+                continue
+            page = table[i]
+            if page in self.by_page:
+                break  # this pool page already caches another prefix (e.g. another namespace)
+            if room == -1:
+                room = self._room(path)
+            if room is not None and len(new) >= room:
+                left_out = n_full - i  # caching these would evict a pinned page: cache less instead
+                break
+            if chain is None:
+                chain = ChainRecord(id=next(self._chain_ids), n_tokens=0, pages_live=0, hits=0,
+                                    preview=preview, created_at=time.time(), namespace=namespace,
+                                    first_page_depth=i)
+                self.chains[chain.id] = chain
+            pool.retain(page)
+            # Positional: half the cost of keywords, once per new page (a replay makes ~10^5).
+            entry = CachedPage(key, page, () if self.id_keys else toks, parent, namespace, i, chain.id)
+            self.pages[key] = entry
+            self.by_page[page] = key
+            self._link(entry)
+            path.append(entry)
+            new.append(entry)
+            chain.n_tokens += rows
+            chain.pages_live += 1
+            parent = key
+        # Touch root to leaf once the links exist: parents stay older than their children
+        # and only the path's leaf enters the LRU heap (no stale entry per inner page).
+        for entry in path:
+            self._touch(entry)
+        self.counters.inserted_pages += len(new)
+        if new:
+            self._emit("stored", new)
+        if left_out:
+            log.info("prefix cache: %d page(s) of %r not cached: the budget of %d pages is held by "
+                     "%d pinned page(s)", left_out, preview[:40], self.max_pages, self.pinned_pages())
+        self.enforce_budget()
+        return Inserted(len(new), left_out)
+
+    def attach(self, pool: BlockManager, s: Session, prompt, namespace: str = "") -> int:
+        """`prefix_attach` (engine/api.py): attach the cached pages matching the prompt's start,
+        loading the next ones back from the disk tier when it holds them."""
+        _check_session(pool, s)
+        pool.check_fresh(s)
+        self._check_pool(pool)
+        self.counters.queries += 1
+        if self.pool is None:
+            return 0
+        rows = pool.page_rows
+        matched: list[CachedPage] = []
+        cap = attach_cap(len(prompt), rows)
+        for _, _, entry, ok in self.walk(prompt, namespace, cap):
+            if not ok:
+                break
+            matched.append(entry)
+        if self.tier is not None and len(matched) < cap:
+            matched += self._promote(pool, prompt, namespace, matched, cap)
+        n = len(matched) * rows
+        pool.attach(s, [e.page for e in matched], prompt[:n])
+        for entry in matched:
+            self._touch(entry)
+        if matched:
+            self.count_hit(matched[-1].chain_id, len(matched), n)
+        return n
+
+    def count_hit(self, chain_id: int | None, n_pages: int, n_tokens: int) -> None:
+        """Count a hit of `n_pages` (`n_tokens`) ending in chain `chain_id`: an attach's, or a
+        prompt's that shared pages another stream was computing (engine/lending.py)."""
+        chain = self.chains.get(chain_id)
+        if chain is not None:
+            chain.hits += 1
+            chain.last_hit_at = time.time()
+        self.counters.hits += 1
+        self.counters.hit_pages += n_pages
+        self.counters.tokens_saved += n_tokens
+
+    def count_query(self) -> None:
+        """Count a lookup that did not go through `attach` (a prompt that shared lent pages)."""
+        self.counters.queries += 1
+
+    def probe(self, prompt, namespace: str = "") -> ProbeResult:
+        """`prefix_probe` (engine/api.py): read-only, how far `prompt` would match and why it stops."""
+        if len(prompt) == 0:
+            return ProbeResult(0, 0, "end", None, None)
+        if self.pool is None:
+            return ProbeResult(0, 0, "miss", 0, None)  # nothing was ever cached
+        rows = self.page_rows
+        cap = attach_cap(len(prompt), rows)
+        n_full = len(prompt) // rows
+        matched, parent, last_chain = 0, None, None
+        for i, key, entry, ok in self.walk(prompt, namespace, n_full):
+            if ok and i < cap:
+                matched, parent, last_chain = i + 1, key, entry.chain_id
+                continue
+            if ok:  # the cache holds this page but the cap keeps one token for the model
+                return ProbeResult(matched * rows, matched, "cap", None, entry.chain_id)
+            toks = [int(t) for t in prompt[i * rows:(i + 1) * rows]]
+            lcp, near = self._nearest(parent, namespace, toks)
+            reason = "token_mismatch" if entry is not None else "miss"
+            return _departure(matched, rows, reason, i * rows + lcp, lcp, near, last_chain)
+        # Out of full pages: the rest of the prompt is a partial page (never attached).
+        tail = [int(t) for t in prompt[matched * rows:]]
+        lcp, near = self._nearest(parent, namespace, tail)
+        diff = None if lcp == len(tail) else matched * rows + lcp
+        return _departure(matched, rows, "end", diff, lcp, near, last_chain)
+
+    def chain_list(self) -> list[ChainRecord]:
+        """Snapshots (copies) of every chain that still has a live page, oldest first."""
+        return [copy.copy(c) for c in self.chains.values() if c.pages_live > 0]
+
+    def held_groups(self) -> int:
+        """How many pool pages the cache holds a reference on."""
+        return len(self.by_page)
+
+    def held_pages(self) -> list[int]:
+        """The pool pages the cache holds a reference on, ascending."""
+        return sorted(self.by_page)
+
+    def release(self, pool: BlockManager) -> int:
+        """Hand every cached page back to the pool; return how many."""
+        self._check_pool(pool)
+        n = len(self.pages)
+        for entry in self.pages.values():
+            pool.release(entry.page)
+        self.pages.clear()
+        self.by_page.clear()
+        self.roots.clear()
+        self.siblings.clear()
+        self.chains.clear()
+        self.policy.clear()
+        if self.tier is not None:
+            self.tier.clear()
+        self._emit("cleared")
+        return n
+
+    # pins -------------------------------------------------------------
+    def pin(self, chain_id: int, pinned: bool = True) -> None:
+        """Keep (or, with pinned=False, stop keeping) a chain's pages from eviction."""
+        chain = self.chains.get(chain_id)
+        if chain is None:
+            raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
+                             f"(its pages were evicted or released)")
+        chain.pinned = pinned
+        if not pinned:
+            self.enforce_budget()  # an unpinned chain over the budget goes now
+
+    def pinned_pages(self) -> int:
+        """Cached pages of pinned chains: they count against the budget and are never evicted."""
+        return sum(c.pages_live for c in self.chains.values() if c.pinned)
+
+    def _room(self, path: list[CachedPage]) -> int | None:
+        """New pages the budget can keep behind `path` without evicting a pinned page (None: any)."""
+        if not self.max_pages:
+            return None
+        pinned = self.pinned_pages()
+        if not pinned:
+            return None
+        kept = pinned + sum(1 for e in path if not self.chains[e.chain_id].pinned)
+        return max(0, self.max_pages - kept)
+
+    # eviction ---------------------------------------------------------
+    def _touch(self, entry: CachedPage) -> None:
+        entry.last_used = next(self._clock)
+        entry.uses += 1
+        self.policy.touched(entry, self.pages)
+
+    def _unheld(self, entry: CachedPage) -> bool:
+        # only the cache's own reference, and no pin on its chain
+        return self.pool.refcount_of(entry.page) == 1 and not self.chains[entry.chain_id].pinned
+
+    def evict(self, n: int) -> int:
+        """Give back up to n pages no session holds, in the policy's order; return how many."""
+        removed: list[CachedPage] = []
+
+        def remove(entry: CachedPage) -> None:
+            if self.tier is not None:
+                self._demote(entry)  # its K/V go down to the disk tier before the page is freed
+            self._remove(entry)
+            removed.append(entry)
+        self.policy.evict(n, self.pages, self._unheld, remove)
+        if removed:
+            self._emit("removed", removed)
+        return len(removed)
+
+    def give_back(self, n: int) -> int:
+        """The pool's evictor (BlockManager.bind_evictor): `n` pages for an allocation that found
+        none free, or with n=0, after a session's release, what is over the budget. How many went."""
+        return self.evict(n) if n else self.enforce_budget()
+
+    def num_evictable(self) -> int:
+        """Cached pages eviction can give back, now or once their children went: pages that
+        no session holds and no pin keeps, with no such page below them. O(cached pages)."""
+        blocked: set[int] = set()
+        for entry in sorted(self.pages.values(), key=lambda e: -e.depth):  # children first
+            if entry.key in blocked or not self._unheld(entry):
+                blocked.add(entry.key)
+                if entry.parent is not None:
+                    blocked.add(entry.parent)
+        return len(self.pages) - len(blocked)
+
+    def enforce_budget(self) -> int:
+        """Evict down to the budget as far as pages can be given back (after inserts and releases);
+        return how many went."""
+        if self.max_pages and len(self.pages) > self.max_pages:
+            return self.evict(len(self.pages) - self.max_pages)
+        return 0
+
+    # the tree ---------------------------------------------------------
+    def _link(self, entry: CachedPage) -> None:
+        """Add a new page to the tree: its parent's children (or the roots) and the sibling index."""
+        entry.born = next(self._births)
+        if entry.parent is None:
+            self.roots.setdefault(entry.namespace, set()).add(entry.key)
+        else:
+            self.pages[entry.parent].children.add(entry.key)
+        self.policy.added(entry)
+        self._index(entry)
+
+    def _place(self, pool: BlockManager, page: int, key: int, parent, toks, namespace: str, depth: int,
+               chain: ChainRecord) -> CachedPage:
+        """A cached page on pool page `page` (its K/V written already), linked and touched."""
+        if chain.id not in self.chains:
+            self.chains[chain.id] = chain
+        entry = CachedPage(key, page, toks, parent, namespace, depth, chain.id)
+        self.pages[key] = entry
+        self.by_page[page] = key
+        self._link(entry)
+        self._touch(entry)
+        chain.pages_live += 1
+        chain.n_tokens += pool.page_rows
+        return entry
+
+    def _remove(self, entry: CachedPage) -> None:
+        del self.pages[entry.key]
+        del self.by_page[entry.page]
+        self._unindex(entry)
+        if entry.parent is None:
+            self.roots[entry.namespace].discard(entry.key)
+        else:
+            # A policy that evicts inner pages (plain LRU) can leave this page's parent
+            # gone already; its own cached children then stay, stranded, until the
+            # parent's key is inserted again.
+            parent = self.pages.get(entry.parent)
+            if parent is not None:
+                parent.children.discard(entry.key)
+                if not parent.children:
+                    self.policy.became_leaf(parent)
+        chain = self.chains[entry.chain_id]
+        chain.pages_live -= 1
+        if chain.pages_live == 0:
+            del self.chains[entry.chain_id]
+        self.counters.evicted_pages += 1
+        self.pool.release(entry.page)
+
+    # the sibling index: one trie of tokens per parent, so a probe names the nearest cached page
+    def _index(self, entry: CachedPage) -> None:
+        """Index a new page's tokens under its parent (id-keyed caches store none)."""
+        if self.id_keys:
+            return
+        node = self.siblings.setdefault((entry.namespace, entry.parent), _Trie())
+        node.n += 1
+        for t in entry.tokens:
+            node = node.next.setdefault(t, _Trie())
+            node.n += 1
+        node.key = entry.key
+
+    def _unindex(self, entry: CachedPage) -> None:
+        if self.id_keys:
+            return
+        slot = (entry.namespace, entry.parent)
+        node = self.siblings[slot]
+        node.n -= 1
+        if node.n == 0:
+            del self.siblings[slot]
+            return
+        for t in entry.tokens:
+            child = node.next[t]
+            child.n -= 1
+            if child.n == 0:
+                del node.next[t]
+                return
+            node = child
+
+    def _nearest(self, parent: int | None, namespace: str, toks) -> tuple[int, CachedPage | None]:
+        """Longest common prefix of `toks` with any cached child of `parent`, and that page."""
+        node = self.siblings.get((namespace, parent))
+        if node is None:
+            return 0, None
+        n = 0
+        for t in toks:
+            child = node.next.get(int(t))
+            if child is None:
+                break
+            node, n = child, n + 1
+        while node.key is None:  # any page below this node shares those n tokens
+            node = next(iter(node.next.values()))
+        return n, self.pages[node.key]
+
+    # the disk tier's moves --------------------------------------------
+    def _demote(self, entry: CachedPage) -> None:
+        """Send a page about to be evicted down to the disk tier (the eviction then frees it)."""
+        dropped = self.tier.demote(entry, self.pool, self.chains[entry.chain_id].preview)
+        self.counters.demoted_pages += 1
+        self._emit("stored", [entry], medium="CPU")
+        if dropped:
+            self._emit("removed", dropped, medium="CPU")
+
+    def _path(self, prompt, namespace: str, start: int, stop: int,
+              parent: int | None) -> Iterator[tuple[int, int | None, tuple]]:
+        """(key, parent key, tokens a page must hold) of the prompt's pages start..stop-1, lazily."""
+        rows = self.page_rows
+        for i in range(start, stop):
+            toks = prompt[i * rows:(i + 1) * rows]
+            key = self.page_key(parent, toks, namespace)
+            yield key, parent, () if self.id_keys else tuple(toks)
+            parent = key
+
+    def _promote(self, pool: BlockManager, prompt, namespace: str, matched: list[CachedPage],
+                 cap: int) -> list[CachedPage]:
+        """Cache again the pages after `matched` that the disk tier gives back (up to `cap` pages
+        in all); return them, root to leaf."""
+        start = len(matched)
+        path = self._path(prompt, namespace, start, cap, matched[-1].key if matched else None)
+        loaded = []
+        for depth, (tp, page) in enumerate(self.tier.promote(pool, path, namespace), start):
+            chain = self.chains.get(tp.chain_id) or ChainRecord(
+                id=tp.chain_id, n_tokens=0, pages_live=0, hits=0, preview=tp.preview,
+                created_at=time.time(), namespace=namespace, first_page_depth=depth)
+            loaded.append(self._place(pool, page, tp.key, tp.parent, tp.tokens, namespace, depth, chain))
+        if loaded:
+            self.counters.disk_hit_pages += len(loaded)
+            self.counters.disk_hits += 1
+            self._emit("removed", loaded, medium="CPU")
+            self._emit("stored", loaded)
+        return loaded
+
+    # saved pages ------------------------------------------------------
+    def adopt(self, pool: BlockManager, pages: list[tuple], chains: list[ChainRecord],
+              fill: Callable[[int, int], None]) -> int:
+        """Re-create saved pages (parents first), each on a fresh pool page that `fill(i, page)`
+        writes; `pages[i]` is (key, parent, tokens, namespace, depth, chain id). A page whose key
+        is not its tokens' key is refused (ValueError); what is cached already, or has no parent,
+        is skipped; it stops at the budget or a full pool. Returns the pages re-created."""
+        self.bind(pool)
+        ids = {c.id: next(self._chain_ids) for c in chains}
+        records = {c.id: dataclasses.replace(c, id=ids[c.id], pages_live=0, n_tokens=0) for c in chains}
+        new: list[CachedPage] = []
+        for i, (key, parent, toks, namespace, depth, chain_id) in enumerate(pages):
+            toks = tuple(int(t) for t in toks)
+            if self.page_key(parent, toks, namespace) != key:
+                raise ValueError(f"saved page {i} does not hash to its key")
+            if key in self.pages or (parent is not None and parent not in self.pages):
+                continue
+            if (self.max_pages and len(self.pages) >= self.max_pages) or (
+                    pool.max_pages is not None and not pool.num_free_pages):
+                break
+            page = pool.alloc()
+            fill(i, page)
+            entry = self._place(pool, page, key, parent, toks, namespace, depth, records[chain_id])
+            new.append(entry)
+        if new:
+            self._emit("stored", new)
+        return len(new)
 
 
-def prefix_held_groups(cache: PrefixCache) -> int:
-    """How many pool pages the cache holds a reference on."""
-    return cache.held_groups()
-
-
-def prefix_held_pages(cache: PrefixCache) -> list[int]:
-    """The pool pages the cache holds a reference on, ascending."""
-    return cache.held_pages()
-
-
-def prefix_release(cache: PrefixCache, pool: BlockManager) -> int:
-    """Hand every cached page back to the pool; return how many."""
-    return cache.release(pool)
-
-
-def prefix_pin(cache: PrefixCache, chain_id: int) -> None:
-    """Pin a chain: its pages are never evicted and count against the budget."""
-    cache.pin(chain_id, True)
-
-
-def prefix_unpin(cache: PrefixCache, chain_id: int) -> None:
-    """Unpin a chain: its pages may be evicted again (at once, if the cache is over budget)."""
-    cache.pin(chain_id, False)
+def _departure(matched: int, rows: int, reason: str, diff: int | None, lcp: int,
+               near: CachedPage | None, last_chain: int | None) -> ProbeResult:
+    """A probe that leaves the cached path: where, and what the nearest cached page holds there."""
+    cached = near.tokens[lcp] if near is not None and diff is not None and lcp < len(near.tokens) else None
+    return ProbeResult(matched * rows, matched, reason, diff, near.chain_id if near else last_chain, cached)

@@ -86,12 +86,12 @@ class ProbeResult:
 
 
 class Inserted(int):
-    """What `prefix_insert` returns: the pages it added (an int), and `.short`, the full pages it
-    left out because caching them would have evicted a pinned page."""
+    """What `prefix_insert` returns: the pages it added (an int), and `.left_out_for_pins`, the
+    full pages it left out because caching them would have evicted a pinned page."""
 
-    short: int
+    left_out_for_pins: int
 
-    def __new__(cls, added: int, short: int = 0):
+    def __new__(cls, added: int, left_out_for_pins: int = 0):
         obj = super().__new__(cls, added)
-        obj.short = short
+        obj.left_out_for_pins = left_out_for_pins
         return obj

@@ -26,11 +26,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .admission import can_lend, can_take, computing, plan_prefill, settle_borrowers
-from .api import create_kv_pool, create_session, eval_batch
+from .admission import can_take, plan_prefill
+from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch, prefix_attach, prefix_insert
+from .lending import can_lend, in_flight_share, lend, settle_borrowers
 from .loader import Model
 from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
-from .prefix_cache import create_prefix_cache, prefix_attach, prefix_insert
 from .sampler import Sampler, SamplingParams
 from .spec import plan_drafts, verify
 from .stream import (
@@ -225,8 +225,8 @@ class Scheduler:
         for s in list(self._queue):
             if len(self._active) >= self.settings.max_streams:
                 return
-            busy = self.settings.cache_enabled and computing(s, self.streams(), self.cache, rows)
-            if s.cancel_requested or (busy and not can_lend(*busy, rows, self.settings.chunk_tokens)):
+            share = self.settings.cache_enabled and in_flight_share(s, self.streams(), self.cache, rows)
+            if s.cancel_requested or (share and not can_lend(share, rows, self.settings.chunk_tokens)):
                 continue
             need = s.pages_needed(rows)
             if not can_take(self.pool, self.cache, need):
@@ -239,10 +239,8 @@ class Scheduler:
             s.session = create_session(self.model, self.pool)
             s.admitted_at = time.perf_counter()
             s.record.queue_wait_s = s.admitted_at - s.arrival
-            if busy:  # joins the pass that writes the shared pages (docs/design.md §4)
-                s.lender, s.borrowed = busy[0], busy[1] * rows
-                self.pool.lend(s.lender.session, s.session, busy[1], s.prompt[:s.borrowed])
-                s.record.n_cached = s.borrowed  # counted as saved once the pages are written
+            if share:  # joins the pass that writes the shared pages (engine/lending.py)
+                lend(self.pool, share, s, rows)
             elif self.settings.cache_enabled:
                 matched = prefix_attach(self.cache, self.pool, s.session, s.prompt, s.record.namespace)
                 if matched:
@@ -271,13 +269,7 @@ class Scheduler:
                 self._publish(s, s.prompt)  # as soon as computed, so concurrent prompts share
             if not s.prefilling:
                 events += self._sample(s, logits[base + j])
-        saved, orphans = settle_borrowers(self._active, self.pool, self.cache)
-        self.prefill_saved += saved
-        for s in orphans:  # their lender left before writing what they borrowed
-            self._active.remove(s)
-            self.pool.free_session(s.session)
-            s.session, s.lender, s.borrowed, s.record.n_cached = None, None, 0, 0
-            self._queue.appendleft(s)
+        self.prefill_saved += settle_borrowers(self._active, self._queue, self.pool, self.cache)
         for s in batch.closing:
             self._closing.remove(s)
             self._donate_and_release(s)
@@ -361,7 +353,7 @@ class Scheduler:
     def _donate_and_release(self, s: Stream) -> None:
         """Publish what the session evaluated (a cancelled stream: what ran), then release it."""
         donated = self.pool.tokens(s.session)
-        if self.settings.cache_enabled and s.lender is None:  # a borrower's unwritten pages are no prefix
+        if self.settings.cache_enabled and s.loan is None:  # a borrower's unwritten pages are no prefix
             self._publish(s, donated)
         s.closing = []
         self.pool.free_session(s.session)

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .api import prefix_chain_list
 from .attention import window_first_page
 from .metrics import RequestRecord, TimelineRow
-from .prefix_cache import ChainRecord, prefix_chain_list
+from .prefix_records import ChainRecord
 
 NO_OWNERS: list[int] = []  # shared by cached pages no session holds (never appended to)
 

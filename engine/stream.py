@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager, Session, pages_for
 from .chat import CLOSING_SLACK
@@ -12,6 +13,9 @@ from .kv_pool import kv_dtype_name
 from .metrics import RequestRecord
 from .sampler import Sampler, SamplingParams
 from .tokenizer import TokenStream
+
+if TYPE_CHECKING:
+    from .lending import Loan
 
 # New tokens a request may generate when its front end does not say: the one default answer
 # length (window, CLI, scenarios and engine alike; the server's is "up to the context", as OpenAI's).
@@ -156,8 +160,7 @@ class Stream:
                                          # "stop" (the server cut the answer at a stop string)
     finish_reason: str | None = None
     closing: list[int] = field(default_factory=list)  # the finished turn's unevaluated tail
-    lender: Stream | None = None       # the stream whose unwritten prompt pages this one shares
-    borrowed: int = 0                  # ...and how many positions: it joins the pass that writes them
+    loan: Loan | None = None           # pages another stream is writing that this one shares
 
     @property
     def id(self) -> int:

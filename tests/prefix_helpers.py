@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 import engine as dl
-from engine.prefix_cache import CachedPage, PrefixCache
+from engine.prefix_cache import PrefixCache
+from engine.prefix_records import CachedPage
 
 TINY = dl.ModelConfig(n_layers=1, d_model=8, n_ff=16, n_heads=2, n_kv_heads=1, head_dim=4,
                       vocab_size=1000, context_length=1 << 20, rope_base=1e4, norm_eps=1e-5)

@@ -83,6 +83,24 @@ def test_session_from_another_pool(setup):
     other_pool.check()
 
 
+def test_a_second_cache_on_one_pool_is_refused_and_the_first_still_evicts(tiny_model):
+    # the pool asks one cache for pages when it runs out: a second would hold pages it never gives back
+    pool = dl.create_kv_pool(tiny_model, page_rows=4, max_pages=4)
+    first, second = dl.create_prefix_cache(), dl.create_prefix_cache()
+    s = dl.create_session(tiny_model, pool)
+    prompt = list(range(3, 15))
+    dl.eval(tiny_model, s, prompt)
+    assert dl.prefix_insert(first, pool, s, prompt) == 3
+    with pytest.raises(ValueError, match="already has a prefix cache"):
+        dl.prefix_insert(second, pool, s, prompt)
+    assert dl.prefix_held_groups(second) == 0 and dl.prefix_held_groups(first) == 3
+    dl.release_kv_pages(s)
+    t = dl.create_session(tiny_model, pool)
+    dl.eval(tiny_model, t, list(range(20, 35)))  # 4 pages: the first cache gives its 3 back
+    assert dl.prefix_held_groups(first) == 0 and first.counters.evicted_pages == 3
+    pool.check()
+
+
 def test_settings_out_of_range(tiny_model):
     with pytest.raises(ValueError, match="page_rows"):
         dl.create_kv_pool(tiny_model, page_rows=0)

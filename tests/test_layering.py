@@ -145,6 +145,63 @@ def test_the_checker_sees_imports(tmp_path):
     assert {"PySide6.QtCore", "pyqtgraph", "ui", "app.desktop.gui"} <= set(names)
 
 
+# engine/'s classes: each keeps its state to itself (docs/design.md §1) ---------------------------
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own(node: ast.expr) -> bool:
+    """`self`, `cls` or `super()`: the object whose own private state a method may touch."""
+    return (isinstance(node, ast.Name) and node.id in ("self", "cls")) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+
+
+def encapsulation_offenders(root: str) -> list[str]:
+    """Under `root`: `x._name` (or `getattr(x, "_name")` and the like) where x is not self, cls
+    or super() -- another object's private state -- and classes named `*Mixin` (state that a
+    host class must provide unseen). A dunder (`__name__`) is public; a module's own private
+    function, called by its bare name, is no attribute access and stays allowed."""
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py"))
+    bad = []
+    for path in files:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), filename=path)
+        where = os.path.relpath(path, ROOT)
+        for node in sorted(ast.walk(tree), key=lambda n: getattr(n, "lineno", 0)):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Mixin"):
+                bad.append(f"{where}:{node.lineno} class {node.name} is a mixin")
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value):
+                bad.append(f"{where}:{node.lineno} reads {ast.unparse(node)}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                  and _private(node.args[1].value) and not _own(node.args[0])):
+                bad.append(f"{where}:{node.lineno} reads {ast.unparse(node)}")
+    return bad
+
+
+def test_no_engine_class_uses_another_objects_private_state_or_is_a_mixin():
+    offenders = encapsulation_offenders(ENGINE)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_encapsulation_rule_catches_private_reads_and_mixins(tmp_path):
+    (tmp_path / "ok.py").write_text(
+        "def _helper(x):\n    return x\n\n"
+        "class Cache:\n    def __init__(self):\n        self._pages = {}\n"
+        "    def size(self):\n        return _helper(len(self._pages)) + type(self).__name__.count('C')\n"
+        "    @classmethod\n    def make(cls):\n        return cls._new()\n"
+        "    def __repr__(self):\n        return super().__repr__() + super()._tag()\n")
+    assert encapsulation_offenders(str(tmp_path)) == []
+    (tmp_path / "bad.py").write_text(
+        "class TierMixin:\n    pass\n\n"
+        "class Cache:\n    def evict(self, pool):\n        pool._free.pop()\n"
+        "        self.pool._refs[0] = 1\n        return getattr(pool, '_seqs')\n")
+    bad = [b.split(" ", 1)[1] for b in encapsulation_offenders(str(tmp_path))]
+    assert bad == ["class TierMixin is a mixin", "reads pool._free", "reads self.pool._refs",
+                   "reads getattr(pool, '_seqs')"]
+
+
 # app/'s rooms: which capability subpackage may import which (docs/design.md §1) -----------------
 QT = ("PySide6", "pyqtgraph", "shiboken6", "ui")
 DESKTOP = ("app.desktop",)  # the desktop app's room: controllers, the worker, settings, start-up

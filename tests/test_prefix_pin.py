@@ -56,7 +56,7 @@ def test_insert_that_would_evict_a_pinned_page_caches_less_and_says_so(caplog):
     dl.prefix_pin(cache, dl.prefix_chain_list(cache)[0].id)
     with caplog.at_level(logging.INFO, logger="prefixlab.cache"):
         added = donate(cache, pool, seq(500, 16), "long question")  # 4 pages; 1 fits beside the pin
-    assert added == 1 and added.short == 3
+    assert added == 1 and added.left_out_for_pins == 3
     assert "3 page(s)" in caplog.text and "pinned" in caplog.text
     assert len(cache.pages) == 4
     assert_cache_consistent(cache, pool)

@@ -14,9 +14,9 @@ from PySide6.QtCore import QEvent, QPoint, QPointF, Qt  # noqa: E402
 from PySide6.QtGui import QHelpEvent, QMouseEvent, QWheelEvent  # noqa: E402
 from PySide6.QtWidgets import QApplication, QToolTip, QWidget  # noqa: E402
 
+from engine.api import prefix_probe  # noqa: E402
 from engine.chat import chat_prompt, turn_messages  # noqa: E402
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED  # noqa: E402
-from engine.prefix_cache import prefix_probe  # noqa: E402
 from engine.snapshot import PageInfo  # noqa: E402
 from ui.cache_panel import CachePanel  # noqa: E402
 from ui.chains_table import COL_HITS, ChainsTable, humanize_seconds  # noqa: E402

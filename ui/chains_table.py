@@ -15,7 +15,7 @@ from PySide6.QtCore import (
 )
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableView, QWidget
 
-from engine.prefix_cache import ChainRecord
+from engine.prefix_records import ChainRecord
 
 COLUMNS = ("id", "tokens", "pages live", "hits", "preview", "age", "idle", "pin")
 COL_ID, COL_TOKENS, COL_PAGES, COL_HITS, COL_PREVIEW, COL_AGE, COL_IDLE, COL_PIN = range(len(COLUMNS))

@@ -24,9 +24,10 @@ import heapq
 import itertools
 import time
 
+from engine.api import prefix_attach, prefix_insert
 from engine.block_manager import BlockManager, Session
 from engine.disk_tier import DiskTier
-from engine.prefix_cache import PrefixCache, prefix_attach, prefix_insert
+from engine.prefix_cache import PrefixCache
 
 from .results import OverTime, ReplayConfig, ReplayResult
 from .trace import TraceError, TraceRequest, TraceSource

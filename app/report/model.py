@@ -16,9 +16,10 @@ from datetime import UTC, datetime
 import msgspec
 import numpy as np
 
+from engine.api import prefix_chain_list
 from engine.loader import Model
 from engine.metrics import PAGE_STATE_NAMES, RequestRecord, TimelineRow
-from engine.prefix_cache import ChainRecord, prefix_chain_list
+from engine.prefix_records import ChainRecord
 from engine.sampler import SamplingParams
 from engine.snapshot import PageInfo, Snapshot
 
