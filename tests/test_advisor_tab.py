@@ -42,6 +42,33 @@ def test_a_loaded_chat_log_shows_totals_groups_and_the_fix(qtbot, real_model, tm
         ctl.close()
 
 
+def test_try_the_example_explains_per_provider_what_would_make_it_cache(qtbot, real_model):
+    """The tab opens with "Try the example" (the shipped trace, nothing to find first), and each
+    provider's row says what would make it cache; Anthropic's names the breakpoint it needs."""
+    panel = AdvisorPanel()
+    qtbot.addWidget(panel)
+    assert panel.example_button.isEnabled() and "try the example" in panel.trace_label.text().lower()
+    ctl = AdvisorController(panel, lambda: "", lambda: real_model.tokenizer)
+    try:
+        panel.example_button.click()
+        qtbot.waitUntil(lambda: ctl.advice is not None and not ctl.busy, timeout=WAIT_MS)
+        label = panel.trace_label.text()
+        assert "chat-timestamp.jsonl" in label and "20 requests" in label
+        names = _cells(panel.totals, 0)
+        assert names == list(DEFAULT_RULES)
+        hints = {n: panel.hint(i) for i, n in enumerate(names)}
+        assert all(hints.values()), hints
+        anthropic = hints["anthropic"]
+        assert "cache_control breakpoint at the end of the system prompt" in anthropic
+        assert "move a timestamp" in anthropic  # the system prompt itself diverges: the fix first
+        ratios = anthropic.split(": ")[-1].split(" cached")[0]  # "0% -> 92%"
+        before, after = (int(x.rstrip("%")) for x in ratios.split(" -> "))
+        assert before == 0 and after > 50
+        assert "move a timestamp" in hints["openai"] and "saved" in hints["openai"]
+    finally:
+        ctl.close()
+
+
 def test_the_proxys_traffic_is_advised_live(qtbot, real_model):
     server = start_server(scheduler_on(real_model, page_rows=16))
     panel = AdvisorPanel()

@@ -50,6 +50,7 @@ class AdvisorPanel(QWidget):
     """Trace and proxy controls, totals per provider, divergence groups, the what-if."""
 
     load_requested = Signal()                 # "Load trace…"
+    example_requested = Signal()              # "Try the example": the shipped trace
     proxy_requested = Signal(bool, str, int)  # on/off, upstream URL, port
 
     def __init__(self, parent: QWidget | None = None):
@@ -57,6 +58,10 @@ class AdvisorPanel(QWidget):
         self.trace_label = QLabel()
         self.trace_label.setWordWrap(True)
         self.load_button = QPushButton("Load trace…")
+        self.example_button = QPushButton("Try the example")
+        self.example_button.setObjectName("primary")
+        self.example_button.setToolTip("Advise on the shipped example: 20 chat requests whose system prompt "
+                                       "starts with the time of day")
         self.upstream = QLineEdit()
         self.upstream.setPlaceholderText("upstream, e.g. https://api.openai.com/v1")
         self.port = QSpinBox()
@@ -71,6 +76,7 @@ class AdvisorPanel(QWidget):
         self.error.setWordWrap(True)
         self.error.setVisible(False)
         self.totals = _table([])
+        self.totals.setWordWrap(True)
         self.groups = QTextBrowser()
         self.groups.setOpenExternalLinks(False)
         self.whatif_label = QLabel()
@@ -79,6 +85,7 @@ class AdvisorPanel(QWidget):
 
         top = QHBoxLayout()
         top.addWidget(self.trace_label, 1)
+        top.addWidget(self.example_button)
         top.addWidget(self.load_button)
         proxy = QHBoxLayout()
         proxy.addWidget(QLabel("Proxy"))
@@ -99,14 +106,15 @@ class AdvisorPanel(QWidget):
         layout.addWidget(self.whatif, 3)
 
         self.load_button.clicked.connect(self.load_requested)
+        self.example_button.clicked.connect(self.example_requested)
         self.proxy_button.toggled.connect(self._proxy_toggled)
         self.set_trace(None)
         self.set_proxy(None)
 
     # what the controller tells it ------------------------------------------------------
     def set_trace(self, description: str | None) -> None:
-        self.trace_label.setText(description or "No traffic yet: load a chat log or a proxy recording, "
-                                                "or start the proxy")
+        self.trace_label.setText(description or "No traffic yet: try the example, load a chat log or a "
+                                                "proxy recording, or start the proxy")
 
     def set_proxy(self, status: str | None) -> None:
         """The proxy's state in words (None: off); the button follows."""
@@ -121,16 +129,36 @@ class AdvisorPanel(QWidget):
 
     def set_busy(self, busy: bool) -> None:
         self.load_button.setEnabled(not busy)
+        self.example_button.setEnabled(not busy)
 
     def show_error(self, message: str | None) -> None:
         self.error.setText(message or "")
         self.error.setVisible(bool(message))
 
-    def set_totals(self, head: list[str], rows: list[list[str]], tips: list[str]) -> None:
-        """One row per rule set; `tips[i]` (as of, source, note) shows over row i's name."""
+    def set_totals(self, head: list[str], rows: list[list[str]], tips: list[str],
+                   hints: list[str] = ()) -> None:
+        """One row per rule set; `tips[i]` (as of, source, note) shows over row i's name, and
+        `hints[i]` (what would make that provider cache) in the row's last column."""
+        if hints:
+            head, rows = [*head, "what would make it cache"], [[*r, h] for r, h in zip(rows, hints)]
         _fill(self.totals, head, rows)
         for i, tip in enumerate(tips):
             self.totals.item(i, 0).setToolTip(tip)
+        for i, hint in enumerate(hints):
+            self.totals.item(i, len(head) - 1).setToolTip(hint)
+            self.totals.item(i, len(head) - 1).setTextAlignment(Qt.AlignmentFlag.AlignLeft
+                                                                | Qt.AlignmentFlag.AlignVCenter)
+        if hints:  # the sentence takes the width left and wraps, row by row
+            self.totals.setColumnWidth(len(head) - 1, 360)
+            self.totals.resizeRowsToContents()
+
+    def hint(self, row: int) -> str:
+        """The "what would make it cache" line of a provider's row ("" when none is shown)."""
+        last = self.totals.columnCount() - 1
+        if self.totals.horizontalHeaderItem(last) is None or \
+                self.totals.horizontalHeaderItem(last).text() != "what would make it cache":
+            return ""
+        return self.totals.item(row, last).text()
 
     def set_groups(self, groups: list[dict]) -> None:
         """Divergence groups: each a `summary`, and an example's `before` text and differing `text`."""

@@ -13,10 +13,14 @@ from collections.abc import Callable
 from PySide6.QtCore import QObject, Signal
 
 from ..advise.advisor import Tokenizers, advise
+from ..advise.hints import hints
 from ..advise.html import view_data
 from ..advise.rules import RulesError, resolve_rules
 from ..advise.traffic import read_traffic
 from ..replay.trace import TraceError
+from ..scenario import REPO_ROOT
+
+EXAMPLE_TRACE = os.path.join(REPO_ROOT, "resources", "traces", "chat-timestamp.jsonl")
 
 
 def served_record(job, finish) -> dict | None:
@@ -53,6 +57,7 @@ class AdvisorController(QObject):
         self._again: tuple | None = None  # traffic recorded while busy: advise once more after
         self._tmp = tempfile.TemporaryDirectory(prefix="prefixlab-advisor-")
         panel.load_requested.connect(self.load_trace)
+        panel.example_requested.connect(self.load_example)
         panel.proxy_requested.connect(self.set_proxy)
         self._advised.connect(self._on_advised)
         self._failed.connect(self._on_failed)
@@ -66,6 +71,10 @@ class AdvisorController(QObject):
         path = path or self.ask_trace_path()
         if path:
             self._start(path, os.path.basename(path))
+
+    def load_example(self) -> None:
+        """Advise on the shipped example: a chat log whose system prompt starts with the time."""
+        self._start(EXAMPLE_TRACE, "the example (resources/traces/chat-timestamp.jsonl)")
 
     def set_proxy(self, on: bool, upstream: str = "", port: int = 8001) -> None:
         """Start the recording proxy in front of `upstream` (its traffic advised live), or stop it."""
@@ -154,7 +163,9 @@ class AdvisorController(QObject):
         try:
             skipped: list = []
             requests = read_traffic(path, skipped)
-            advice = advise(path, requests, resolve_rules(None), Tokenizers(tok), skipped)
+            rules, toks = resolve_rules(None), Tokenizers(tok)
+            advice = advise(path, requests, rules, toks, skipped)
+            advice["hints"] = hints(advice, rules, requests, toks.prompts)
         except (TraceError, RulesError, ValueError, OSError) as e:
             self._failed.emit(str(e))
             return
@@ -165,7 +176,9 @@ class AdvisorController(QObject):
         data = view_data(advice)
         self.panel.show_error(None)
         self.panel.set_trace(description)
-        self.panel.set_totals(data["totals_head"], data["totals_rows"], data["tips"])
+        names = [rs["rules"]["name"] for rs in advice["rule_sets"]]
+        self.panel.set_totals(data["totals_head"], data["totals_rows"], data["tips"],
+                              [advice.get("hints", {}).get(n, "") for n in names])
         self.panel.set_groups(data["groups"])
         self.panel.set_whatif(data["fix"], data["whatif_head"], data["whatif_rows"])
         self._done()
