@@ -60,8 +60,9 @@ class TierMixin:
         """Copy a page about to be evicted into the disk tier (the eviction then frees it)."""
         chain = self.chains[entry.chain_id]
         dropped = self.tier.put(entry, self.pool, chain.preview)
-        self.counters.demoted_pages += 1
-        self._emit("stored", [entry], medium="CPU")
+        if self.tier.get(entry.key) is not None:  # else a full or failing disk (the tier said so)
+            self.counters.demoted_pages += 1
+            self._emit("stored", [entry], medium="CPU")
         if dropped:
             self._emit("removed", dropped, medium="CPU")
 
@@ -82,7 +83,10 @@ class TierMixin:
             if pool.max_pages is not None and not pool.num_free_pages:
                 break  # loading must not evict what this attach is about to use
             page = pool.alloc()
-            tier.take(key, pool, page)
+            if tier.take(key, pool, page) is None:  # unreadable or damaged: gone, a miss from here
+                pool.release(page)
+                self._emit("removed", [tp], medium="CPU")
+                break
             chain = self.chains.get(tp.chain_id) or ChainRecord(
                 id=tp.chain_id, n_tokens=0, pages_live=0, hits=0, preview=tp.preview,
                 created_at=time.time(), namespace=namespace, first_page_depth=i)
