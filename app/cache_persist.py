@@ -214,7 +214,7 @@ def restore_cache(cache, pool, model, fh, size: int) -> int:
     meta = bytearray(header["index_bytes"])
     _read_exact(fh, meta)
     if hashlib.sha256(meta).hexdigest() != header["index_sha256"]:
-        raise CacheFileError("its page index is corrupt (SHA-256 differs from the header's)")
+        raise CacheFileError("its page index is corrupt (its SHA-256 differs from the header's index_sha256)")
     index = _json(bytes(meta), "page index")
     del meta
     if not (isinstance(index, dict) and isinstance(index.get("pages"), list)
