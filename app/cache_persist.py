@@ -118,7 +118,7 @@ def _read_exact(fh, buf) -> None:
         view = view[n:]
 
 
-def _json(data: bytes, what: str):
+def _json(data: bytearray, what: str):
     try:
         return json.loads(data)
     except (ValueError, RecursionError) as e:   # bad UTF-8, bad JSON, nested too deep
@@ -137,7 +137,7 @@ def read_header(fh, size: int, want: dict, itemsize: int) -> tuple[dict, int]:
         raise CacheFileError(f"it is truncated or corrupt (a header of {n} bytes in a file of {size})")
     head = bytearray(n)
     _read_exact(fh, head)
-    header = _json(bytes(head), "header")
+    header = _json(head, "header")
     if not isinstance(header, dict):
         raise CacheFileError("its header is corrupt (not an object)")
     for field, value in want.items():   # format first: another version's fields mean other things
@@ -215,7 +215,7 @@ def restore_cache(cache, pool, model, fh, size: int) -> int:
     _read_exact(fh, meta)
     if hashlib.sha256(meta).hexdigest() != header["index_sha256"]:
         raise CacheFileError("its page index is corrupt (its SHA-256 differs from the header's index_sha256)")
-    index = _json(bytes(meta), "page index")
+    index = _json(meta, "page index")
     del meta
     if not (isinstance(index, dict) and isinstance(index.get("pages"), list)
             and len(index["pages"]) == header["n_pages"]):
@@ -230,8 +230,8 @@ def restore_cache(cache, pool, model, fh, size: int) -> int:
     _read_exact(fh, records)
     bad = [i for i in range(n_read) if page_checksum(pages[i][0], records[i]) != pages[i][6]]
     if bad:
-        raise CacheFileError(f"{len(bad)} of its {n_read} pages are damaged (their CRC-32 differs; "
-                             f"the first is page {bad[0]})")
+        raise CacheFileError(f"its K/V are corrupt: {len(bad)} of its {n_read} pages fail their CRC-32 "
+                             f"(the first is page {bad[0]})")
 
     def fill(i: int, page: int) -> None:
         pool.k[:, page] = records[i, 0]
