@@ -13,7 +13,8 @@ Reading fails closed: only a regular file is opened (not a link, a FIFO or a dev
 header field is checked for its type and range and against the file's size before anything
 is allocated, and the pages are read straight into one array (the load costs the pages it
 can keep plus a constant). Writes are atomic (engine/atomic.py): a process stopped
-mid-write leaves the old file or the new one. A refused file is renamed aside with one
+mid-write leaves the old file or the new one (and a killed save's temporary file is removed
+by the next save). A refused file is renamed aside with one
 line that says what differed, and the cache starts cold; a save that cannot be written (a
 full or read-only folder) says so in one line and changes nothing in the running process.
 """
@@ -33,12 +34,14 @@ import typing
 
 import numpy as np
 
+from engine.atomic import atomic_write
 from engine.disk_tier import page_checksum, page_record
 
 FORMAT_VERSION = 2   # 2: per-page CRC-32 in the index, pages as records, no whole-body hash
 MAGIC = b"PLXKVC\x00\x01"
 FILE_NAME = "prefix-cache.plkv"
 MAX_HEADER_BYTES = 1 << 16
+STALE_TEMP_S = 60.0  # a save writes its temporary file steadily: one untouched this long was killed
 _sha_memo: dict[tuple, str] = {}
 
 
@@ -245,7 +248,7 @@ def restore_cache(cache, pool, model, fh, size: int) -> int:
 def open_regular(path: str):
     """`path` opened for reading if it is a regular file (never a link, FIFO or device, which
     could block or never end), with its size; None when there is none; CacheFileError else."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
@@ -298,10 +301,10 @@ class PersistedCache:
     def save(self) -> int:
         """Write the cache atomically, mode 0600; the pages written (0, and one line, when the
         folder is read-only or full: the old file stays, the cache in memory is untouched)."""
-        from engine.atomic import atomic_write
         sch = self.scheduler
         try:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            self._sweep()
             atomic_write(self.path, lambda fh: write_cache(fh, sch.cache, sch.pool, sch.model), mode=0o600)
         except OSError as e:
             reason = getattr(e, "reason", None) or e.strerror or str(e)
@@ -310,6 +313,19 @@ class PersistedCache:
         n = len(sch.cache.pages)
         self._say(f"saved {n} page(s)")
         return n
+
+    def _sweep(self) -> None:
+        """Remove the temporary files of saves killed before their rename (SIGKILL, a power cut:
+        engine/atomic.py removes its own on any exception)."""
+        prefix = f".{FILE_NAME}."
+        for name in os.listdir(self.dir):
+            if name.startswith(prefix) and name.endswith(".tmp"):
+                path = os.path.join(self.dir, name)
+                try:
+                    if time.time() - os.lstat(path).st_mtime > STALE_TEMP_S:
+                        os.unlink(path)
+                except OSError:
+                    pass  # gone already, or not ours to remove: the save goes on
 
 
 def persist_from_args(args, scheduler) -> PersistedCache | None:

@@ -63,6 +63,16 @@ def test_a_cache_file_is_private_and_leaves_no_temporary_file(tiny_model, tmp_pa
     assert os.listdir(tmp_path) == [FILE_NAME]
 
 
+def test_a_killed_saves_temporary_file_is_removed_by_the_next_save(tiny_model, tmp_path):
+    killed = tmp_path / f".{FILE_NAME}.k1ll3d.tmp"    # what SIGKILL mid-save leaves
+    killed.write_bytes(b"half a cache")
+    os.utime(killed, (0, 0))
+    live = tmp_path / f".{FILE_NAME}.wr1t1n.tmp"       # another process's save, being written now
+    live.write_bytes(b"a cache being written")
+    saved_file(tiny_model, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted([FILE_NAME, live.name])
+
+
 LOAD = """
 import io, sys
 from engine import load_model
