@@ -180,6 +180,32 @@ def test_a_client_leaving_mid_stream_cancels_the_upstream_stream():
         assert ended.wait(5), "the upstream kept streaming to a client that had left"
 
 
+def test_a_full_pool_answers_503_at_once_rather_than_queueing_for_ever():
+    async def silent(scope, receive, send):
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    small = Limits(max_connections=2, connect_timeout=1)
+    with running(upstream({"/v1/chat/completions": silent, "/v1/models": models})) as (up,), \
+            running(Proxy(up.url + "/v1", port=0, limits=small).start()) as (proxy,):
+        async def two_waiting_and_one_more():
+            async with httpx.AsyncClient(timeout=10) as c:
+                waiting = [asyncio.ensure_future(c.post(proxy.url + "/v1/chat/completions", json=ASK))
+                           for _ in range(2)]
+                await asyncio.sleep(0.5)  # both hold an upstream connection now
+                start = time.monotonic()
+                r = await c.get(proxy.url + "/v1/models")
+                took = time.monotonic() - start
+                for w in waiting:
+                    w.cancel()
+                return r, took
+        r, took = asyncio.run(two_waiting_and_one_more())
+        assert r.status_code == 503 and took < 4
+        error = r.json()["error"]
+        assert error["code"] == "upstream_busy" and "--max-connections" in error["message"]
+        assert httpx.get(proxy.url + "/v1/models", timeout=5).status_code == 200  # the clients left: free
+
+
 def test_timeouts_answer_504_and_an_unreachable_upstream_502_typed_as_upstream_errors(tmp_path):
     async def silent(scope, receive, send):
         while (await receive())["type"] != "http.disconnect":
