@@ -277,7 +277,7 @@ def test_a_gzip_bomb_passes_as_it_is_without_the_proxy_inflating_it_or_stalling_
         bombs.join()
         assert got == [bomb] * 3  # the client gets the upstream's bytes as they are
         assert peak_rss(pid) - before < 64 * MiB, f"the proxy grew {(peak_rss(pid) - before) / MiB:.0f} MiB"
-        assert slowest < 2, f"another client waited {slowest:.1f} s"
+        assert slowest < 3, f"another client waited {slowest:.1f} s"
 
 
 def test_a_40_mb_event_stream_line_is_relayed_in_linear_time_and_bounded_memory(tmp_path):
