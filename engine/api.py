@@ -7,7 +7,6 @@ import numpy as np
 from .kv_pool import KVPool, Session
 from .loader import Model
 from .model import forward
-from .threads import blas_threads
 
 
 def create_kv_pool(m: Model, page_rows: int = 16, max_pages: int | None = None,
@@ -74,7 +73,6 @@ def eval_batch(m: Model, sessions: list[Session], token_lists: list,
                                  any(not 1 <= k <= len(t) for k, t in zip(n_logits, toks))):
         raise ValueError("n_logits needs one count per session, each between 1 and its token count")
     slots = pool.allocate(sessions, [len(t) for t in toks])
-    blas_threads().fit(sum(map(len, toks)), m.weights.reads_blocks)  # no more threads than free cores
     logits = forward(m, pool, slots, toks, all_positions, n_logits)
     pool.commit(sessions, toks)
     return logits

@@ -121,7 +121,7 @@ def _model_facts(m) -> dict:
             "file_size": m.file_size, "matmul_bytes": m.weights.matmul_bytes(),
             "from_image": m.from_image, "config": dict(m.config.__dict__),
             "description": m.describe(), "quant_mix": m.quant_mix,
-            "layout": {"layout": m.weights.layout, **m.weights.layout_record}, "pages": m.weights.pages}
+            "layout": {"layout": m.backend.layout, **m.backend.layout_record}, "pages": m.backend.pages}
 
 
 def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTIONS, log=None) -> dict:
@@ -263,13 +263,13 @@ def format_table(result: dict) -> str:
     if result["model"].get("description"):
         head += f"\nmodel: {result['model'].get('name', '')}: {result['model']['description']}"
         lay = result["model"].get("layout") or {}
-        if lay.get("seconds"):  # engine/layout.py: which copy of the weights this machine reads
+        if lay.get("seconds"):  # engine/cpu/weight_layout.py: which copy of the weights this machine reads
             ms = "; ".join(f"{k} {v * 1e3:.1f} ms" for k, v in lay["seconds"].items())
             head += f"\nweights read as: {lay['layout']} ({lay.get('source')}: {ms})"
         elif lay:
             head += f"\nweights read as: {lay.get('layout')} ({lay.get('source') or 'not measured'})"
         huge = (result["model"].get("pages") or {}).get("huge")
-        if huge is not None:  # engine/weight_image.py settle_huge
+        if huge is not None:  # engine/cpu/weight_image.py settle_huge
             head += f"; {huge:.0%} in 2 MiB pages"
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
                                                             if t["missed"] else "")]
@@ -299,6 +299,8 @@ def write_json(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m app.bench`: the same command without the rest of the CLI."""
+    import engine
+    engine.tune_process()
     p = argparse.ArgumentParser(prog="prefixlab bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_args(p)

@@ -21,7 +21,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import engine as dl
-from engine.threads import blas_threads as engine_blas_threads
+from engine.cpu.blas_threads import blas_threads as engine_blas_threads
 
 from ..scenario import sample_tokens
 from .common import child_env, figure, peak_rss_mb, ratio, target
@@ -83,7 +83,7 @@ class GemmReference:
 def bandwidth_probe():
     """A >= 512 MB float32 matrix and a GEMV over it: one full read of the matrix per call, on
     every core the engine may use (the machine's limit, whatever the last pass chose: a decode
-    pass over column blocks runs BLAS on one thread beside its helpers, engine/split.py)."""
+    pass over column blocks runs BLAS on one thread beside its helpers, engine/cpu/shared_matmul.py)."""
     cols = 8192
     rows = BW_BYTES // (4 * cols)
     a = np.full((rows, cols), 0.5, dtype=np.float32)  # [rows, cols]; values do not matter to a read
@@ -226,7 +226,7 @@ def blas_thread_figures(m, quick: bool) -> tuple[dict, dict]:
     """The prefill and decode sections again with ONE BLAS thread (then the engine chooses again).
 
     Not a target: it shows how much of a miss is BLAS threading. The engine itself picks the
-    free cores before each pass (engine.threads); this pins it to 1 for comparison.
+    free cores before each pass (engine.cpu.blas_threads); this pins it to 1 for comparison.
     """
     chooser = engine_blas_threads()
     default = chooser.max_threads
@@ -308,6 +308,7 @@ def temp_cache_dir() -> str:
 
 
 def _main() -> int:
+    dl.tune_process()  # NumPy is loaded: OpenBLAS has its timeout from the parent's environment
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--child", nargs=3, metavar=("MODEL", "PROMPT_TOKENS", "NEW_TOKENS"), required=True)
     a = p.parse_args()

@@ -164,6 +164,7 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
 
 
 def _main() -> int:
+    dl.tune_process()  # NumPy is loaded: OpenBLAS has its timeout from the parent's environment
     if len(sys.argv) == 3 and sys.argv[1] == "--w8-child":
         print(json.dumps(peer_w8_child(sys.argv[2])))
         return 0

@@ -89,6 +89,8 @@ def _ms(s: float | None) -> str:
 
 
 def _main() -> int:
+    import engine
+    engine.tune_process()  # NumPy is loaded: OpenBLAS has its timeout from the parent's environment
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MAX_NEW"), required=True)
     a = p.parse_args()
