@@ -7,7 +7,7 @@ half a layer's matrix: waking it cost 40-80 us there (the VM's guest halts an id
 once), about what it saved. So the helper is a process, started once, that spins on shared
 memory as BLAS's own threads do, for SPIN_S after its last job, then sleeps on an eventfd.
 Not a pipe: its "sync" wake-up put the helper on the waking caller's busy core, and every
-share of the next ~30 ms was taken back (docs/design.md §7).
+share of the next ~30 ms was taken back (docs/perf-notes.md).
 It maps the weight image's file itself (`share_file`), so a job is a few integers and the
 input rows, and it writes its blocks into shared memory: each block is computed exactly as
 it would be alone, so the answer is the same bit for bit. Passes of more than SHARE_ROWS
@@ -113,7 +113,7 @@ class Site:
     that live as long as the weights), where each lies in a shared file, found once, and its
     shares and read-ahead for each count of rows and helpers, worked out once: a step's own
     Python runs between weight reads that empty this core's caches, and the helpers wait on it
-    (docs/design.md §7)."""
+    (docs/perf-notes.md). Which matmul follows is learned (`follow`) or given (`then`)."""
 
     __slots__ = ("blocks", "transposed", "then", "K", "nb", "job", "then_job", "rows", "key", "then_key",
                  "plans", "aheads", "next")
@@ -147,7 +147,7 @@ def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False,
 
 
 def matmul_site(x: np.ndarray, site: Site) -> np.ndarray:
-    """`matmul` of a prepared Site (a pass's matmuls repeat: engine/loader.py keeps their Sites)."""
+    """`matmul` of a prepared Site (a pass's matmuls repeat: engine/cpu/backend.py keeps their Sites)."""
     rows = len(x)
     if site.transposed and rows > SHARE_ROWS:  # prefill: side by side, transposed blocks are W^T [nb*64, K],
         return x @ site.blocks.reshape(-1, site.K).T  # so one GEMM (1.2x column blocks' speed here)
