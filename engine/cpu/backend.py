@@ -33,6 +33,12 @@ def layer_of(a: np.ndarray | None, layer: int | None) -> np.ndarray | None:
     return a if a is None or layer is None else a[layer]
 
 
+class _Pass(threading.local):
+    """One thread's forward pass, as the backend follows it."""
+
+    last: Site | None = None  # the Site run last (None: the pass's first matmul is next)
+
+
 class CpuBackend:
     """One model's weights as this machine reads them fastest, and the matmuls of its passes.
 
@@ -49,7 +55,7 @@ class CpuBackend:
         self.one_row = "pair"          # how one row reads the blocks: weight_layout.ONE_ROW, as measured
         self.pages: dict = {}          # how the copy read is mapped (settle_huge)
         self._sites: dict[tuple, Site] = {}  # (layout, name, layer) -> its Site, made once
-        self._pass = threading.local()  # .last: the Site run last in this thread's pass
+        self._pass = _Pass()
 
     @property
     def reads_blocks(self) -> bool:
@@ -89,13 +95,13 @@ class CpuBackend:
         """A forward pass of `rows` rows starts on this thread: no more BLAS threads than the
         machine's free cores, and its blocks shared with helpers where that pays (blas_threads.fit)."""
         blas_threads().fit(rows, self.reads_blocks)
-        self._pass.last = None
+        self._pass.last = None  # the first matmul of a pass follows none
 
     def linear(self, x: np.ndarray, name: str, layer: int | None = None) -> np.ndarray:
         """x [N, K] @ weight `name` (`layer`'s when given): [N, out], in the layout read."""
-        site = self.site(name, layer)
-        last = getattr(self._pass, "last", None)
-        self._pass.last = site
+        site = self._sites.get((self.layout, name, layer)) or self.site(name, layer)
+        now = self._pass  # this thread's pass: its last Site
+        last, now.last = now.last, site
         if site is None:
             return plain_matmul(x, layer_of(getattr(self.weights, name), layer))   # [N, out]
         if last is not None and last.then is not site.blocks:
