@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.proxy.cli import Proxy
-from app.proxy.server import Limits
+from app.proxy.limits import Limits
 from app.serve.runner import HttpThread
 
 KEY = "sk-hardening-" + secrets.token_hex(16)

@@ -7,8 +7,7 @@ from dataclasses import fields
 from urllib.parse import urlparse
 
 from ..stop_signals import StopOnSignals
-from .record import DEFAULT_RECORD_MAX_BYTES
-from .server import Limits
+from .limits import DEFAULT_RECORD_MAX_BYTES, Limits
 
 LIMIT_HELP = {
     "connect_timeout": "seconds to open a connection to the upstream (default %(default)s)",

@@ -20,12 +20,10 @@ from collections.abc import Callable
 
 from ..advise.traffic import MAX_LINE_BYTES
 from ..serve.server import tenant_of
+from .limits import DEFAULT_MAX_DECODED_BYTES, DEFAULT_MAX_LINE_BYTES, DEFAULT_RECORD_MAX_BYTES
 
 BODY_ROOM = MAX_LINE_BYTES - (64 << 10)  # a recorded line must stay readable by the advisor
 KEY_HEADERS = ("authorization", "x-api-key", "api-key")
-DEFAULT_RECORD_MAX_BYTES = 256 << 20
-DEFAULT_MAX_DECODED_BYTES = 16 << 20
-DEFAULT_MAX_LINE_BYTES = 1 << 20
 DECODE_SLICE = 1 << 20  # a compressed answer is inflated this much at a time: memory stays bounded
 MIN_SECRET_CHARS = 6  # a shorter key cannot be told from ordinary text; redacting it would mangle the line
 KEY_PATTERNS = re.compile(r"(?i)\bbearer\s+[^\s\"',;]+|\bsk-[A-Za-z0-9_\-]{8,}")

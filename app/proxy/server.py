@@ -14,8 +14,6 @@ keeps serving.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, fields
 from urllib.parse import quote
 
 import anyio
@@ -23,9 +21,8 @@ import httpx
 
 from ..serve.guard import Guard, local_hosts
 from ..serve.protocol import error_body
+from .limits import Limits
 from .record import (
-    DEFAULT_MAX_DECODED_BYTES,
-    DEFAULT_MAX_LINE_BYTES,
     Recorder,
     UsageReader,
     now,
@@ -39,26 +36,6 @@ RECORDED = ("/chat/completions", "/completions")
 SEND_SLICE = 1 << 20  # a held answer goes out this much at a time: no second copy of it
 ERROR_OBJECT_BYTES = 1 << 20  # a 5xx body past this is not parsed to see whether it is an error object
 PATH_SAFE = "/!$&'()*+,;=:@"  # kept as they are when the resolved path is quoted again
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one exchange may take; each field is a `prefixlab proxy` flag of the same name."""
-
-    connect_timeout: float = 10.0
-    read_timeout: float = 600.0  # between two bytes of an answer: a long prompt's first token takes a while
-    total_timeout: float = 3600.0  # a whole exchange, a stream included
-    max_connections: int = 100  # to the upstream, all requests together
-    max_body_bytes: int = 64 << 20
-    max_answer_bytes: int = 64 << 20  # a non-streamed answer is held whole (a cut one becomes a clean 502)
-    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES
-    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
-
-    def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"--{f.name.replace('_', '-')} must be a number > 0, got {value!r}")
 
 
 def upstream_url(upstream: str, path: str, query: str) -> str:
