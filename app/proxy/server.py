@@ -71,6 +71,12 @@ async def send_json_error(send, status: int, message: str, code: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _declared(headers) -> int:
+    """The answer's Content-Length as sent (0 when absent or not a number)."""
+    value = headers.get("content-length", "")
+    return int(value) if value.isdigit() else 0
+
+
 def create_proxy_app(upstream: str, recorder: Recorder, limits: Limits | None = None,
                      host: str = "127.0.0.1", allowed_hosts: list[str] | None = None):
     """The proxy's app behind serve's guard: forwards any path and method to `upstream`, records
@@ -234,6 +240,10 @@ class ProxyApp:
                                        lim.max_decoded_bytes, lim.max_line_bytes)
             if ex.streaming:
                 await ex.start(resp.status_code, out_headers)
+            elif _declared(resp.headers) > lim.max_answer_bytes:  # refused before a byte is held
+                return await ex.fail(502, "the upstream's answer is larger than the proxy's limit "
+                                     f"of {lim.max_answer_bytes} bytes (--max-answer-bytes)",
+                                     "answer_too_large")
             held: list[bytes] = []  # the answer's chunks as they came (a growing buffer would copy)
             held_size = 0
             try:
