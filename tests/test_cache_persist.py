@@ -103,8 +103,8 @@ from engine import load_model
 from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 from app.cache_persist import PersistedCache
-sch = Scheduler(load_model(sys.argv[1]), SchedulerSettings(page_rows=4, max_queue=64))
-loop = EngineLoop(sch)
+loop = EngineLoop(load_model(sys.argv[1]), SchedulerSettings(page_rows=4, max_queue=64))
+sch = loop.scheduler
 for i in range(40):
     loop.submit_now(system="persist " * 30, user=f"question {i} " * 20, max_new_tokens=1)
 loop.run_until_done()

@@ -113,7 +113,7 @@ def test_a_job_that_breaks_its_own_submit_fails_alone_and_the_loop_goes_on(tiny_
     from engine.loop import Accepted, Job, Refused
     from engine.scheduler import FinishEvent
 
-    loop = EngineLoop(Scheduler(tiny_model))
+    loop = EngineLoop(tiny_model)
     answers: dict[str, list] = {"bad": [], "good": []}
     # A lone surrogate cannot be encoded: the tokenizer raises inside this job's submit.
     loop.submit(Job({"messages": [{"role": "user", "content": "x\ud800y"}]}, answers["bad"].append))

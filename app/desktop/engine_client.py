@@ -44,12 +44,7 @@ class EngineClient(QObject):
         self._cache_root.connect(self.worker.set_cache_root)
         self._save_cache.connect(self.worker.save_cache)
         self._shutdown.connect(self.worker.shutdown)
-        self._tags = 0
         self.thread.start()
-
-    def new_tag(self) -> str:
-        self._tags += 1
-        return f"t{self._tags}"
 
     def load_model(self, path: str | None) -> None:
         self._load.emit(path or "")
@@ -61,12 +56,13 @@ class EngineClient(QObject):
     def apply_settings(self, settings: AppSettings) -> None:
         self._settings.emit(settings.to_dict())
 
-    def submit(self, jobs: list[dict]) -> None:
-        """Typed turns into the engine loop (thread-safe: no queued signal needed)."""
-        self.worker.submit(jobs)
+    def submit(self, chat_args: dict) -> int:
+        """A typed turn into the engine loop (thread-safe: no queued signal needed); its ticket."""
+        return self.worker.submit(chat_args)
 
-    def cancel(self, tags) -> None:
-        self.worker.request_cancel(list(tags))
+    def cancel(self, tickets) -> None:
+        """Stop these jobs (by ticket) at the loop's next step."""
+        self.worker.cancel(list(tickets))
 
     def flush_cache(self) -> None:
         self._flush.emit()
