@@ -26,10 +26,10 @@ QUESTION = "Name a colour."
 
 def answered(model, tmp_path, settings=None, persist=True, out=None):
     """A scheduler (its cache kept in tmp_path when `persist`) that answered one question."""
-    sch = Scheduler(model, settings or SchedulerSettings(page_rows=4))
+    loop = EngineLoop(model, settings or SchedulerSettings(page_rows=4))
+    sch = loop.scheduler
     kept = PersistedCache(str(tmp_path), sch, out or io.StringIO()) if persist else None
     loaded = kept.load() if kept else 0
-    loop = EngineLoop(sch)
     rid = loop.submit_now(system=SYSTEM, user=QUESTION, max_new_tokens=6)
     loop.run_until_done()
     return sch, kept, loaded, sch.record(rid)
