@@ -7,9 +7,9 @@ toggle) enter that loop the same way, as `Job`s through its thread-safe `submit`
 and cancels through its `cancel`; the loop wakes this thread by a queued signal.
 Each job's sink (and, while serving, each served job's events) lands in one list per step,
 sent to the UI thread as `job_events` under the job's ticket: the one id a card's turn
-has from its submit to its finish. Other requests (load, settings, reports) come by queued
-signals through `EngineClient`, which lives in the UI thread; plain data goes back by
-signals: the job events, and a Snapshot copy at most 4 times a second.
+has from its submit to its finish. Other requests (load, settings, reports) come as calls
+queued into this thread by `EngineClient`, which lives in the UI thread; plain data goes
+back by signals: the job events, and a Snapshot copy at most 4 times a second.
 """
 
 from __future__ import annotations
@@ -121,8 +121,12 @@ class EngineWorker(QObject):
         """Stop stepping at once; the queued `shutdown` slot then ends the thread."""
         self._quitting = True
 
-    # slots (queued from the UI thread) --------------------------------------
-    @Slot(str)
+    # requests, each queued into this thread by EngineClient -----------------
+    @Slot(object)
+    def run_call(self, call) -> None:
+        """Run one queued request (a `functools.partial` of a method below) in this thread."""
+        call()
+
     @guarded
     def load_model(self, path: str) -> None:
         """Load a GGUF (the bundled model for ""); on failure keep the current model.
@@ -161,7 +165,6 @@ class EngineWorker(QObject):
         if note:  # after "Loaded ...", so the window's status bar ends on it
             self.cache_note.emit(note)
 
-    @Slot(str)
     @guarded
     def check_model(self, path: str) -> None:
         """Whether `path` opens as a model (header, metadata and tensor table only: fast)."""
@@ -177,7 +180,6 @@ class EngineWorker(QObject):
             why = ""
         self.model_checked.emit(path, why)
 
-    @Slot(dict)
     @guarded
     def apply_settings(self, values: dict) -> None:
         """New preferences: live ones now, pool ones (a new Scheduler) when idle."""
@@ -199,7 +201,6 @@ class EngineWorker(QObject):
             self.kv_budget.emit(new.kv_budget(s))
             self._emit_stats(force=True)
 
-    @Slot()
     @guarded
     def flush_cache(self) -> None:
         if self.scheduler is None:
@@ -208,12 +209,10 @@ class EngineWorker(QObject):
         self.cache_flushed.emit(n)
         self._emit_stats(force=True)
 
-    @Slot(str)
     def set_cache_root(self, root: str) -> None:
         """Where kept caches live (one folder per model, page rows and dtype under it)."""
         self.keeper.root = root
 
-    @Slot()
     @guarded
     def save_cache(self) -> None:
         """Save the cache now (Run → Save the cache now), whether or not it is kept at quit."""
@@ -222,14 +221,12 @@ class EngineWorker(QObject):
             return
         self.cache_note.emit(self.keeper.save(self.scheduler))
 
-    @Slot(int, bool)
     @guarded
     def pin_chain(self, chain_id: int, pinned: bool) -> None:
         if self.scheduler is not None and chain_id in self.scheduler.cache.chains:
             self.scheduler.cache.pin(chain_id, pinned)
             self._emit_stats(force=True)
 
-    @Slot(dict)
     @guarded
     def probe(self, request: dict) -> None:
         """How far a prompt (system + user) would match the cache, and where it differs."""
@@ -238,7 +235,6 @@ class EngineWorker(QObject):
         self.probe_ready.emit(probe_prompt(self.scheduler, request.get("system", ""),
                                            request.get("user", ""), request.get("namespace", "")))
 
-    @Slot(dict)
     @guarded
     def make_report(self, request: dict) -> None:
         """Build the session's report data here (it reads the scheduler); the UI thread renders it."""
@@ -250,7 +246,6 @@ class EngineWorker(QObject):
                               kv_budget=self._settings.kv_budget(self.scheduler)["line"])
         self.report_ready.emit(request["path"], report)
 
-    @Slot(str)
     def save_trace(self, path: str) -> None:
         """Write the session's ended requests as a trace (the What-if tab's "This session")."""
         from app.replay.record import save_session_trace
@@ -263,7 +258,6 @@ class EngineWorker(QObject):
             return
         self.trace_saved.emit(path, "")
 
-    @Slot()
     def shutdown(self) -> None:
         """Stop stepping, keep the cache when asked to, and end the thread's event loop (the UI
         thread then waits)."""
