@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .conversations import ChatFrontEnd
+from .metrics import RequestRecord
 from .scheduler import (
     FinishEvent,
     QueueFull,
@@ -48,10 +49,12 @@ class Accepted:
 
 @dataclass
 class Refused:
-    """The job never ran, or the engine failed or restarted under it; `status` is the HTTP status."""
+    """The job never ran, or the engine failed or restarted under it; `status` is the HTTP status.
+    A request that had run comes with its record so far, ended "cancelled" (what a window shows)."""
 
     message: str
     status: int = 400
+    record: RequestRecord | None = None
 
 
 @dataclass
@@ -190,7 +193,8 @@ class EngineLoop:
         if request is not None:
             self.chat.ended(request)
         self._forget(job)
-        job.send(Refused(message, status))
+        ran = self.scheduler.record(job.request_id) if job.request_id is not None else None
+        job.send(Refused(message, status, _cancelled(ran) if ran is not None else None))
 
     def _forget(self, job: Job) -> None:
         with self._lock:
@@ -206,15 +210,13 @@ class EngineLoop:
         return [(self._by_request[rid], prompt, namespace) for rid, prompt, namespace in s.queued()
                 if rid in self._by_request]
 
-    def step(self, drain: bool = True) -> None:
+    def step(self) -> None:
         """Drain, run one scheduler step if there is work, and send each job its events.
 
         A step that raises refuses the open jobs (500) and reaps their streams; the loop lives
         on (on a fresh scheduler if even reaping failed) and `StepFailed` says what happened.
-        `drain=False` when the caller drained just before (and published what it took).
         """
-        if drain:
-            self.drain()
+        self.drain()
         s = self.scheduler
         if s is None or not s.has_work():
             return
@@ -309,3 +311,9 @@ class EngineLoop:
             raise SubmitRefused(answers[0].message)
         job.sink = sink
         return answers[0].request_id
+
+
+def _cancelled(record: RequestRecord) -> RequestRecord:
+    record = copy.copy(record)
+    record.finish_reason = "cancelled"
+    return record

@@ -217,8 +217,10 @@ def test_exceptions_become_failed_and_the_worker_goes_on(worker):
     x = worker.submit(job("x", QUESTIONS[0], max_new_tokens=20))
     run(worker)
     assert any("boom" in m for m in rec.failed)
-    # the job the failed step was running ends, refused under its ticket with what failed
-    assert rec.request_refused[-1][0] == x and "boom" in rec.request_refused[-1][1]
+    # the job the failed step was running ends under its ticket: what failed, and its record
+    # so far ended "cancelled"
+    ticket, refused = rec.of_kind(Refused)[-1]
+    assert ticket == x and "boom" in refused.message and refused.record.finish_reason == "cancelled"
     assert worker.loop.in_flight() == 0
     worker.flush_cache()
     assert rec.cache_flushed and not worker.scheduler.cache.pages

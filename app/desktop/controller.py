@@ -260,6 +260,8 @@ class Controller(QObject):
                 if t is not None:
                     t.accept(ev.request_id, ev.n_prompt)
                     self.turn_accepted.emit(t.uid)
+            elif isinstance(ev, Refused) and ev.record is not None:
+                self._finished(ticket, ev.record)  # the engine failed under it: it ends as cancelled
             elif isinstance(ev, Refused):
                 self._refused(ticket, ev.message)
             elif isinstance(ev, FinishEvent):
