@@ -350,6 +350,7 @@ class EngineWorker(QObject):
             self.cache_note.emit(line)
 
     def _scheduler_changed(self) -> None:
+        self._emit_events()  # the jobs the old scheduler refused as it went
         self._maker, self._maker_of = SnapshotMaker(), self.scheduler
         self.kv_budget.emit(self._settings.kv_budget(self.scheduler))
         self.scheduler_reset.emit(self.scheduler.settings.to_dict())
