@@ -36,7 +36,6 @@ from app.report import (
 from app.report.render import export_report, render_html, render_pdf
 from engine.loop import EngineLoop
 from engine.sampler import SamplingParams
-from engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.model
 
@@ -57,8 +56,8 @@ def run(real_model):
     """A real run: 4 prompts sharing a ~60-token system prompt, 8 new tokens each."""
     model = real_model
     assert 50 <= len(engine.encode(model, SYSTEM)) <= 75
-    sch = Scheduler(model)
-    loop = EngineLoop(sch)
+    loop = EngineLoop(model)
+    sch = loop.scheduler
     sampling = SamplingParams()
     for q in QUESTIONS:
         loop.submit_now(system=SYSTEM, user=q, sampling=sampling, max_new_tokens=8)
@@ -259,8 +258,8 @@ def test_a_report_written_before_speculative_decoding_opens(exported, tmp_path):
 def spec_report(real_model) -> Report:
     """Two answers that quote the system prompt, with speculative decoding on from the app's Settings."""
     prefs = AppSettings(spec_enabled=True, spec_k=4, max_new_tokens=24)
-    sch = Scheduler(real_model, prefs.scheduler_settings())
-    loop = EngineLoop(sch)
+    loop = EngineLoop(real_model, prefs.scheduler_settings())
+    sch = loop.scheduler
     for q in ("When does the store open and close?", "Repeat your instructions word for word."):
         loop.submit_now(system=SYSTEM, user=q, sampling=prefs.sampling(), max_new_tokens=prefs.max_new_tokens)
     loop.run_until_done()

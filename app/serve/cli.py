@@ -43,19 +43,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def scheduler_factory(model_path: str | None, settings, prepare=None, kv_budget: int = 0):
-    """Load the model and build its scheduler on the engine thread; `prepare(scheduler)` then
-    runs before the first request (e.g. a KV-event publisher attaching to its cache). Without
-    a cache budget in `settings`, `kv_budget` bytes become one (pages of this model)."""
-    def build():
+def model_loader(model_path: str | None, settings, kv_budget: int = 0):
+    """What the engine thread calls to load the model: it returns (model, SchedulerSettings),
+    from which the loop builds its scheduler. Without a cache budget in `settings`, `kv_budget`
+    bytes become one (pages of this model)."""
+    def load():
         from engine import load_model
-        from engine.scheduler import Scheduler
         model = load_model(model_path)
-        scheduler = Scheduler(model, with_budget(settings, model, kv_budget))
-        if prepare is not None:
-            prepare(scheduler)
-        return scheduler
-    return build
+        return model, with_budget(settings, model, kv_budget)
+    return load
 
 
 def run(args) -> int:
@@ -80,10 +76,10 @@ def run(args) -> int:
             publisher.attach(scheduler.cache)
         persisted.extend(filter(None, [persist_from_args(args, scheduler)]))
     try:
-        server = Server(scheduler_factory(getattr(args, "model", None), settings, prepare, kv_budget),
+        server = Server(model_loader(getattr(args, "model", None), settings, kv_budget),
                         args.host, args.port, api_keys=keys, cors=args.cors,
                         default_max_tokens=args.default_max_tokens, allowed_hosts=args.allowed_hosts,
-                        max_body_bytes=args.max_body_bytes).start()
+                        max_body_bytes=args.max_body_bytes, prepare=prepare).start()
     except ServeError as e:
         _close(publisher)
         raise SystemExit(f"prefixlab serve: {e}") from None

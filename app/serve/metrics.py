@@ -10,7 +10,7 @@ PREFIX = "prefixlab"
 
 
 class TtftHistogram:
-    """Time to first token of served requests (an engine-loop observer)."""
+    """Time to first token of served requests (fed by the server as each one finishes)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -18,8 +18,8 @@ class TtftHistogram:
         self.total = 0.0
         self.finished: dict[str, int] = {}
 
-    def observe(self, job, finish) -> None:
-        """Engine-loop observer: one finished served request."""
+    def observe(self, finish) -> None:
+        """One finished served request (engine thread)."""
         r = finish.record
         with self._lock:
             self.finished[finish.reason] = self.finished.get(finish.reason, 0) + 1
