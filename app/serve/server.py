@@ -34,6 +34,7 @@ from .protocol import (
     ApiError,
     ParsedRequest,
     StopFilter,
+    check_logit_bias,
     chunk,
     error_body,
     new_id,
@@ -192,6 +193,7 @@ def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
         # /health and the other clients' streams go on meanwhile
         req = await asyncio.to_thread(_parse, raw, chat)
         model = loaded_model()
+        check_logit_bias(req, model.config.vocab_size)
         remote = request.client.host if request.client else "?"
         client = f"http {remote} model={req.model[:MAX_LABEL_CHARS] or '-'} user={req.user or '-'}"
         call = _Call(backend.loop, asyncio.get_running_loop())
