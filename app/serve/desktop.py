@@ -7,7 +7,8 @@ window's charts, page map and reports).
 
 from __future__ import annotations
 
-from .runner import HttpThread, latest_row
+from .guard import ConnectionLimit, limited
+from .runner import HttpThread, JsonErrorsH11, latest_row
 from .server import Backend, create_app
 
 
@@ -36,7 +37,8 @@ class DesktopServer:
         self.backend = Backend(w.loop, model=lambda: w.model if w.scheduler is not None else None,
                                stats=lambda: latest_row(w.scheduler))
         try:
-            self.http = HttpThread(create_app(self.backend, api_keys, cors, host=host), host, port).start()
+            self.http = HttpThread(create_app(self.backend, api_keys, cors, host=host), host, port,
+                                   http=limited(JsonErrorsH11, ConnectionLimit())).start()
         except Exception:
             self.stop()  # a taken HTTP port: the publisher must not keep its port either
             raise
