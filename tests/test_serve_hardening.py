@@ -298,5 +298,7 @@ def test_serve_refuses_connection_options_out_of_range(capsys):
     from app.serve.guard import descriptor_limit
     with pytest.raises(SystemExit, match=r"--max-connections must be from 1 to \d+"):
         main(["serve", "--port", "0", "--max-connections", str(descriptor_limit() * 2)])
+    with pytest.raises(SystemExit, match=r"--max-connections must be from 1 to \d+ .*got 0"):
+        main(["serve", "--port", "0", "--max-connections", "0"])
     with pytest.raises(SystemExit, match=r"--idle-timeout must be in \(0, 3600\]"):
         main(["serve", "--port", "0", "--idle-timeout", "0"])

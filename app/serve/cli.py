@@ -79,7 +79,8 @@ def run(args) -> int:
             raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
         if args.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-        check_connection_options(args.max_connections or default_max_connections(), args.idle_timeout)
+        check_connection_options(default_max_connections() if args.max_connections is None
+                                 else args.max_connections, args.idle_timeout)
         kv_budget = 0 if settings.cache_pages or settings.pool_pages else parse_budget(args.kv_budget)
         publisher = publisher_from_args(args)  # binds now: a taken port fails before the model loads
     except ValueError as e:

@@ -164,7 +164,7 @@ class ConnectionLimit:
     and the running burst of connections that met the limit (logged once when it ends)."""
 
     def __init__(self, max_connections: int | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S):
-        self.max_connections = max_connections or default_max_connections()
+        self.max_connections = default_max_connections() if max_connections is None else max_connections
         self.idle_timeout_s = idle_timeout_s
         check_connection_options(self.max_connections, idle_timeout_s)
         self.idle: dict = {}  # protocol -> None, insertion order: the longest idle first
