@@ -83,8 +83,8 @@ def namespace_of(tenant: str, salt: str) -> str:
 
 
 def sse(obj) -> str:
-    """One Server-Sent Events message."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One Server-Sent Events message (strict JSON, as JSONResponse writes: never NaN or Infinity)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def model_id(model) -> str:
