@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 
 from engine.chat import MAX_TEMPLATE_CHARS
 
-from ..replay.trace import PREFIXLAB_TAG, LineError, TraceError, json_lines, open_trace
+from ..replay.trace import (
+    MAX_LINE_BYTES,  # noqa: F401 - the proxy sizes its records by the reader's limit
+    PREFIXLAB_TAG,
+    LineError,
+    TraceError,
+    json_lines,
+    open_trace,
+)
 
 # The text of one request, at most: a chat template renders no more (and no context holds more)
 MAX_REQUEST_CHARS = MAX_TEMPLATE_CHARS
