@@ -62,6 +62,15 @@ def test_disk_tier_pages_are_bounded_and_named(capsys, command):
     assert "--disk-tier-pages" in err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--port", "70000"], ["--port", "at most 65,535"]),  # it listened on 70000 mod 65536
+    (["--max-body-bytes", "1e12"], ["--max-body-bytes", "at most 268,435,456 bytes"]),
+])
+def test_serve_sizes_are_bounded_and_named(capsys, argv, words):
+    err = refused(capsys, ["serve", *argv])
+    assert all(w in err for w in words), err
+
+
 # a child that runs one command and reports its own peak resident memory last, in MB
 PEAK_OF = ("import resource, sys; from app.cli import main; rc = main(sys.argv[1:]); "
            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr); sys.exit(rc)")

@@ -8,12 +8,13 @@ import sys
 import engine  # noqa: F401 - first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS
 
 from ..cache_persist import persist_from_args
-from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
+from ..common_args import add_model_arg, add_scheduler_args, bounded_int, scheduler_settings_from_args
 from ..stop_signals import StopOnSignals
 from .budget import DEFAULT_KV_BUDGET, describe, parse_budget, with_budget
 from .guard import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DRAIN_LIMIT_BYTES,
     check_connection_options,
     default_max_connections,
 )
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    p.add_argument("--port", type=bounded_int(0, 65_535), default=8000, help="TCP port (0: any free port)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require this bearer key (repeat for several tenants; each key is its own "
                         "cache namespace); also read from PREFIXLAB_API_KEY")
@@ -34,7 +35,8 @@ def add_parser(sub) -> None:
     p.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME",
                    help="also answer requests whose Host header names NAME (repeat; '*': any). Default: "
                         "this machine's names and the --host address (keeps DNS rebinding out)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+    p.add_argument("--max-body-bytes", type=bounded_int(1, DRAIN_LIMIT_BYTES, " bytes"),
+                   default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body; a larger one gets 413 (default %(default)s, 8 MiB)")
     p.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="open connections at most; at the limit the longest-idle one is closed for a "
@@ -77,8 +79,6 @@ def run(args) -> int:
         settings = scheduler_settings_from_args(args)
         if args.default_max_tokens is not None and args.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-        if args.max_body_bytes < 1:
-            raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
         check_connection_options(default_max_connections() if args.max_connections is None
                                  else args.max_connections, args.idle_timeout)
         kv_budget = 0 if settings.cache_pages or settings.pool_pages else parse_budget(args.kv_budget)
