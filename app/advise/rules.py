@@ -18,6 +18,9 @@ from ..scenario import REPO_ROOT
 PROVIDER_DIR = os.path.join(REPO_ROOT, "resources", "providers")
 DEFAULT_RULES = ("openai", "anthropic", "gemini", "deepseek", "mistral", "prefixlab")
 PRICE_FIELDS = ("input", "cached_input", "cache_write", "output")
+# USD: 10 cents a token, far past any model's. A guard against typos: 1e308 times a trace's
+# tokens is Infinity, which no JSON reader takes
+MAX_PRICE_PER_MILLION = 100_000.0
 _FIELDS = {"name", "as_of", "source", "model", "note", "min_prefix_tokens", "granularity_tokens",
            "ttl_seconds", "breakpoints", "tokenizer", "price_per_million"}
 
@@ -100,13 +103,15 @@ class _Checker:
         return v
 
     def number(self, name: str, table: dict | None = None, prefix: str = "", positive: bool = False,
-               allow_inf: bool = False) -> float:
+               allow_inf: bool = False, high: float = math.inf, unit: str = "") -> float:
         v = self.get(name, table, prefix)
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
         if not ok or (math.isinf(v) and not allow_inf):
             raise self.error(prefix + name, f"must be a number, got {v!r}")
         if v < 0 or (positive and v == 0):
             raise self.error(prefix + name, f"must be {'> 0' if positive else '>= 0'}, got {v!r}")
+        if v > high:
+            raise self.error(prefix + name, f"is {v:g}, over the limit of {high:,g}{unit}")
         return float(v)
 
     def date(self, name: str) -> str:
@@ -133,7 +138,8 @@ def parse_rules(path: str, data: dict) -> RuleSet:
     extra = sorted(set(table) - set(PRICE_FIELDS))
     if extra:
         raise c.error(f"price_per_million.{extra[0]}", f"is unknown (known: {', '.join(PRICE_FIELDS)})")
-    prices = Prices(**{k: c.number(k, table, "price_per_million.") for k in PRICE_FIELDS})
+    prices = Prices(**{k: c.number(k, table, "price_per_million.", high=MAX_PRICE_PER_MILLION,
+                                   unit=" USD per million tokens") for k in PRICE_FIELDS})
     return RuleSet(name=c.text("name"), as_of=c.date("as_of"), source=c.text("source"),
                    min_prefix_tokens=c.integer("min_prefix_tokens", 0),
                    granularity_tokens=c.integer("granularity_tokens", 1),

@@ -33,6 +33,24 @@ from .routers import CACHE_ROUTERS, RouterKnobs, View, make_router
 from .simulate import _Replay
 from .trace import TraceRequest, TraceSource
 
+# Each replica is a whole cache and each slot a heap entry: a cluster of a billion replicas is a
+# typo, not a what-if (one request's routing looks at every replica)
+MAX_REPLICAS = 1024
+MAX_SLOTS = 4096
+
+
+def replica_counts(text: str) -> list[int]:
+    """Replica counts as typed, "1,2,4,8"; ValueError says what is wrong."""
+    from ..common_args import parse_count
+    counts = [parse_count(w) for w in text.replace(" ", "").split(",") if w]
+    if None in counts:
+        raise ValueError(f"replica counts are integers separated by commas, got {text!r}")
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError(f"a cluster needs at least 1 replica, got {text!r}")
+    if max(counts) > MAX_REPLICAS:
+        raise ValueError(f"a cluster has at most {MAX_REPLICAS:,} replicas here, got {text!r}")
+    return counts
+
 
 @dataclass(frozen=True)
 class ServiceModel:
@@ -47,8 +65,8 @@ class ServiceModel:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be a number of tokens/s > 0, got {v!r}")
-        if not isinstance(self.slots, int) or self.slots < 1:
-            raise ValueError(f"--slots must be an integer >= 1, got {self.slots!r}")
+        if not isinstance(self.slots, int) or not 1 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"--slots must be an integer from 1 to {MAX_SLOTS}, got {self.slots!r}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,8 @@ class ClusterResult(TokenHits):
     per_replica: list[dict] = field(default_factory=list)  # requests, input/saved tokens, hit ratio, work
     service: dict = field(default_factory=dict)
     seconds: float = 0.0
+    skipped_lines: int = 0
+    skipped: list[dict] = field(default_factory=list)
 
 
 class _Replica:
@@ -146,6 +166,8 @@ def replay_cluster(source: TraceSource, config: ClusterConfig, progress=None) ->
     `progress(requests done)` is called every PROGRESS_EVERY requests."""
     t0 = time.perf_counter()
     config.service.validate()
+    if not 1 <= config.replicas <= MAX_REPLICAS:
+        raise ValueError(f"--replicas takes 1 to {MAX_REPLICAS} replicas, got {config.replicas:,}")
     rows, hashed = _page_rows(source, config.page_rows)
     reps = [_Replica(config, rows, hashed) for _ in range(config.replicas)]
     route = make_router(config.router, config.replicas, config.knobs)
@@ -168,7 +190,9 @@ def replay_cluster(source: TraceSource, config: ClusterConfig, progress=None) ->
     finally:
         if was_enabled:
             gc.enable()
-    return _result(config, rows, reps, ttft, time.perf_counter() - t0)
+    res = _result(config, rows, reps, ttft, time.perf_counter() - t0)
+    res.note_skipped(source)
+    return res
 
 
 def _page_rows(source: TraceSource, page_rows: int | None) -> tuple[int, bool]:

@@ -60,6 +60,7 @@ def replay(source: TraceSource, config: ReplayConfig) -> ReplayResult:
     res.blocks_from_disk = run.cache.counters.disk_hit_pages
     res.cached_pages = len(run.cache.pages)
     res.over_time = run.over_time.series()
+    res.note_skipped(source)
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -8,7 +8,8 @@ window's charts, page map and reports). The worker watches every served job's ev
 
 from __future__ import annotations
 
-from .runner import HttpThread, latest_row
+from .guard import ConnectionLimit, limited
+from .runner import HttpThread, JsonErrorsH11, latest_row
 from .server import Backend, create_app
 
 
@@ -38,7 +39,8 @@ class DesktopServer:
                                stats=lambda: latest_row(w.scheduler))
         self.backend.watchers.append(w.job_event)
         try:
-            self.http = HttpThread(create_app(self.backend, api_keys, cors, host=host), host, port).start()
+            self.http = HttpThread(create_app(self.backend, api_keys, cors, host=host), host, port,
+                                   http=limited(JsonErrorsH11, ConnectionLimit())).start()
         except Exception:
             self.stop()  # a taken HTTP port: the publisher must not keep its port either
             raise

@@ -34,6 +34,7 @@ from .protocol import (
     ApiError,
     ParsedRequest,
     StopFilter,
+    check_logit_bias,
     chunk,
     error_body,
     new_id,
@@ -102,8 +103,8 @@ def namespace_of(tenant: str, salt: str) -> str:
 
 
 def sse(obj) -> str:
-    """One Server-Sent Events message."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One Server-Sent Events message (strict JSON, as JSONResponse writes: never NaN or Infinity)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def model_id(model) -> str:
@@ -212,6 +213,7 @@ def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
         # /health and the other clients' streams go on meanwhile
         req = await asyncio.to_thread(_parse, raw, chat)
         model = loaded_model()
+        check_logit_bias(req, model.config.vocab_size)
         remote = request.client.host if request.client else "?"
         client = f"http {remote} model={req.model[:MAX_LABEL_CHARS] or '-'} user={req.user or '-'}"
         call = _Call(backend, asyncio.get_running_loop())
