@@ -40,14 +40,16 @@ from .prefix_cache import PrefixCache
 from .prefix_records import CachedPageInfo, CacheEvent, ChainRecord, ProbeResult
 from .registry import BUILTIN_MODELS, BuiltinModel, ModelNotInstalled, resolve_model
 from .sampler import Sampler, SamplingParams
+from .token_parts import PARTS, Account, Eviction, TokenParts
 
 configure_malloc()  # before any engine thread allocates (engine/arena.py)
 
 __all__ = [
-    "BUILTIN_MODELS", "BlockManager", "BuiltinModel", "CacheEvent", "CachedPageInfo", "ChainRecord",
-    "KVPool", "Model", "ModelConfig", "ModelLoadError", "ModelNotInstalled", "PoolExhausted",
+    "BUILTIN_MODELS", "PARTS", "Account", "BlockManager", "BuiltinModel",
+    "CacheEvent", "CachedPageInfo", "ChainRecord",
+    "Eviction", "KVPool", "Model", "ModelConfig", "ModelLoadError", "ModelNotInstalled", "PoolExhausted",
     "PrefixCache", "ProbeResult", "Sampler", "SamplingParams", "Session", "TemplateError",
-    "create_kv_pool", "create_prefix_cache", "create_session", "decode", "default_model_path",
+    "TokenParts", "create_kv_pool", "create_prefix_cache", "create_session", "decode", "default_model_path",
     "encode", "eval", "eval_batch", "load_model", "prefix_attach", "prefix_chain_list",
     "prefix_held_groups", "prefix_held_pages", "prefix_insert", "prefix_pin", "prefix_probe",
     "prefix_release", "prefix_unpin", "release_kv_pages", "resolve_model",
