@@ -258,7 +258,7 @@ class PrefixCache:
         parent_free = None
         for entry in path:
             self._touch(entry)
-            self.seen.saw(entry.free, parent_free, entry.tokens, namespace, self.actor)
+            self.seen.saw(entry.free, parent_free, entry.tokens, namespace, entry.key, self.actor)
             parent_free = entry.free
         self.counters.inserted_pages += len(new)
         if new:
@@ -359,25 +359,24 @@ class PrefixCache:
     # where every token went (docs/design.md §15) --------------------------
     def _held_request(self, prompt, namespace: str,
                       matched: list[CachedPage]) -> tuple[int, int | None] | None:
-        """When the cache holds the whole prompt and only the attach cap kept the rest back:
-        (the prompt's length, the request that inserted its last page); else None."""
+        """When the cache (pool or disk tier) holds the whole prompt and only the attach cap kept
+        the rest back: (the prompt's length, the request that cached its last page); else None."""
         rows, n = self.page_rows, len(prompt)
         if not n or len(matched) < attach_cap(n, rows):
             return None
-        parent = matched[-1].key if matched else None
+        parent_free = matched[-1].free if matched else None
         rest = prompt[len(matched) * rows:]
-        if len(rest) == rows:
-            key = self.page_key(parent, rest, namespace)
-            near = self.pages.get(key)
-            if near is None or not self.verify(near, parent, rest, namespace):
-                return None
-        else:
-            lcp, near = self._nearest(parent, namespace, rest)
-            if lcp < len(rest):
-                return None
-        seen = self.seen.pages.get(near.free)
-        sighting = seen.by_ns.get(namespace) if seen is not None else None
-        return n, sighting.request if sighting is not None else None
+        if len(rest) == rows:   # a whole page: its key says
+            seen = self.seen.get(self.free_key(parent_free, rest), parent_free,
+                                 () if self.id_keys else rest)
+            sighting = seen.by_ns.get(namespace) if seen is not None else None
+        else:                   # the prompt ends inside a page an earlier prompt filled
+            lcp, sighting = self.seen.nearest(parent_free, rest, namespace)
+            sighting = sighting if lcp == len(rest) else None
+        if sighting is None or not (sighting.key in self.pages
+                                    or (self.tier is not None and self.tier.get(sighting.key))):
+            return None
+        return n, sighting.request
 
     def account(self, prompt, namespace: str, n_cached: int, n_disk: int = 0, n_lent: int = 0,
                 last_free: int | None = None,
@@ -416,7 +415,8 @@ class PrefixCache:
         def view(n_pages: int, ns: str | None) -> Account:
             at = start + n_pages
             piece = () if self.id_keys else prompt[at * rows:(at + 1) * rows]
-            lcp, by = self.seen.nearest(frees[n_pages], piece, ns)
+            lcp, sighting = self.seen.nearest(frees[n_pages], piece, ns)
+            by = sighting.request if sighting is not None else None
             if held is not None and n_pages == 0 and held[0] - pos > lcp:   # a lender's prompt
                 lcp, by = held[0] - pos, held[1]
             if not lcp:
@@ -564,7 +564,7 @@ class PrefixCache:
         entry = CachedPage(key, page, toks, parent, namespace, depth, chain.id)
         parent_free = self.pages[parent].free if parent is not None else None
         entry.free = key if not namespace else self.free_key(parent_free, toks)
-        self.seen.saw(entry.free, parent_free, toks, namespace, self.actor)
+        self.seen.saw(entry.free, parent_free, toks, namespace, key, self.actor)
         self.pages[key] = entry
         self.by_page[page] = key
         self._link(entry)

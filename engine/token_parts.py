@@ -108,12 +108,13 @@ class Account:
 
 
 class Sighting:
-    """A page as one namespace had it: the request that first inserted it and, once it left
-    the cache, its eviction."""
+    """A page as one namespace had it: its key there, the request that first inserted it and,
+    once it left the pool, its eviction (it may sit in the disk tier since)."""
 
-    __slots__ = ("request", "evicted")
+    __slots__ = ("key", "request", "evicted")
 
-    def __init__(self, request: int | None):
+    def __init__(self, key: int, request: int | None):
+        self.key = key
         self.request = request
         self.evicted: Eviction | None = None
 
@@ -152,9 +153,9 @@ class SeenIndex:
             return None
         return seen
 
-    def saw(self, free: int, parent: int | None, tokens: tuple, namespace: str,
+    def saw(self, free: int, parent: int | None, tokens: tuple, namespace: str, key: int,
             request: int | None) -> None:
-        """A page is cached (inserted, loaded back or adopted) in `namespace`."""
+        """A page is cached (inserted, loaded back or adopted) in `namespace` under `key`."""
         seen = self.pages.get(free)
         if seen is None:
             seen = self.pages[free] = Seen(parent, tokens)
@@ -166,7 +167,7 @@ class SeenIndex:
             self.pages.move_to_end(free)
         sighting = seen.by_ns.get(namespace)
         if sighting is None:
-            seen.by_ns[namespace] = Sighting(request)
+            seen.by_ns[namespace] = Sighting(key, request)
         else:
             sighting.evicted = None
 
@@ -189,13 +190,13 @@ class SeenIndex:
         self.pages.clear()
         self.children.clear()
 
-    def nearest(self, parent: int | None, piece, namespace: str | None) -> tuple[int, int | None]:
+    def nearest(self, parent: int | None, piece, namespace: str | None) -> tuple[int, Sighting | None]:
         """Longest common prefix of `piece` with a seen page under `parent` (in `namespace`, or
-        in any with None), and the request of that page's sighting. Scans at most 64 siblings."""
+        in any with None), and that page's sighting. Scans at most 64 siblings."""
         if not len(piece):
             return 0, None
         kids = self.children.get((parent, int(piece[0])))
-        best, request = 0, None
+        best, found = 0, None
         for free in list(kids or ())[:64]:
             seen = self.pages[free]
             sighting = _sighting(seen, namespace)
@@ -207,8 +208,8 @@ class SeenIndex:
                     break
                 n += 1
             if n > best:
-                best, request = n, sighting.request
-        return best, request
+                best, found = n, sighting
+        return best, found
 
 
 def _sighting(seen: Seen, namespace: str | None) -> Sighting | None:

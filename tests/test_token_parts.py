@@ -93,8 +93,8 @@ def test_disk_tier_pages_count_in_disk():
     run.request(SYSTEM + [1, 2, 3, 4, 5])
     run.request([7] * 16 + [8])                               # demotes request 1's pages
     again, _ = run.request(SYSTEM + [1, 2, 3, 4, 5])
-    # the tail's page stays on disk (an attach loads only what it attaches): shared, not held
-    assert again.parts == TokenParts(cached=16, disk=16, rounding=1)
+    # the tail's page stays on disk (an attach loads only what it attaches): held, capped
+    assert again.parts == TokenParts(cached=16, disk=16, cap=1)
     assert run.cache.counters.disk_hit_pages == 4
 
 
@@ -110,7 +110,7 @@ def test_past_the_index_reach_a_page_is_new():
 def test_seen_index_is_bounded_and_validated():
     idx = SeenIndex(3)
     for k in range(10):
-        idx.saw(k, None, (k, 0), "", k)
+        idx.saw(k, None, (k, 0), "", k, k)
     assert len(idx) == 3 and sorted(idx.pages) == [7, 8, 9]
     assert len(idx.children) == 3
     try:
