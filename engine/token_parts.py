@@ -69,6 +69,14 @@ def zero_totals() -> dict[str, int]:
     return dict.fromkeys(KEYS, 0)
 
 
+def describe_totals(totals: dict[str, int]) -> str:
+    """Totals by part in one line: "prompt tokens 402: cached 96 (disk 0), lent 0, ... new 300"."""
+    n = sum(totals.get(p, 0) for p in PARTS)
+    words = [f"{k} {totals.get(k, 0):,}" for k in PARTS if k != "cached"]
+    return (f"prompt tokens {n:,}: cached {totals.get('cached', 0):,} (disk {totals.get('disk', 0):,}), "
+            + ", ".join(words))
+
+
 @dataclass(frozen=True)
 class Eviction:
     """When a page left the cache and why: `cause` "budget" (the cache's page budget), "pool"

@@ -137,7 +137,7 @@ def same(cell: str, value) -> bool:
 
 def test_report_holds_the_run(run):
     sch, model, rep = run
-    assert rep.schema == SCHEMA == "prefixlab.report/2" and rep.ttft_from == "arrival"
+    assert rep.schema == SCHEMA == "prefixlab.report/3" and rep.ttft_from == "arrival"
     assert len(rep.requests) == 4 and all(r.finish_reason for r in rep.requests)
     assert [r.preview for r in rep.requests] == QUESTIONS
     assert all(r.text for r in rep.requests)
