@@ -52,4 +52,4 @@ def test_the_html_view_shows_each_requests_parts(tiny_gguf_path, tmp_path):
     text = html.read_text(encoding="utf-8")
     assert "Prompt tokens went" in text and "Diverged at" in text
     assert re.search(r"cached [\d,]+ · rounding \d+ · new [\d,]+", text), "the second request's parts"
-    assert "prompt tokens rounding" in text
+    assert "Where the prompt tokens went" in text and 'data-part="rounding"' in text

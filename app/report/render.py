@@ -262,8 +262,8 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         ("peak_pages_sessions", "peak pages held by streams", fmt_int),
         ("spec_drafted", "draft tokens verified (speculative decoding)", fmt_int),
         ("spec_accepted", "drafts accepted", lambda n: fmt_drafts(n, t.spec_drafted)))]
-    totals += [{"key": f"parts.{k}", "label": f"prompt tokens {k}" + (" (of cached, from disk)" if k == "disk"
-                else ""), "value": format_cell(n), "text": fmt_int(n)} for k, n in (t.parts or {}).items()]
+    parts_rows = [{"key": k, "label": k + (" (of cached, loaded from the disk tier)" if k == "disk" else ""),
+                   "value": format_cell(n), "text": fmt_int(n)} for k, n in (t.parts or {}).items()]
     model_rows = _kv([("file", m.file_name), ("name", m.name), ("architecture", m.architecture),
                       ("quantization", m.quantization), ("model", m.description),
                       ("parameters", m.parameters),
@@ -285,7 +285,8 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
                                    (PAGE_CACHED, "cached"), (PAGE_FREE, "free"))]
     return {
         "report": report, "cards": cards, "totals": totals, "fmt_any": fmt_any,
-        "model_rows": model_rows, "settings_rows": settings_rows, "machine_rows": machine_rows,
+        "parts_rows": parts_rows, "model_rows": model_rows, "settings_rows": settings_rows,
+        "machine_rows": machine_rows,
         "version_rows": version_rows, "request_columns": request_columns, **_tables(report),
         "ttft_note": (f"TTFT counts from {report.ttft_from}" + ("" if report.ttft_from == "arrival" else
                       " (a version 1 report)") + "; queue wait from submit to admission."),
