@@ -244,7 +244,9 @@ class PrefixCache:
             pool.retain(page)
             # Positional: half the cost of keywords, once per new page (a replay makes ~10^5).
             entry = CachedPage(key, page, () if self.id_keys else toks, parent, namespace, i, chain.id)
-            entry.free = key if not namespace else self.free_key(path[-1].free if path else None, toks)
+            parent_free = path[-1].free if path else None
+            entry.free = key if not namespace else self.free_key(parent_free, toks)
+            self.seen.saw(entry.free, parent_free, entry.tokens, namespace, key, self.actor)
             self.pages[key] = entry
             self.by_page[page] = key
             self._link(entry)
@@ -255,11 +257,8 @@ class PrefixCache:
             parent = key
         # Touch root to leaf once the links exist: parents stay older than their children
         # and only the path's leaf enters the LRU heap (no stale entry per inner page).
-        parent_free = None
         for entry in path:
             self._touch(entry)
-            self.seen.saw(entry.free, parent_free, entry.tokens, namespace, entry.key, self.actor)
-            parent_free = entry.free
         self.counters.inserted_pages += len(new)
         if new:
             self._emit("stored", new)
@@ -369,7 +368,7 @@ class PrefixCache:
         if len(rest) == rows:   # a whole page: its key says
             seen = self.seen.get(self.free_key(parent_free, rest), parent_free,
                                  () if self.id_keys else rest)
-            sighting = seen.by_ns.get(namespace) if seen is not None else None
+            sighting = seen.of(namespace) if seen is not None else None
         else:                   # the prompt ends inside a page an earlier prompt filled
             lcp, sighting = self.seen.nearest(parent_free, rest, namespace)
             sighting = sighting if lcp == len(rest) else None
@@ -405,7 +404,7 @@ class PrefixCache:
             seen = self.seen.get(free, frees[-1], () if self.id_keys else toks)
             if seen is None:
                 break
-            mine = seen.by_ns.get(namespace)
+            mine = seen.of(namespace)
             if mine is not None and own_n == len(frees) - 1:
                 own_n += 1
                 first = first or mine
@@ -433,9 +432,7 @@ class PrefixCache:
         seen = self.seen.pages.get(free) if free is not None else None
         if seen is None:
             return None
-        sighting = seen.by_ns.get(namespace)
-        if sighting is None and any_ns:
-            sighting = next(iter(seen.by_ns.values()), None)
+        sighting = seen.of(namespace) or (seen if any_ns else None)
         return sighting.request if sighting is not None else None
 
     def chain_list(self) -> list[ChainRecord]:

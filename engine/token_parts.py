@@ -53,6 +53,17 @@ class TokenParts:
         (a match across namespaces is the side channel `cache_salt` closes)."""
         return TokenParts(**{**asdict(self), "isolated": 0, "new": self.new + self.isolated})
 
+    def scaled(self, block: int, n_tokens: int) -> TokenParts:
+        """Parts counted in blocks (a hash-id trace's pages) as tokens of a prompt of `n_tokens`:
+        each part's edge in prompt order at `block` tokens a block, the last block partial."""
+        edge, out = 0, {}
+        for p in PARTS:
+            end = edge + getattr(self, p)
+            out[p] = min(end * block, n_tokens) - min(edge * block, n_tokens)
+            edge = end
+        out["new"] += n_tokens - min(edge * block, n_tokens)   # tokens past the blocks listed
+        return TokenParts(**out, disk=min(self.disk * block, out["cached"]))
+
     @classmethod
     def from_dict(cls, d: dict) -> TokenParts:
         """The inverse of `as_dict` (a report's row); missing keys count 0."""
@@ -127,19 +138,34 @@ class Sighting:
         self.evicted: Eviction | None = None
 
 
-class Seen:
-    """One page of content as every namespace saw it, keyed by its namespace-free chained key."""
+class Seen(Sighting):
+    """One page of content as every namespace saw it, keyed by its namespace-free chained key:
+    it is the sighting of the first namespace that cached it (most pages have only one, and a
+    replay keeps a quarter of a million), with any others' in `others`."""
 
-    __slots__ = ("parent", "tokens", "by_ns")
+    __slots__ = ("parent", "tokens", "namespace", "others")
 
-    def __init__(self, parent: int | None, tokens: tuple):
+    def __init__(self, parent: int | None, tokens: tuple, namespace: str, key: int, request: int | None):
+        super().__init__(key, request)
         self.parent = parent
         self.tokens = tokens
-        self.by_ns: dict[str, Sighting] = {}
+        self.namespace = namespace
+        self.others: dict[str, Sighting] | None = None
+
+    def of(self, namespace: str | None) -> Sighting | None:
+        """`namespace`'s sighting of this page (None: it never cached it); with None, any's."""
+        if namespace is None or namespace == self.namespace:
+            return self
+        return self.others.get(namespace) if self.others else None
+
+    def add(self, namespace: str, key: int, request: int | None) -> None:
+        if self.others is None:
+            self.others = {}
+        self.others[namespace] = Sighting(key, request)
 
 
 class SeenIndex:
-    """Every page ever inserted, up to `max_pages` of them (least recently seen go first), by
+    """Every page ever cached, up to `max_pages` of them (least recently cached or evicted go first), by
     its namespace-free chained key (the key the page would have in the default namespace), with
     each namespace's sighting; plus each page's siblings by first token, so the token where a
     prompt departs inside a page is found."""
@@ -166,24 +192,27 @@ class SeenIndex:
         """A page is cached (inserted, loaded back or adopted) in `namespace` under `key`."""
         seen = self.pages.get(free)
         if seen is None:
-            seen = self.pages[free] = Seen(parent, tokens)
+            self.pages[free] = Seen(parent, tokens, namespace, key, request)
             if tokens:
                 self.children.setdefault((parent, tokens[0]), {})[free] = None
             if len(self.pages) > self.max_pages:
                 self._drop()
-        else:
-            self.pages.move_to_end(free)
-        sighting = seen.by_ns.get(namespace)
+            return
+        self.pages.move_to_end(free)
+        sighting = seen.of(namespace)
         if sighting is None:
-            seen.by_ns[namespace] = Sighting(key, request)
+            seen.add(namespace, key, request)
         else:
             sighting.evicted = None
 
     def evicted(self, free: int, namespace: str, eviction: Eviction) -> None:
+        """A page left the pool: it stays within reach longest from now (a page is "seen" when
+        first cached and when evicted, not at each hit: a hit finds it in the cache itself)."""
         seen = self.pages.get(free)
-        sighting = seen.by_ns.get(namespace) if seen is not None else None
+        sighting = seen.of(namespace) if seen is not None else None
         if sighting is not None:
             sighting.evicted = eviction
+            self.pages.move_to_end(free)
 
     def _drop(self) -> None:
         free, seen = self.pages.popitem(last=False)
@@ -207,7 +236,7 @@ class SeenIndex:
         best, found = 0, None
         for free in list(kids or ())[:64]:
             seen = self.pages[free]
-            sighting = _sighting(seen, namespace)
+            sighting = seen.of(namespace)
             if sighting is None:
                 continue
             n = 0
@@ -219,9 +248,3 @@ class SeenIndex:
                 best, found = n, sighting
         return best, found
 
-
-def _sighting(seen: Seen, namespace: str | None) -> Sighting | None:
-    """A namespace's sighting of a page, or with None any (the first)."""
-    if namespace is not None:
-        return seen.by_ns.get(namespace)
-    return next(iter(seen.by_ns.values()), None)
