@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+import engine
+
 # command -> the module whose add_parser(sub) registers it. Only the command being run is
 # imported: the others' parsers pull in the trace readers, the report and ZeroMQ (~40 ms
 # of every `prefixlab run` start).
@@ -38,6 +40,7 @@ def _command(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    engine.tune_process()  # before any command's imports load NumPy (engine/tuning.py)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(_command(argv)).parse_args(argv)
     if args.command is None:

@@ -87,7 +87,7 @@ TABLE: tuple[Setting, ...] = (
             choices=tuple(KV_DTYPES)),
     Setting("disk_tier_pages", "pool", "int", _S.disk_tier_pages, "Disk tier pages",
             "Pages of a disk tier under the pool: a cached page about to be evicted moves to a "
-            "memory-mapped file and a later hit loads it back instead of recomputing it; 0: off",
+            "file on disk and a later hit loads it back instead of recomputing it; 0: off",
             0, 1_000_000, special="0 (off)"),
     Setting("keep_cache", "pool", "bool", False, "Keep the cache across restarts",
             "The cache is saved at quit (and by Run → Save the cache now) and loaded after the model "

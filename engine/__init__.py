@@ -3,54 +3,41 @@
 No Qt here, ever: the engine is a library (`import engine as dl`).
 """
 
-import os as _os
+import importlib
 
-# OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s) after each threaded call, on the core
-# a decode pass's split helper needs (engine/split.py): after a prefill or a GEMV, one stream's
-# tokens took 30-34 ms instead of 22. 2^22 cycles (~1.5 ms) still spans the gaps between a
-# pass's calls. OpenBLAS reads it when NumPy loads it: import engine first, or set it yourself.
-_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "22")
+from .tuning import tune_process as tune_process  # at once: it imports no NumPy
 
-from .api import (  # noqa: E402 - after the setting above
-    create_kv_pool,
-    create_prefix_cache,
-    create_session,
-    decode,
-    encode,
-    eval,
-    eval_batch,
-    prefix_attach,
-    prefix_chain_list,
-    prefix_held_groups,
-    prefix_held_pages,
-    prefix_insert,
-    prefix_pin,
-    prefix_probe,
-    prefix_release,
-    prefix_unpin,
-    release_kv_pages,
-)
-from .arena import configure_malloc
-from .block_manager import BlockManager
-from .config import ModelConfig
-from .errors import ModelLoadError, PoolExhausted, TemplateError
-from .kv_pool import KVPool, Session
-from .loader import Model, default_model_path, load_model
-from .prefix_cache import PrefixCache
-from .prefix_records import CachedPageInfo, CacheEvent, ChainRecord, ProbeResult
-from .registry import BUILTIN_MODELS, BuiltinModel, ModelNotInstalled, resolve_model
-from .sampler import Sampler, SamplingParams
-from .token_parts import PARTS, Account, Eviction, TokenParts
+# Each public name's module, imported on first use: `import engine` loads no NumPy and changes
+# nothing, so an entry point can call tune_process() before NumPy loads OpenBLAS.
+_API = {
+    "api": ("create_kv_pool", "create_prefix_cache", "create_session", "decode", "encode", "eval",
+            "eval_batch", "prefix_attach", "prefix_chain_list", "prefix_held_groups", "prefix_held_pages",
+            "prefix_insert", "prefix_pin", "prefix_probe", "prefix_release", "prefix_unpin",
+            "release_kv_pages"),
+    "block_manager": ("BlockManager",),
+    "config": ("ModelConfig",),
+    "errors": ("ModelLoadError", "PoolExhausted", "TemplateError"),
+    "kv_pool": ("KVPool", "Session"),
+    "loader": ("Model", "default_model_path", "load_model"),
+    "prefix_cache": ("PrefixCache",),
+    "prefix_records": ("CachedPageInfo", "CacheEvent", "ChainRecord", "ProbeResult"),
+    "registry": ("BUILTIN_MODELS", "BuiltinModel", "ModelNotInstalled", "resolve_model"),
+    "sampler": ("Sampler", "SamplingParams"),
+    "token_parts": ("PARTS", "Account", "Eviction", "TokenParts"),
+}
+_MODULE_OF = {name: module for module, names in _API.items() for name in names}
 
-configure_malloc()  # before any engine thread allocates (engine/arena.py)
+__all__ = sorted([*_MODULE_OF, "tune_process"])
 
-__all__ = [
-    "BUILTIN_MODELS", "PARTS", "Account", "BlockManager", "BuiltinModel",
-    "CacheEvent", "CachedPageInfo", "ChainRecord",
-    "Eviction", "KVPool", "Model", "ModelConfig", "ModelLoadError", "ModelNotInstalled", "PoolExhausted",
-    "PrefixCache", "ProbeResult", "Sampler", "SamplingParams", "Session", "TemplateError",
-    "TokenParts", "create_kv_pool", "create_prefix_cache", "create_session", "decode", "default_model_path",
-    "encode", "eval", "eval_batch", "load_model", "prefix_attach", "prefix_chain_list",
-    "prefix_held_groups", "prefix_held_pages", "prefix_insert", "prefix_pin", "prefix_probe",
-    "prefix_release", "prefix_unpin", "release_kv_pages", "resolve_model",
-]
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # once: later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

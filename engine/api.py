@@ -14,7 +14,6 @@ from .loader import Model
 from .model import forward
 from .prefix_cache import HashFn, PrefixCache
 from .prefix_records import ChainRecord, Inserted, ProbeResult
-from .threads import blas_threads
 
 
 def create_kv_pool(m: Model, page_rows: int = 16, max_pages: int | None = None,
@@ -81,7 +80,6 @@ def eval_batch(m: Model, sessions: list[Session], token_lists: list,
                                  any(not 1 <= k <= len(t) for k, t in zip(n_logits, toks))):
         raise ValueError("n_logits needs one count per session, each between 1 and its token count")
     slots = pool.allocate(sessions, [len(t) for t in toks])
-    blas_threads().fit(sum(map(len, toks)), m.weights.reads_blocks)  # no more threads than free cores
     logits = forward(m, pool, slots, toks, all_positions, n_logits)
     pool.commit(sessions, toks)
     return logits

@@ -27,8 +27,9 @@ class WriteFailed(OSError):
         return self.args[0]
 
 
-def atomic_write_many(targets: list[tuple[str | os.PathLike, Writer]]) -> list[str]:
-    """Write each (path, write(fh)) into a temporary file beside its path, then rename them all.
+def atomic_write_many(targets: list[tuple[str | os.PathLike, Writer]], mode: int = 0o644) -> list[str]:
+    """Write each (path, write(fh)) into a temporary file beside its path, then rename them all
+    (each with `mode`; the temporary file is 0600 while it is written).
 
     Nothing is renamed until every file is written, so a failure (an OSError, which becomes
     WriteFailed naming the path, or the writer's own exception) leaves the old files as they
@@ -46,7 +47,7 @@ def atomic_write_many(targets: list[tuple[str | os.PathLike, Writer]]) -> list[s
                 write(fh)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a report from the user's other tools
+            os.chmod(tmp, mode)  # 0644: mkstemp's 0600 would hide a report from the user's other tools
         for path, tmp in zip(paths, temps, strict=True):
             os.replace(tmp, path)
         temps = []
@@ -63,9 +64,9 @@ def atomic_write_many(targets: list[tuple[str | os.PathLike, Writer]]) -> list[s
     return paths
 
 
-def atomic_write(path: str | os.PathLike, write: Writer) -> str:
+def atomic_write(path: str | os.PathLike, write: Writer, mode: int = 0o644) -> str:
     """Write through `write(fh)` into a temporary file beside `path`, then rename it over `path`."""
-    return atomic_write_many([(path, write)])[0]
+    return atomic_write_many([(path, write)], mode)[0]
 
 
 @contextlib.contextmanager

@@ -12,14 +12,13 @@ from tokenizers import Tokenizer
 
 from .chat import checked_template
 from .config import ModelConfig
+from .cpu.backend import BLOCKED_WEIGHTS, CpuBackend
+from .cpu.blas_threads import blas_threads
+from .cpu.weight_image import image_dir, read_image, write_image
+from .cpu.weight_layout import BLOCKS, to_blocks
 from .errors import ModelLoadError
-from .layout import BLOCKS, COLUMN_BLOCK, probe_arrays, to_blocks
-from .layout import choose as choose_layout
 from .registry import resolve_model
-from .split import Site
-from .threads import blas_threads
 from .tokenizer import TextTokenizer, build_tokenizer
-from .weight_image import image_dir, read_image, release, settle_huge, write_image
 
 if TYPE_CHECKING:  # gguf (0.1 s to import) is needed only to build an image: imported then
     from .gguf_loader import GGUFFile
@@ -27,9 +26,7 @@ if TYPE_CHECKING:  # gguf (0.1 s to import) is needed only to build an image: im
 TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
 BIG_HEAD_BYTES = 256 << 20  # an output head this large is worth naming in the description
 
-BLOCKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "output_t")
 BLOCKS_SUFFIX = {k: "@" + k for k in BLOCKS}  # weight-image name of an array's blocks of each kind
-SMALL_MODEL_BYTES = 16 << 20  # matrices this small sit in the caches: either layout does, plain stays
 
 
 @dataclass
@@ -53,71 +50,6 @@ class Weights:
     post_ffn_norm: np.ndarray | None = None   # [L, d]
     rope_freqs: np.ndarray | None = None      # [head_dim/2]: RoPE frequency divisors (Llama 3.1+)
 
-    # The one copy a forward pass reads (engine/layout.py): "plain", the arrays above, or the
-    # image's blocks of BLOCKED_WEIGHTS, "blocks" ([L,] N/64, K, 64) or "blocks_t" ([L,] N/64, 64, K).
-    # The other copies stay on disk, unread, so they never become resident.
-    layout: str = "plain"
-    block_copies: dict = field(default_factory=dict, repr=False)  # kind -> {name: blocks}
-    layout_record: dict = field(default_factory=dict, repr=False)  # how the layout was chosen
-    one_row: str = "pair"  # how one row reads the blocks: engine/layout.py's ONE_ROW, as measured
-    pages: dict = field(default_factory=dict, repr=False)  # how the copy read is mapped (settle_huge)
-    sites: dict = field(default_factory=dict, repr=False)  # (layout, name, layer, then) -> `site`
-
-    @property
-    def reads_blocks(self) -> bool:
-        """Whether a forward pass reads blocks (shared with the decode helpers), not the plain arrays."""
-        return self.layout in BLOCKS
-
-    @property
-    def transposed(self) -> bool:
-        """Whether the blocks read are transposed ("blocks_t")."""
-        return self.layout == "blocks_t"
-
-    def blocks(self, name: str) -> np.ndarray | None:
-        """`name`'s blocks when they are the copy read, else None (read the plain array)."""
-        return self.block_copies.get(self.layout, {}).get(name)
-
-    def site(self, name: str, layer: int | None, then: tuple[str, int | None] | None) -> Site | None:
-        """The decode matmul of `name` (`layer`'s) followed by `then` (a name and layer), prepared
-        once (engine/split.py's Site), where blocks are the copy read; else None."""
-        key = (self.layout, name, layer, then)
-        site = self.sites.get(key)
-        if site is None:
-            blocks = self.blocks(name)
-            if blocks is None:
-                return None
-            after = None if then is None else layer_of(self.blocks(then[0]), then[1])
-            site = self.sites[key] = Site(layer_of(blocks, layer), self.transposed, after)
-        return site
-
-    def embed(self, tokens: np.ndarray) -> np.ndarray:
-        """Embedding rows [N, d]; a tied embedding is read from the head's copy that is read."""
-        head = self.blocks("output_t") if self.token_embd is self.output else None
-        if head is None:
-            return np.asarray(self.token_embd[tokens], dtype=np.float32)      # [N, d]
-        if self.transposed:
-            return head[tokens // COLUMN_BLOCK, tokens % COLUMN_BLOCK]        # [N, d]
-        return head[tokens // COLUMN_BLOCK, :, tokens % COLUMN_BLOCK]        # [N, d]
-
-    def choose_layout(self, folder: str) -> None:
-        """Read the layout this machine runs fastest (engine/layout.py), remembered in `folder`;
-        then map the copy read, in 2 MiB pages where the kernel can (weight_image.settle_huge)."""
-        if self.block_copies and self.matmul_bytes() >= SMALL_MODEL_BYTES:
-            layers = {n: getattr(self, n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
-            probed = probe_arrays(layers, self.block_copies)
-            self.layout, self.layout_record = choose_layout(folder, probed)
-            self.one_row = self.layout_record["one_row"]
-            if self.layout_record["source"] == "measured":  # the losers' probed pages leave memory
-                for kind, arrays in probed.items():
-                    if kind != self.layout:
-                        release(arrays)
-        self.pages = settle_huge(folder, [self.read_copy(n) for n in BLOCKED_WEIGHTS])
-
-    def read_copy(self, name: str) -> np.ndarray:
-        """The array a forward pass reads for matrix `name`: its blocks, else the plain one."""
-        blocks = self.blocks(name)
-        return blocks if blocks is not None else getattr(self, name)
-
     def matmul_bytes(self) -> int:
         """Bytes of weights one decode step reads (every matmul plus the output head)."""
         return sum(a.nbytes for a in (self.wqkv, self.wo, self.w_gate_up, self.w_down, self.output_t))
@@ -134,6 +66,7 @@ class Model:
     config: ModelConfig
     weights: Weights = field(repr=False)
     tokenizer: TextTokenizer = field(repr=False)
+    backend: CpuBackend = field(repr=False)  # how this machine reads the weights (engine/cpu/)
     file_size: int = 0
     n_params: int = 0
     load_seconds: float = 0.0
@@ -149,11 +82,6 @@ class Model:
         if head >= BIG_HEAD_BYTES:  # e.g. Gemma's 262,144-token vocabulary: the head bounds decode speed
             text += f"; every decoded token reads a {head / 1e6:.0f} MB output head"
         return text
-
-
-def layer_of(a: np.ndarray | None, layer: int | None) -> np.ndarray | None:
-    """One layer's array of a stacked one; the array itself for None (not per layer)."""
-    return a if a is None or layer is None else a[layer]
 
 
 def default_model_path() -> str:
@@ -292,10 +220,10 @@ def _build(info: dict, arrays: dict[str, np.ndarray], path: str, size: int, t0: 
     plain = {k: v for k, v in arrays.items() if k != "token_embd" and "@" not in k}
     copies = {kind: {k[:-len(sfx)]: v for k, v in arrays.items() if k.endswith(sfx)}
               for kind, sfx in BLOCKS_SUFFIX.items()}
-    weights = Weights(token_embd=head if tied else arrays["token_embd"], output=head,
-                      block_copies={k: c for k, c in copies.items() if c}, **plain)
+    weights = Weights(token_embd=head if tied else arrays["token_embd"], output=head, **plain)
     return Model(path=path, name=info["name"], arch=info["arch"], quant=info["quant"], config=cfg,
-                 weights=weights, tokenizer=tokenizer, file_size=size,
+                 weights=weights, tokenizer=tokenizer,
+                 backend=CpuBackend(weights, {k: c for k, c in copies.items() if c}), file_size=size,
                  n_params=cfg.n_params(tied_output=tied),
                  load_seconds=time.perf_counter() - t0, from_image=from_image,
                  quant_mix=info["quant_mix"], tokenizer_model=info["tokenizer_model"])
@@ -315,7 +243,7 @@ def load_model(path: str | os.PathLike | None = None, use_image: bool = True) ->
     """Load a GGUF: a file, a built-in model's name ("gemma3-270m"), or the bundled SmolLM2 when None."""
     t0 = time.perf_counter()
     model = _load(path, use_image, t0)
-    model.weights.choose_layout(image_dir(model.path))
+    model.backend.choose_layout(image_dir(model.path))
     model.load_seconds = time.perf_counter() - t0
     return model
 

@@ -8,7 +8,7 @@ import platform
 def cpu_model(path: str = "/proc/cpuinfo") -> str:
     """The CPU's model name and x86 family/model numbers (/proc/cpuinfo), else what platform says.
     The numbers tell CPU generations apart where a VM names them all alike ("AMD EPYC": Zen 4 is
-    family 25, Zen 5 26), and the layout probe's measurement is kept per CPU (engine/layout.py)."""
+    family 25, Zen 5 26), and the layout probe's measurement is kept per CPU (engine/cpu/weight_layout.py)."""
     fields: dict[str, str] = {}
     try:
         with open(path, encoding="utf-8") as fh:

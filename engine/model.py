@@ -11,8 +11,7 @@ from .attention import AttentionPlan, attention_plan, paged_attention
 from .block_manager import SeqSlots
 from .config import ModelConfig
 from .kv_pool import KVPool
-from .layout import plain_matmul, site_matmul
-from .loader import Model, Weights, layer_of
+from .loader import Model, Weights
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -70,18 +69,9 @@ def layer_ropes(cfg: ModelConfig, positions: np.ndarray,
     return out
 
 
-Matmul = tuple[str, int | None]  # a weight's name and layer (None: not per layer)
-
-
-def linear(x: np.ndarray, w: Weights, name: str, layer: int | None = None,
-           then: Matmul | None = None) -> np.ndarray:
-    """x @ W (one layer's when `layer` is given), in the one layout this machine reads
-    (engine/layout.py). `then`: the pass's next matmul, whose weights a decode pass's helpers
-    start reading once done with this one (engine/split.py)."""
-    site = w.site(name, layer, then)
-    if site is not None:
-        return site_matmul(x, site, w.one_row)                             # [N, out]
-    return plain_matmul(x, layer_of(getattr(w, name), layer))              # [N, out]
+# x [N, K] @ the weight named `name` (`layer`'s when given): [N, out]. The CPU backend's
+# `linear` (engine/cpu/): how the weights are laid out and who computes them is its business.
+Linear = Callable[..., np.ndarray]
 
 
 def gelu_tanh(g: np.ndarray) -> np.ndarray:
@@ -98,9 +88,8 @@ def gelu_tanh(g: np.ndarray) -> np.ndarray:
     return inner
 
 
-def gated_ffn(x: np.ndarray, w: Weights, layer: int, act_name: str = "silu",
-              then: Matmul | None = None) -> np.ndarray:
-    gu = linear(x, w, "w_gate_up", layer, ("w_down", layer))  # [N, 2*ff]
+def gated_ffn(x: np.ndarray, linear: Linear, layer: int, act_name: str = "silu") -> np.ndarray:
+    gu = linear(x, "w_gate_up", layer)         # [N, 2*ff]
     ff = gu.shape[1] // 2
     g, u = gu[:, :ff], gu[:, ff:]              # [N, ff] each
     if act_name == "gelu_tanh":
@@ -110,7 +99,7 @@ def gated_ffn(x: np.ndarray, w: Weights, layer: int, act_name: str = "silu",
         act += 1.0
         np.divide(g, act, out=act)
     act *= u
-    return linear(act, w, "w_down", layer, then)  # [N, d]
+    return linear(act, "w_down", layer)        # [N, d]
 
 
 def page_slots(rows: int, sessions: list[SeqSlots], counts: list[int]) -> tuple:
@@ -127,15 +116,13 @@ def page_slots(rows: int, sessions: list[SeqSlots], counts: list[int]) -> tuple:
     return np.concatenate(pages), np.concatenate(offsets)
 
 
-def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
-          plan: AttentionPlan, rope: Callable[[np.ndarray], np.ndarray],
-          slots: tuple, then: Matmul | None = None) -> np.ndarray:
-    """One transformer block over the concatenated new tokens of every session; `then`: the
-    pass's matmul after it."""
+def block(x: np.ndarray, w: Weights, linear: Linear, cfg: ModelConfig, layer: int, pool: KVPool,
+          plan: AttentionPlan, rope: Callable[[np.ndarray], np.ndarray], slots: tuple) -> np.ndarray:
+    """One transformer block over the concatenated new tokens of every session."""
     q_dim, kv, H, KV, hd = cfg.q_dim, cfg.kv_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     N = x.shape[0]
     h = rms_norm(x, w.attn_norm[layer], cfg.norm_eps)            # [N, d]
-    qkv = linear(h, w, "wqkv", layer, ("wo", layer))             # [N, q_dim + 2kv]
+    qkv = linear(h, "wqkv", layer)                               # [N, q_dim + 2kv]
     if w.bqkv is not None:
         qkv += w.bqkv[layer]                                     # [N, q_dim + 2kv]
     qk = qkv[:, :q_dim + kv].reshape(N, H + KV, hd)              # [N, H+KV, hd]
@@ -148,12 +135,12 @@ def block(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, pool: KVPool,
     pool.k[layer, slots[0], slots[1]] = k
     pool.v[layer, slots[0], slots[1]] = v
     attn = paged_attention(q, pool, layer, plan, cfg.layer_window(layer))  # [N, q_dim]
-    out = linear(attn, w, "wo", layer, ("w_gate_up", layer))     # [N, d]
+    out = linear(attn, "wo", layer)                              # [N, d]
     if w.post_attn_norm is not None:
         out = rms_norm(out, w.post_attn_norm[layer], cfg.norm_eps)  # [N, d]
     x = x + out                                                  # [N, d]
     h = rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)             # [N, d]
-    out = gated_ffn(h, w, layer, cfg.ffn_act, then)              # [N, d]
+    out = gated_ffn(h, linear, layer, cfg.ffn_act)               # [N, d]
     if w.post_ffn_norm is not None:
         out = rms_norm(out, w.post_ffn_norm[layer], cfg.norm_eps)   # [N, d]
     return x + out                                               # [N, d]
@@ -176,20 +163,20 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
     after every new token [N, vocab] with `all_positions` (teacher forcing, tests), or
     after each session's last `n_logits[i]` tokens, concatenated (speculative verification).
     """
-    cfg, w = model.config, model.weights
+    cfg, w, cpu = model.config, model.weights, model.backend
     counts = [len(t) for t in token_lists]
     tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
     positions = np.concatenate([np.arange(s.n_past, s.n_past + n) for s, n in zip(sessions, counts)])
     ropes = layer_ropes(cfg, positions, w.rope_freqs)               # per layer: x -> x rotated
     slots = page_slots(pool.page_rows, sessions, counts)
     plan = attention_plan(pool.page_rows, sessions, counts)
-    x = w.embed(tokens)                                              # [N, d]
+    cpu.begin_pass(len(tokens))
+    x = cpu.embed(tokens)                                            # [N, d]
     if cfg.scale_embeddings:
         x = x * np.float32(cfg.embed_scale)                          # [N, d]
     for layer in range(cfg.n_layers):
-        then = ("wqkv", layer + 1) if layer + 1 < cfg.n_layers else ("output_t", None)
-        x = block(x, w, cfg, layer, pool, plan, ropes[layer], slots, then)
+        x = block(x, w, cpu.linear, cfg, layer, pool, plan, ropes[layer], slots)
     rows = slice(None) if all_positions else logit_rows(counts, n_logits)
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
-    logits = linear(h, w, "output_t")                                # [B or N, vocab]
+    logits = cpu.linear(h, "output_t")                               # [B or N, vocab]
     return logits.astype(np.float32, copy=False)

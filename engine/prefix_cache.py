@@ -640,8 +640,9 @@ class PrefixCache:
     def _demote(self, entry: CachedPage) -> None:
         """Send a page about to be evicted down to the disk tier (the eviction then frees it)."""
         dropped = self.tier.demote(entry, self.pool, self.chains[entry.chain_id].preview)
-        self.counters.demoted_pages += 1
-        self._emit("stored", [entry], medium="CPU")
+        if self.tier.get(entry.key) is not None:  # else a full or failing disk (the tier said so)
+            self.counters.demoted_pages += 1
+            self._emit("stored", [entry], medium="CPU")
         if dropped:
             self._emit("removed", dropped, medium="CPU")
 
@@ -662,7 +663,10 @@ class PrefixCache:
         start = len(matched)
         path = self._path(prompt, namespace, start, cap, matched[-1].key if matched else None)
         loaded = []
-        for depth, (tp, page) in enumerate(self.tier.promote(pool, path, namespace), start):
+        moved, lost = self.tier.promote(pool, path, namespace)
+        if lost is not None:
+            self._emit("removed", [lost], medium="CPU")
+        for depth, (tp, page) in enumerate(moved, start):
             chain = self.chains.get(tp.chain_id) or ChainRecord(
                 id=tp.chain_id, n_tokens=0, pages_live=0, hits=0, preview=tp.preview,
                 created_at=time.time(), namespace=namespace, first_page_depth=depth)

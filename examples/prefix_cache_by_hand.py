@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if (ROOT / "engine" / "__init__.py").is_file() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-
 import engine as dl  # noqa: E402
+
+dl.tune_process()  # before NumPy loads OpenBLAS
+
+import numpy as np  # noqa: E402
 
 PAGE_ROWS = 16
 SYSTEM = (

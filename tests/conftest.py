@@ -13,6 +13,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # GUI tests never need a display
 _NUMPY_WAS_LOADED = "numpy" in sys.modules
 
+import engine  # noqa: E402 - loads no NumPy
+
+engine.tune_process()  # as the app's entry points do, before NumPy loads OpenBLAS
+
 import json  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -25,7 +29,6 @@ hypothesis_settings.register_profile("ci", derandomize=True)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
                                  or ("ci" if os.environ.get("CI") else "default"))
 
-import engine  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data")

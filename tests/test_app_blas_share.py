@@ -1,7 +1,7 @@
 """The desktop app's worker leaves one core's BLAS thread to the UI thread, and gives it back."""
 
 from app.desktop import blas_share
-from engine.threads import blas_threads
+from engine.cpu.blas_threads import blas_threads
 
 
 def test_cap_is_every_core_but_one_and_at_least_one():

@@ -105,7 +105,7 @@ def test_quick_bench_has_every_figure_finite_and_positive(quick_run):
         v = figs[name]["value"]
         assert isinstance(v, float) and math.isfinite(v), f"{name} = {v!r}"
         assert v >= 0 if name in QUEUE_WAITS else v > 0, f"{name} = {v!r}"
-        assert figs[name]["unit"] and figs[name]["issue"]
+        assert figs[name]["unit"] and figs[name]["feature"]
 
 
 @pytest.mark.model

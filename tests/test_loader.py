@@ -12,7 +12,7 @@ import pytest
 
 import engine
 import engine.loader
-from engine import weight_image
+from engine.cpu import weight_image
 from tests.tiny_gguf import (
     CONTEXT,
     D_MODEL,
@@ -108,7 +108,7 @@ def test_warm_load_does_not_reread_the_weights_but_a_rewrite_is_caught(gguf, cac
     m = engine.load_model(gguf)
     assert m.from_image
     assert (data, None) not in reads, "a warm load read the whole weights.bin again"
-    copies = m.weights.block_copies
+    copies = m.backend.block_copies
     for kind in ("blocks", "blocks_t"):
         assert set(copies[kind]) >= {"wqkv", "w_gate_up"}, "the small-batch blocks come from the image"
     np.testing.assert_array_equal(copies["blocks"]["wqkv"][0, 1], m.weights.wqkv[0, :, 64:128])
@@ -406,14 +406,15 @@ def test_a_new_image_format_removes_the_older_formats_images_of_the_same_gguf(gg
 
 def test_the_copy_settled_in_huge_pages_is_the_one_a_forward_pass_reads(gguf, cache):
     """Blocks where a matrix has them; its plain array where it has none (N not a multiple of 64)."""
-    w = engine.load_model(gguf).weights
-    assert w.read_copy("wqkv") is w.wqkv                       # a small model reads plain
+    m = engine.load_model(gguf)
+    w, cpu = m.weights, m.backend
+    assert cpu.read_copy("wqkv") is w.wqkv                     # a small model reads plain
     for kind in ("blocks", "blocks_t"):
-        w.layout = kind
-        name = next(iter(w.block_copies[kind]))
-        assert w.read_copy(name) is w.block_copies[kind][name]
-        w.block_copies[kind].pop(name)
-        assert w.read_copy(name) is getattr(w, name)
+        cpu.layout = kind
+        name = next(iter(cpu.block_copies[kind]))
+        assert cpu.read_copy(name) is cpu.block_copies[kind][name]
+        cpu.block_copies[kind].pop(name)
+        assert cpu.read_copy(name) is getattr(w, name)
 
 
 @pytest.mark.model

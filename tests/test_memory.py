@@ -1,5 +1,5 @@
 """The engine's memory: a prefill on an engine thread (the app's worker, the server's loop) reuses
-its pages (engine/arena.py), and a KV pool costs the pages written, not 2 MB a slab (engine/kv_pool.py).
+its pages (engine/cpu/malloc.py), and a KV pool costs the pages written, not 2 MB a slab (engine/kv_pool.py).
 
 The arena check runs in a fresh process: glibc's thresholds move with what a process has freed
 before, so it starts the process at glibc's start values.
@@ -22,6 +22,7 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD and M_MMAP_THRESHOLD at glibc's start values, as a
 libc.mallopt(-3, 128 << 10)  # process keeps them until it frees a mid-size mapped block
 import engine
+engine.tune_process()  # one arena, fixed thresholds (engine/cpu/malloc.py), as every entry point sets
 from app.scenario import SCENARIO_DIR, load_scenario
 from engine.loop import EngineLoop
 from engine.sampler import SamplingParams

@@ -1,4 +1,4 @@
-"""engine/split.py: a decode pass's column blocks shared with helper processes give the very
+"""engine/cpu/shared_matmul.py: a decode pass's column blocks shared with helper processes give the very
 numbers one worker gives, from any thread; a helper that dies, fails or would read another
 file costs only the sharing, never an answer; and helpers end with the engine's process."""
 
@@ -16,23 +16,23 @@ import time
 import numpy as np
 import pytest
 
-from engine import split
-from engine.helper import DONE, SLEEPING, SPIN_S, TAKEN
-from engine.layout import BLOCKS, blocks_matmul, to_blocks
+from engine.cpu import shared_matmul
+from engine.cpu.helper_process import DONE, SLEEPING, SPIN_S, TAKEN
+from engine.cpu.weight_layout import BLOCKS, blocks_matmul, to_blocks
 
-pytestmark = pytest.mark.skipif(not split.SUPPORTED, reason="helpers run on x86-64 Linux only")
+pytestmark = pytest.mark.skipif(not shared_matmul.SUPPORTED, reason="helpers run on x86-64 Linux only")
 
 
 @pytest.fixture
 def shared(monkeypatch):
     """Every matrix is big enough to share; each test starts and ends with no helpers."""
-    monkeypatch.setattr(split, "SHARE_BYTES", 0)
-    monkeypatch.setattr(split, "_files", [])
-    monkeypatch.setattr(split, "_disabled", "")
-    split.shutdown()
-    yield split.set_parts
-    split.set_parts(1)
-    split.shutdown()
+    monkeypatch.setattr(shared_matmul, "SHARE_BYTES", 0)
+    monkeypatch.setattr(shared_matmul, "_files", [])
+    monkeypatch.setattr(shared_matmul, "_disabled", "")
+    shared_matmul.shutdown()
+    yield shared_matmul.set_parts
+    shared_matmul.set_parts(1)
+    shared_matmul.shutdown()
 
 
 def mapped(tmp_path, arrays: list[np.ndarray], name: str = "weights.bin") -> tuple[str, list[np.ndarray]]:
@@ -44,7 +44,7 @@ def mapped(tmp_path, arrays: list[np.ndarray], name: str = "weights.bin") -> tup
             fh.write(np.ascontiguousarray(a, dtype=np.float32).tobytes())
     with open(path, "rb") as fh:
         blob = np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
-    split.share_file(path, blob)
+    shared_matmul.share_file(path, blob)
     views, at = [], 0
     for a in arrays:
         views.append(blob[at:at + a.nbytes].view(np.float32).reshape(a.shape))
@@ -55,9 +55,9 @@ def mapped(tmp_path, arrays: list[np.ndarray], name: str = "weights.bin") -> tup
 def until_helpers(n: int, x: np.ndarray, blocks: np.ndarray, transposed: bool = False) -> None:
     """Shared matmuls until n helpers are up (they start in the background, ~0.2 s)."""
     deadline = time.monotonic() + 60
-    while len(split._pool_or_start().ready(n)) < n:
+    while len(shared_matmul._pool_or_start().ready(n)) < n:
         assert time.monotonic() < deadline, "no helper came up"
-        split.matmul(x, blocks, transposed)
+        shared_matmul.matmul(x, blocks, transposed)
         time.sleep(0.01)
 
 
@@ -74,11 +74,11 @@ def test_shared_blocks_equal_one_worker_bit_for_bit(shared, tmp_path, kind):
     alone = {(rows, form): blocks_matmul(xs[rows], blocks, form, t) for rows, form in forms}
     shared(3)
     until_helpers(2, xs[2], blocks, t)
-    jobs = split._pool.seq
+    jobs = shared_matmul._pool.seq
     for rows, form in forms:
         np.testing.assert_array_equal(blocks_matmul(xs[rows], blocks, form, t), alone[rows, form])
         np.testing.assert_allclose(alone[rows, form], xs[rows] @ w, rtol=1e-4, atol=1e-4)
-    assert split._pool.seq == jobs + len(forms)                       # each one was shared
+    assert shared_matmul._pool.seq == jobs + len(forms)                       # each one was shared
 
 
 def test_arrays_outside_a_shared_file_and_prefill_passes_stay_whole(shared, tmp_path):
@@ -87,13 +87,13 @@ def test_arrays_outside_a_shared_file_and_prefill_passes_stay_whole(shared, tmp_
     shared(2)
     x = rng.standard_normal((4, 64), dtype=np.float32)
     until_helpers(1, x, blocks)
-    jobs = split._pool.seq
+    jobs = shared_matmul._pool.seq
     anonymous = np.array(blocks)                                      # same numbers, not in the file
-    np.testing.assert_array_equal(split.matmul(x, anonymous), split.matmul(x, blocks))
-    prefill = rng.standard_normal((split.SHARE_ROWS + 1, 64), dtype=np.float32)
-    np.testing.assert_array_equal(split.matmul(prefill, blocks),
+    np.testing.assert_array_equal(shared_matmul.matmul(x, anonymous), shared_matmul.matmul(x, blocks))
+    prefill = rng.standard_normal((shared_matmul.SHARE_ROWS + 1, 64), dtype=np.float32)
+    np.testing.assert_array_equal(shared_matmul.matmul(prefill, blocks),
                                   np.matmul(prefill, anonymous).transpose(1, 0, 2).reshape(len(prefill), -1))
-    assert split._pool.seq == jobs + 1                                # only the file's decode rows
+    assert shared_matmul._pool.seq == jobs + 1                                # only the file's decode rows
 
 
 def test_a_prefill_over_transposed_blocks_is_one_gemm_over_them_side_by_side(shared, tmp_path, monkeypatch):
@@ -103,12 +103,13 @@ def test_a_prefill_over_transposed_blocks_is_one_gemm_over_them_side_by_side(sha
     w = rng.standard_normal((96, 64 * 5), dtype=np.float32)
     _, (blocks,) = mapped(tmp_path, [to_blocks(w, "blocks_t")])
     shared(1)
-    per_block, real = [], split.products
-    monkeypatch.setattr(split, "products", lambda x, *a: per_block.append(len(x)) or real(x, *a))
-    prefill = rng.standard_normal((split.SHARE_ROWS + 1, 96), dtype=np.float32)
-    np.testing.assert_allclose(split.matmul(prefill, blocks, True), prefill @ w, rtol=1e-4, atol=1e-4)
+    per_block, real = [], shared_matmul.products
+    monkeypatch.setattr(shared_matmul, "products", lambda x, *a: per_block.append(len(x)) or real(x, *a))
+    prefill = rng.standard_normal((shared_matmul.SHARE_ROWS + 1, 96), dtype=np.float32)
+    np.testing.assert_allclose(shared_matmul.matmul(prefill, blocks, True), prefill @ w, rtol=1e-4, atol=1e-4)
     assert per_block == []
-    np.testing.assert_allclose(split.matmul(prefill[:8], blocks, True), prefill[:8] @ w, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(shared_matmul.matmul(prefill[:8], blocks, True), prefill[:8] @ w,
+                               rtol=1e-4, atol=1e-4)
     assert per_block == [8]
 
 
@@ -125,7 +126,7 @@ def test_many_callers_at_once_each_get_their_own_answer(shared, tmp_path):
 
     def run(i):
         for _ in range(200):
-            if not np.array_equal(split.matmul(xs[i], blocks), want[i]):
+            if not np.array_equal(shared_matmul.matmul(xs[i], blocks), want[i]):
                 bad.append(i)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
@@ -149,23 +150,23 @@ def test_the_helpers_read_the_next_matmul_ahead_and_it_gives_them_more_with_the_
     _, (wo, other, first) = mapped(tmp_path, [to_blocks(w, kind)] * 3)
     t = kind == "blocks_t"
     shared(2)
-    monkeypatch.setattr(split, "AHEAD_BYTES", wo[0].nbytes)          # a block first
-    monkeypatch.setattr(split, "PATIENCE_S", 10.0)                   # a helper asleep is waited for
+    monkeypatch.setattr(shared_matmul, "AHEAD_BYTES", wo[0].nbytes)          # a block first
+    monkeypatch.setattr(shared_matmul, "PATIENCE_S", 10.0)                   # a helper asleep is waited for
     x = rng.standard_normal((1, 64), dtype=np.float32)
-    want = split.matmul(x, np.array(wo), t)                          # whole, in this thread
+    want = shared_matmul.matmul(x, np.array(wo), t)                          # whole, in this thread
     np.testing.assert_allclose(want, x @ w, rtol=1e-4, atol=1e-4)
     until_helpers(1, x, wo, t)
-    pool, helper = split._pool, split._pool.helpers[0]
-    assert split.shares(9, 1) == (0, 4, 9)
-    assert split.shares(9, 1, cached=7) == (0, 2, 9)                 # 7 blocks from the helper's cache
-    assert split.shares(9, 1, cached=7, rows=8) == (0, 3, 9)         # eight rows' arithmetic stays
+    pool, helper = shared_matmul._pool, shared_matmul._pool.helpers[0]
+    assert shared_matmul.shares(9, 1) == (0, 4, 9)
+    assert shared_matmul.shares(9, 1, cached=7) == (0, 2, 9)         # 7 blocks from the helper's cache
+    assert shared_matmul.shares(9, 1, cached=7, rows=8) == (0, 3, 9)         # eight rows' arithmetic stays
     key = ((wo.shape, t), 1)                                         # what the tuning is kept by
     for ahead in (wo, other, np.array(wo), None):
-        split.matmul(x, first, t, then=ahead)
+        shared_matmul.matmul(x, first, t, then=ahead)
         time.sleep(0.01)                                             # the helper has read it by now
         read, jobs = pool.tuned.get(key, 0), pool.seq
-        assert helper.slot[split.AHEAD_READ] == jobs
-        np.testing.assert_array_equal(split.matmul(x, wo, t), want)
+        assert helper.slot[shared_matmul.AHEAD_READ] == jobs
+        np.testing.assert_array_equal(shared_matmul.matmul(x, wo, t), want)
         assert pool.seq == jobs + 1
         if ahead is wo:
             assert (read, pool.tuned[key]) == (1, 2)                 # one block, then two: it had finished
@@ -173,13 +174,13 @@ def test_the_helpers_read_the_next_matmul_ahead_and_it_gives_them_more_with_the_
             assert pool.tuned.get(key, 0) == read                    # nothing read ahead of wo
     reads = []
     for _ in range(12):                                              # it grows to its share, no further
-        split.matmul(x, first, t, then=wo)
+        shared_matmul.matmul(x, first, t, then=wo)
         reads.append(pool.read[1])                                   # blocks it reads ahead
         time.sleep(0.01)
-        np.testing.assert_array_equal(split.matmul(x, wo, t), want)
-    assert reads[:6] == [2, 3, 4, 5, 6, 7] and set(reads[6:]) == {8} == {9 - split.shares(9, 1, 8)[1]}
-    prefill = rng.standard_normal((split.SHARE_ROWS + 1, 64), dtype=np.float32)
-    split.matmul(prefill, first, t, then=wo)                         # prefill shares nothing, reads nothing
+        np.testing.assert_array_equal(shared_matmul.matmul(x, wo, t), want)
+    assert reads[:6] == [2, 3, 4, 5, 6, 7] and set(reads[6:]) == {8} == {9 - shared_matmul.shares(9, 1, 8)[1]}
+    prefill = rng.standard_normal((shared_matmul.SHARE_ROWS + 1, 64), dtype=np.float32)
+    shared_matmul.matmul(prefill, first, t, then=wo)                 # prefill shares nothing, reads nothing
     assert pool.read is None
 
 
@@ -189,37 +190,38 @@ def test_the_next_matmul_is_posted_before_its_input_and_the_helper_starts_it_at_
     """Once a pass has run, its next matmul's job goes to the helper while the helper ends this
     one, so it has the job before its input is in (asleep meanwhile, the input wakes it). A
     different matmul coming instead costs nothing; the answers never change."""
-    monkeypatch.setattr(split, "PATIENCE_S", 10.0)   # a late helper is waited for, never skipped
+    monkeypatch.setattr(shared_matmul, "PATIENCE_S", 10.0)   # a late helper is waited for, never skipped
     rng = np.random.default_rng(6)
     t = kind == "blocks_t"
     # K = 1024: the caller's own share (4 blocks, 1 MB) outlasts a spinning helper's start by far
     ws = [rng.standard_normal((1024, 64 * 9), dtype=np.float32) for _ in range(3)]
     _, (a, b, c) = mapped(tmp_path, [to_blocks(w, kind) for w in ws])
-    first, then, other = split.Site(a, t, b), split.Site(b, t, a), split.Site(c, t)  # a, b, a, b, ...
+    Site = shared_matmul.Site
+    first, then, other = Site(a, t, b), Site(b, t, a), Site(c, t)  # a, b, a, b, ...
     x = rng.standard_normal((1, 1024), dtype=np.float32)
-    want = [split.matmul(x, np.array(blocks), t) for blocks in (a, b, c)]  # whole, in this thread
+    want = [shared_matmul.matmul(x, np.array(blocks), t) for blocks in (a, b, c)]  # whole, in this thread
     np.testing.assert_allclose(want[0], x @ ws[0], rtol=1e-3, atol=1e-3)
     shared(2)
     until_helpers(1, x, a, t)
-    pool, slot = split._pool, split._pool.helpers[0].slot
+    pool, slot = shared_matmul._pool, shared_matmul._pool.helpers[0].slot
     deadline = time.monotonic() + 60
 
     def holds(job: int) -> None:                                     # the helper has read that job
-        while slot[split.STARTED] != job:
+        while slot[shared_matmul.STARTED] != job:
             assert time.monotonic() < deadline, "the helper never took up the posted job"
             time.sleep(0.001)
 
     def runs() -> None:                                              # until `first`'s job is posted early
         while pool.pending is None or pool.pending[0] is not first:
             assert time.monotonic() < deadline, "no job was posted before its input"
-            split.matmul_site(x, first)
-            split.matmul_site(x, then)
+            shared_matmul.matmul_site(x, first)
+            shared_matmul.matmul_site(x, then)
 
     runs()
     assert first.next is then and then.next is first                 # what follows each, learned
     for step in range(6):
         holds(pool.pending[1])
-        np.testing.assert_array_equal(split.matmul_site(x, first), want[0])
+        np.testing.assert_array_equal(shared_matmul.matmul_site(x, first), want[0])
         assert pool.pending[0] is then                               # posted before its input
         job = pool.pending[1]
         holds(job)                                                   # the helper holds it already
@@ -228,11 +230,11 @@ def test_the_next_matmul_is_posted_before_its_input_and_the_helper_starts_it_at_
                 assert time.monotonic() < deadline, "the helper never went to sleep"
                 time.sleep(SPIN_S)
         if step == 4:                                                # another matmul comes instead
-            np.testing.assert_array_equal(split.matmul_site(x, other), want[2])
+            np.testing.assert_array_equal(shared_matmul.matmul_site(x, other), want[2])
             assert slot[DONE] == pool.seq > job                      # the helper did that one
             runs()
             continue
-        np.testing.assert_array_equal(split.matmul_site(x, then), want[1])
+        np.testing.assert_array_equal(shared_matmul.matmul_site(x, then), want[1])
         assert slot[DONE] == job                                     # the helper did its share
 
 
@@ -243,12 +245,12 @@ def test_a_helper_that_dies_costs_the_sharing_not_the_answer(shared, tmp_path):
     x = rng.standard_normal((2, 64), dtype=np.float32)
     want = np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1)
     until_helpers(1, x, blocks)
-    helper = split._pool.helpers[0].proc
+    helper = shared_matmul._pool.helpers[0].proc
     os.kill(helper.pid, 9)
     helper.wait()
-    np.testing.assert_array_equal(split.matmul(x, blocks), want)     # the caller took its share
-    assert "died" in split._disabled and split._pool is None
-    np.testing.assert_array_equal(split.matmul(x, blocks), want)     # and goes on alone
+    np.testing.assert_array_equal(shared_matmul.matmul(x, blocks), want)     # the caller took its share
+    assert "died" in shared_matmul._disabled and shared_matmul._pool is None
+    np.testing.assert_array_equal(shared_matmul.matmul(x, blocks), want)     # and goes on alone
 
 
 def test_a_helper_that_cannot_run_never_stalls_the_caller(shared, tmp_path):
@@ -260,11 +262,11 @@ def test_a_helper_that_cannot_run_never_stalls_the_caller(shared, tmp_path):
     xs = [rng.standard_normal((2, 64), dtype=np.float32) for _ in range(6)]
     wants = [np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1) for x in xs]
     until_helpers(1, xs[0], blocks)
-    helper = split._pool.helpers[0].proc
+    helper = shared_matmul._pool.helpers[0].proc
     got: list[np.ndarray] = []
     os.kill(helper.pid, signal.SIGSTOP)
     try:
-        worker = threading.Thread(target=lambda: got.extend(split.matmul(x, blocks) for x in xs * 50))
+        worker = threading.Thread(target=lambda: got.extend(shared_matmul.matmul(x, blocks) for x in xs * 50))
         worker.start()
         worker.join(60)
         assert not worker.is_alive(), "a stopped helper stalled the caller"
@@ -273,28 +275,28 @@ def test_a_helper_that_cannot_run_never_stalls_the_caller(shared, tmp_path):
     for i, g in enumerate(got):
         np.testing.assert_array_equal(g, wants[i % len(xs)])
     for x, want in zip(xs * 50, wants * 50):  # running again, it shares, and stale jobs are not read
-        np.testing.assert_array_equal(split.matmul(x, blocks), want)
-    assert not split._disabled and split._pool.helpers[0].proc is helper
+        np.testing.assert_array_equal(shared_matmul.matmul(x, blocks), want)
+    assert not shared_matmul._disabled and shared_matmul._pool.helpers[0].proc is helper
 
 
 def test_a_sleeping_helper_wakes_for_the_next_job_and_does_it(shared, tmp_path, monkeypatch):
-    """A helper idle past SPIN_S sleeps (on an eventfd, engine/split.py), and the next job wakes
+    """A helper idle past SPIN_S sleeps (on an eventfd, engine/cpu/shared_matmul.py), and the next job wakes
     it: it computes its share rather than the caller taking it back."""
-    monkeypatch.setattr(split, "PATIENCE_S", 10.0)   # the caller waits for it as long as it takes
+    monkeypatch.setattr(shared_matmul, "PATIENCE_S", 10.0)   # the caller waits for it as long as it takes
     rng = np.random.default_rng(9)
     _, (blocks,) = mapped(tmp_path, [rng.standard_normal((16, 64, 64), dtype=np.float32)])
     x = rng.standard_normal((2, 64), dtype=np.float32)
     shared(2)
     until_helpers(1, x, blocks)
-    slot = split._pool.helpers[0].slot
+    slot = shared_matmul._pool.helpers[0].slot
     for _ in range(3):
         deadline = time.monotonic() + 30
         while not slot[SLEEPING]:                    # asleep
             assert time.monotonic() < deadline, "the helper never went to sleep"
             time.sleep(SPIN_S)
         want = np.matmul(x, np.array(blocks)).transpose(1, 0, 2).reshape(2, -1)
-        np.testing.assert_array_equal(split.matmul(x, blocks), want)
-        assert slot[DONE] == split._pool.seq and slot[TAKEN] != split._pool.seq  # done by it
+        np.testing.assert_array_equal(shared_matmul.matmul(x, blocks), want)
+        assert slot[DONE] == shared_matmul._pool.seq and slot[TAKEN] != shared_matmul._pool.seq  # done by it
 
 
 def test_a_file_replaced_since_it_was_mapped_is_never_read_by_a_helper(shared, tmp_path):
@@ -309,11 +311,11 @@ def test_a_file_replaced_since_it_was_mapped_is_never_read_by_a_helper(shared, t
     os.replace(other, path)
     shared(2)
     deadline = time.monotonic() + 60
-    while not split._disabled:  # until a helper has refused (back to back: it stays awake for them)
+    while not shared_matmul._disabled:  # until a helper has refused (back to back: it stays awake for them)
         assert time.monotonic() < deadline
-        np.testing.assert_array_equal(split.matmul(x, blocks), want)
-    assert "failed a job" in split._disabled
-    np.testing.assert_array_equal(split.matmul(x, blocks), want)
+        np.testing.assert_array_equal(shared_matmul.matmul(x, blocks), want)
+    assert "failed a job" in shared_matmul._disabled
+    np.testing.assert_array_equal(shared_matmul.matmul(x, blocks), want)
 
 
 def test_helpers_end_with_the_engines_process(tmp_path):
@@ -321,25 +323,25 @@ def test_helpers_end_with_the_engines_process(tmp_path):
     script = textwrap.dedent(f"""
         import mmap, os, sys, time
         import numpy as np
-        from engine import split
-        split.SHARE_BYTES = 0
+        from engine.cpu import shared_matmul
+        shared_matmul.SHARE_BYTES = 0
         path = {str(tmp_path / "w.bin")!r}
         np.ones((8, 64, 64), dtype=np.float32).tofile(path)
         with open(path, "rb") as fh:
             blob = np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
-        split.share_file(path, blob)
+        shared_matmul.share_file(path, blob)
         blocks = blob.view(np.float32).reshape(8, 64, 64)
-        split.set_parts(2)
-        while not split._pool_or_start().ready(1):
-            split.matmul(np.ones((2, 64), dtype=np.float32), blocks)
+        shared_matmul.set_parts(2)
+        while not shared_matmul._pool_or_start().ready(1):
+            shared_matmul.matmul(np.ones((2, 64), dtype=np.float32), blocks)
             time.sleep(0.01)
-        print(split._pool.helpers[0].proc.pid, flush=True)
+        print(shared_matmul._pool.helpers[0].proc.pid, flush=True)
         if sys.argv[1] == "kill":
             os.kill(os.getpid(), 9)
     """)
     for how in ("exit", "kill"):
         proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True,
-                              timeout=120, cwd=os.path.dirname(os.path.dirname(split.__file__)))
+                              timeout=120, cwd=os.path.dirname(os.path.dirname(shared_matmul.__file__)))
         pid = int(proc.stdout.split()[0])
         deadline = time.monotonic() + 30
         while _alive(pid):
@@ -353,31 +355,3 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"     # a zombie has ended
     except OSError:
         return False
-
-
-def test_every_front_end_sets_openblas_thread_timeout_before_numpy_loads_openblas():
-    """OpenBLAS's idle threads spin ~0.1 s after a threaded call, on the core a helper needs;
-    `import engine` shortens that, but OpenBLAS reads it only when NumPy loads it, so every
-    command must import the engine before anything imports NumPy."""
-    from app.cli import COMMANDS
-
-    root = os.path.dirname(os.path.dirname(split.__file__))
-    modules = [f"app.{m}" for m in COMMANDS.values()] + ["app.desktop.gui"]
-    code = textwrap.dedent("""
-        import importlib, json, os, sys
-        seen = {}
-        class Watch:
-            def find_spec(self, name, path=None, target=None):
-                if name == "numpy" and "at" not in seen:
-                    seen["at"] = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
-        sys.meta_path.insert(0, Watch())
-        importlib.import_module(sys.argv[1])
-        import engine
-        print(json.dumps(seen.get("at")))
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    for module in modules:
-        out = subprocess.run([sys.executable, "-c", code, module], cwd=root, capture_output=True,
-                             text=True, timeout=120, env={**env, "QT_QPA_PLATFORM": "offscreen"})
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.split()[-1] == '"22"', f"{module} loads NumPy before the engine"

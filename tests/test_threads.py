@@ -9,7 +9,7 @@ import time
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from engine import threads
+from engine.cpu import blas_threads
 
 
 def blas_count() -> int:
@@ -20,12 +20,12 @@ def blas_count() -> int:
 def machine(monkeypatch):
     """A clock and CPU counters the test moves: `busy` is every core's busy time, `own` ours."""
     state = {"now": 100.0, "busy": 1000.0, "own": 10.0, "load": 0.0}
-    monkeypatch.setattr(threads.time, "monotonic", lambda: state["now"])
-    monkeypatch.setattr(threads, "_busy_seconds", lambda: state["busy"])
-    monkeypatch.setattr(threads, "_own_seconds", lambda: state["own"])
-    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
-    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(threads, "_load_average", lambda: state["load"])
+    monkeypatch.setattr(blas_threads.time, "monotonic", lambda: state["now"])
+    monkeypatch.setattr(blas_threads, "_busy_seconds", lambda: state["busy"])
+    monkeypatch.setattr(blas_threads, "_own_seconds", lambda: state["own"])
+    monkeypatch.setattr(blas_threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(blas_threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(blas_threads, "_load_average", lambda: state["load"])
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):  # conftest caps the suite at 1
         monkeypatch.delenv(name, raising=False)
     yield state
@@ -40,7 +40,7 @@ def advance(state, seconds: float, others_busy_cores: float, own_cores: float) -
 def test_threads_follow_the_free_cores(machine):
     before = blas_count()
     try:
-        chooser = threads.BlasThreads(max_threads=2)
+        chooser = blas_threads.BlasThreads(max_threads=2)
         advance(machine, 1.0, others_busy_cores=0.0, own_cores=2.0)   # idle machine, we use both
         assert chooser.fit() == 2 and blas_count() == 2
         advance(machine, 1.0, others_busy_cores=1.0, own_cores=1.0)   # a compiler on one core
@@ -65,7 +65,7 @@ def test_a_pass_on_another_thread_sets_blas_threads_too(machine):
 
     before = blas_count()
     try:
-        chooser = threads.BlasThreads(max_threads=2)
+        chooser = blas_threads.BlasThreads(max_threads=2)
         chooser.pinned = 1
         assert chooser.fit(rows=300) == 1 and blas_count() == 1      # on the main thread
         seen = []
@@ -86,60 +86,61 @@ def test_a_pass_on_another_thread_sets_blas_threads_too(machine):
 
 def test_a_loaded_machine_gets_one_thread_from_the_first_pass(machine):
     machine["load"] = 5.0                                            # others keep both cores busy
-    assert threads.BlasThreads().choose() == 1                    # before any /proc/stat window
+    assert blas_threads.BlasThreads().choose() == 1                    # before any /proc/stat window
     machine["load"] = 0.2
-    assert threads.BlasThreads().choose() == 2
+    assert blas_threads.BlasThreads().choose() == 2
 
 
 def test_the_users_thread_setting_is_a_cap(machine, monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    chooser = threads.BlasThreads()
+    chooser = blas_threads.BlasThreads()
     advance(machine, 1.0, others_busy_cores=0.0, own_cores=0.0)   # idle: still 1, as the user asked
     assert chooser.choose() == 1
 
 
 def test_the_first_short_window_replaces_the_load_averages_guess(machine):
     machine["load"] = 1.5                    # the minute's average still counts our last run
-    chooser = threads.BlasThreads()
+    chooser = blas_threads.BlasThreads()
     assert chooser.choose() == 1             # nothing measured yet: the guess
-    advance(machine, threads.FIRST_SAMPLE_S + 0.01, others_busy_cores=0.0, own_cores=1.0)  # loading
+    advance(machine, blas_threads.FIRST_SAMPLE_S + 0.01, others_busy_cores=0.0, own_cores=1.0)  # loading
     assert chooser.choose() == 2             # the machine is idle now: both cores
-    advance(machine, threads.FIRST_SAMPLE_S + 0.01, others_busy_cores=2.0, own_cores=0.0)
+    advance(machine, blas_threads.FIRST_SAMPLE_S + 0.01, others_busy_cores=2.0, own_cores=0.0)
     assert chooser.choose() == 2             # later windows are the usual SAMPLE_S long
 
 
-@pytest.mark.skipif(not __import__("engine.split").split.SUPPORTED, reason="helpers run on x86-64 Linux")
+@pytest.mark.skipif(not __import__("engine.cpu.shared_matmul").cpu.shared_matmul.SUPPORTED,
+                    reason="helpers run on x86-64 Linux")
 def test_a_decode_pass_over_blocks_shares_them_with_helpers_not_blas_threads(machine):
     """A decode pass over column blocks runs BLAS on one thread and shares its blocks with a
-    helper on the other free core (engine/split.py), in the app too; a prefill, or a model read
+    helper on the other free core (engine/cpu/shared_matmul.py), in the app too; a prefill, or a model read
     in the plain layout, gets BLAS's threads instead; a busy machine shares with nobody."""
-    from engine import split
+    from engine.cpu import shared_matmul
 
     before = blas_count()
     try:
-        chooser = threads.BlasThreads(max_threads=2)
+        chooser = blas_threads.BlasThreads(max_threads=2)
         chooser.batch_cap = 1
         advance(machine, 1.0, others_busy_cores=0.0, own_cores=1.0)
         for rows in (1, 8):
-            assert chooser.fit(rows, blocks=True) == 1 and blas_count() == 1 and split._parts == 2
-        assert chooser.fit(rows=300, blocks=True) == 2 and blas_count() == 2 and split._parts == 1
-        assert chooser.fit(rows=1, blocks=False) == 2 and split._parts == 1
+            assert chooser.fit(rows, blocks=True) == 1 and blas_count() == 1 and shared_matmul._parts == 2
+        assert chooser.fit(rows=300, blocks=True) == 2 and blas_count() == 2 and shared_matmul._parts == 1
+        assert chooser.fit(rows=1, blocks=False) == 2 and shared_matmul._parts == 1
         advance(machine, 1.0, others_busy_cores=1.0, own_cores=1.0)
-        assert chooser.fit(rows=1, blocks=True) == 1 and split._parts == 1
+        assert chooser.fit(rows=1, blocks=True) == 1 and shared_matmul._parts == 1
     finally:
         threadpool_limits(before, user_api="blas")
-        split.set_parts(1)
+        shared_matmul.set_parts(1)
 
 
 def test_another_process_busy_counts_as_others_and_this_ones_own_work_does_not():
-    first = threads.load_sample()
+    first = blas_threads.load_sample()
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
     subprocess.run([sys.executable, "-c", spin], check=True)     # another process keeps a core busy
-    assert threads.others_cores(first, threads.load_sample()) > 0.5
+    assert blas_threads.others_cores(first, blas_threads.load_sample()) > 0.5
     readings = []  # a shared machine's other work may take a core in one window, not in five
     while len(readings) < 5 and (not readings or readings[-1] >= 0.3):
-        first, t = threads.load_sample(), time.process_time()
+        first, t = blas_threads.load_sample(), time.process_time()
         while time.process_time() - t < 0.4:                      # this process keeps a core busy
             pass
-        readings.append(threads.others_cores(first, threads.load_sample()))
+        readings.append(blas_threads.others_cores(first, blas_threads.load_sample()))
     assert min(readings) < 0.3, readings                          # its own core counted: >= 0.9 in each

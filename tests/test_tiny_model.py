@@ -20,7 +20,7 @@ def contiguous_logits(m, tokens, chunks=None) -> list[np.ndarray]:
     `chunks` are the chunk lengths (one chunk by default), so a paged run fed the same
     chunks does exactly the same arithmetic and only the K/V storage differs.
     """
-    cfg, w = m.config, m.weights
+    cfg, w, linear = m.config, m.weights, m.backend.linear
     d, kv, H, KV, hd = cfg.d_model, cfg.kv_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     K = np.zeros((cfg.n_layers, len(tokens), KV, hd), dtype=np.float32)   # [L, S, KV, hd]
     V = np.zeros_like(K)
@@ -31,15 +31,15 @@ def contiguous_logits(m, tokens, chunks=None) -> list[np.ndarray]:
         x = np.asarray(w.token_embd[np.asarray(tokens[n_past:n_past + T])], dtype=np.float32)
         for layer in range(cfg.n_layers):
             h = em.rms_norm(x, w.attn_norm[layer], cfg.norm_eps)
-            qkv = em.linear(h, w, "wqkv", layer)      # the engine's own GEMM path: this test is about paging
+            qkv = linear(h, "wqkv", layer)      # the engine's own GEMM path: this test is about paging
             q = em.apply_rope(qkv[:, :d].reshape(T, H, hd), cos, sin)
             K[layer, pos] = em.apply_rope(qkv[:, d:d + kv].reshape(T, KV, hd), cos, sin)
             V[layer, pos] = qkv[:, d + kv:].reshape(T, KV, hd)
             att = ea.attention(q, K[layer, :n_past + T], V[layer, :n_past + T], n_past)
-            x = x + em.linear(att.astype(np.float32), w, "wo", layer)  # the engine keeps float32
+            x = x + linear(att.astype(np.float32), "wo", layer)  # the engine keeps float32
             h = em.rms_norm(x, w.ffn_norm[layer], cfg.norm_eps)
-            x = x + em.gated_ffn(h, w, layer)
-        out.append(em.linear(em.rms_norm(x[-1:], w.output_norm, cfg.norm_eps), w, "output_t")[0])
+            x = x + em.gated_ffn(h, linear, layer)
+        out.append(linear(em.rms_norm(x[-1:], w.output_norm, cfg.norm_eps), "output_t")[0])
         n_past += T
     return out
 

@@ -18,6 +18,9 @@ if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import engine  # noqa: E402
+
+engine.tune_process()
+
 from app.report import build_report, load_report  # noqa: E402
 from app.report.render import export_report  # noqa: E402
 from app.scenario import SCENARIO_DIR, load_scenario  # noqa: E402

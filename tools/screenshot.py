@@ -21,6 +21,10 @@ sys.path.insert(0, ROOT)
 if not os.environ.get("DISPLAY"):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+import engine  # noqa: E402
+
+engine.tune_process()  # before NumPy loads OpenBLAS
+
 from PySide6.QtCore import QElapsedTimer, QSettings, QTimer  # noqa: E402
 
 

@@ -20,6 +20,10 @@ sys.path.insert(0, ROOT)
 if not os.environ.get("DISPLAY"):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+import engine  # noqa: E402
+
+engine.tune_process()  # before NumPy loads OpenBLAS
+
 from tools.screenshot import wait_until  # noqa: E402
 
 TRACE = os.path.join(ROOT, "resources", "traces", "mooncake", "conversation_trace.jsonl")

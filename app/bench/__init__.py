@@ -4,27 +4,28 @@ Everything runs in one process (load/RSS and the UI figure in child processes) a
 ratio divides two numbers of the same run. The table shows each figure with its target;
 --json writes every figure, the raw measurements and the machine to a file.
 
-Sections (--only): prefill, decode, batch, load (issue "Engine core"; "engine" = all four;
-batch also runs W8 in a child process: batch8_step_ratio, its 8-stream over its 1-stream
-decode step, and w8_peak_rss_mb),
-cache ("Prefix cache"), scheduler ("Scheduler"), ui ("desktop app"), kv_events ("KV events":
-the watcher's block events per second), serve ("OpenAI server": 8 streaming clients against
-`prefixlab serve` and llama-cpp-python's server; not in --quick), replay ("Trace replay": the
-shipped Mooncake trace, one configuration and a sweep across cores), cluster ("Clusters": that
-trace over 1-8 replicas x six routers in a pool and on a Dask LocalCluster, and a
-million-request synthetic trace's peak memory), blas: a diagnostic of
-decode and prefill with 1 OpenBLAS thread vs the default (no target; not in --quick), and
-llama_cpp: llama.cpp's prefill and decode on the same GGUF, when llama-cpp-python is
-installed (no target; not in --quick), and w8 ("Performance": whole `prefixlab run` processes
-of the W8 workload: the first token, then the wall time idle and with one and two busy
-processes; not in --quick), and soak ("Hardening": 1,000 distinct chats against `prefixlab
-serve` with its default settings: peak RSS against its stated KV budget, the last 100 requests'
-latency over the first 100's; --quick: 60 requests; only when --only names it).
---peer llama-cpp adds the peer section ("Performance"): llama-cpp-python on the same GGUF,
-prefill, decode, eight streams and the W8 workload, as ratios with the issue's targets
+Sections (--only), each figure filed under its feature in the table and the JSON:
+prefill, decode, batch, load (feature "engine"; "engine" = all four; batch also runs W8 in a
+child process: batch8_step_ratio, its 8-stream over its 1-stream decode step, and
+w8_peak_rss_mb, feature "W8 workload"),
+cache ("prefix cache"; it also times a 16,384-page snapshot, "snapshots"), scheduler
+("scheduler"), ui ("desktop app"), kv_events ("KV events": the watcher's block events per
+second), serve ("OpenAI server": 8 streaming clients against `prefixlab serve` and
+llama-cpp-python's server; not in --quick), replay ("trace replay": the shipped Mooncake
+trace, one configuration and a sweep across cores), cluster ("clusters": that trace over 1-8
+replicas x six routers in a pool and on a Dask LocalCluster, and a million-request synthetic
+trace's peak memory), blas: a diagnostic of decode and prefill with 1 OpenBLAS thread vs the
+default (no target; not in --quick), and llama_cpp ("llama.cpp"): llama.cpp's prefill and
+decode on the same GGUF, when llama-cpp-python is installed (no target; not in --quick), and
+w8 ("W8 workload": whole `prefixlab run` processes of the W8 workload: the first token, then
+the wall time idle and with one and two busy processes; not in --quick), and soak ("soak":
+1,000 distinct chats against `prefixlab serve` with its default settings: peak RSS against
+its stated KV budget, the last 100 requests' latency over the first 100's; --quick: 60
+requests; only when --only names it), and tiers ("disk tier"): the disk tier's load-back
+time per page beside the prefill time it spares.
+--peer llama-cpp adds the peer section ("llama.cpp peer"): llama-cpp-python on the same
+GGUF, prefill, decode, eight streams and the W8 workload, as ratios with their targets
 (its llama.cpp tok/s are the llama_cpp_* figures, which the llama_cpp section then reuses).
-tiers ("A cache that outlives the process"): the disk tier's load-back time per page beside
-the prefill time it spares; cache ("Prefix cache") also times a 16,384-page snapshot.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _model_facts(m) -> dict:
             "file_size": m.file_size, "matmul_bytes": m.weights.matmul_bytes(),
             "from_image": m.from_image, "config": dict(m.config.__dict__),
             "description": m.describe(), "quant_mix": m.quant_mix,
-            "layout": {"layout": m.weights.layout, **m.weights.layout_record}, "pages": m.weights.pages}
+            "layout": {"layout": m.backend.layout, **m.backend.layout_record}, "pages": m.backend.pages}
 
 
 def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTIONS, log=None) -> dict:
@@ -140,7 +141,7 @@ def run_bench(model_path: str | None = None, quick: bool = False, sections=SECTI
     sections = list(sections)
     path = dl.resolve_model(model_path)  # a file, or a built-in name such as gemma3-270m
     t_start = time.perf_counter()
-    result: dict = {"schema": 1, "quick": quick, "sections_run": sections, "machine": machine_info(),
+    result: dict = {"schema": 2, "quick": quick, "sections_run": sections, "machine": machine_info(),
                     "model": {"path": path}, "figures": {}, "details": {}, "errors": {}}
     tmp_cache = bench_engine.temp_cache_dir()
     image_ready = False
@@ -240,12 +241,12 @@ def _fmt(v) -> str:
 
 
 def format_table(result: dict) -> str:
-    """The figures as a readable table, grouped by issue, with target and pass/fail."""
-    rows = [("issue", "figure", "value", "unit", "target", "result")]
+    """The figures as a readable table, grouped by feature, with target and pass/fail."""
+    rows = [("feature", "figure", "value", "unit", "target", "result")]
     for name, f in result["figures"].items():
         target = f"{f['op']} {_fmt(f['target'])}" if f.get("target") is not None else ""
         verdict = {True: "pass", False: "MISS", None: ""}[f.get("pass")]
-        rows.append((f["issue"], name, _fmt(f["value"]), f["unit"], target, verdict))
+        rows.append((f["feature"], name, _fmt(f["value"]), f["unit"], target, verdict))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for i, r in enumerate(rows):
@@ -263,13 +264,13 @@ def format_table(result: dict) -> str:
     if result["model"].get("description"):
         head += f"\nmodel: {result['model'].get('name', '')}: {result['model']['description']}"
         lay = result["model"].get("layout") or {}
-        if lay.get("seconds"):  # engine/layout.py: which copy of the weights this machine reads
+        if lay.get("seconds"):  # engine/cpu/weight_layout.py: which copy of the weights this machine reads
             ms = "; ".join(f"{k} {v * 1e3:.1f} ms" for k, v in lay["seconds"].items())
             head += f"\nweights read as: {lay['layout']} ({lay.get('source')}: {ms})"
         elif lay:
             head += f"\nweights read as: {lay.get('layout')} ({lay.get('source') or 'not measured'})"
         huge = (result["model"].get("pages") or {}).get("huge")
-        if huge is not None:  # engine/weight_image.py settle_huge
+        if huge is not None:  # engine/cpu/weight_image.py settle_huge
             head += f"; {huge:.0%} in 2 MiB pages"
     tail = [f"targets: {t['passed']}/{t['checked']} met" + (f"; missed: {', '.join(t['missed'])}"
                                                             if t["missed"] else "")]
@@ -299,6 +300,8 @@ def write_json(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m app.bench`: the same command without the rest of the CLI."""
+    import engine
+    engine.tune_process()
     p = argparse.ArgumentParser(prog="prefixlab bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_args(p)

@@ -16,7 +16,7 @@ from engine.kv_pool import KVPool, Session
 
 from .common import figure
 
-ISSUE = "Prefix cache"
+FEATURE = "prefix cache"  # the table's and the JSON's "feature" of its figures
 PAGE_ROWS = 16
 CHAIN_PAGES = 32
 TINY = ModelConfig(n_layers=1, d_model=8, n_ff=8, n_heads=1, n_kv_heads=1, head_dim=8,
@@ -94,11 +94,12 @@ def cache_figures(quick: bool, n_pages: int = 10_000, seed: int = 0) -> tuple[di
     insert = _us_per_page(insert_ns, CHAIN_PAGES)
     evict_us = evict_ns / 1e3 / n_evict
     figures = {
-        "attach_us_per_page": figure(float(np.median(attach)), "us/page", ISSUE,
+        "attach_us_per_page": figure(float(np.median(attach)), "us/page", FEATURE,
                                      note=f"median of {reps} 32-page attaches, {cached_pages} pages cached"),
-        "insert_us_per_page": figure(float(np.median(insert)), "us/page", ISSUE,
+        "insert_us_per_page": figure(float(np.median(insert)), "us/page", FEATURE,
                                      note=f"median of {reps} new 32-page chains"),
-        "evict_us_per_page": figure(evict_us, "us/page", ISSUE, note=f"evict({n_evict}) from {before} pages"),
+        "evict_us_per_page": figure(evict_us, "us/page", FEATURE,
+                                    note=f"evict({n_evict}) from {before} pages"),
     }
     details = {"cached_pages": cached_pages, "chains": len(cache.chains), "page_rows": PAGE_ROWS,
                "chain_pages": CHAIN_PAGES, "fill_s": fill_s, "reps": reps,

@@ -25,7 +25,7 @@ from app.replay.trace import open_trace
 from .common import child_env, figure, peak_rss_mb, target
 from .replay import QUICK_REQUESTS, TRACE
 
-ISSUE = "Clusters"
+FEATURE = "clusters"  # the table's and the JSON's "feature" of its figures
 REPLICAS, BUDGET = (1, 2, 4, 8), 3_000
 # A GPU-class replica (the README's table): this trace's 41k prompt tokens/s need 4 or more.
 SERVICE = ServiceModel(prefill_rate=10_000.0, decode_rate=30.0, slots=16)
@@ -62,13 +62,13 @@ def cluster_figures(quick: bool) -> tuple[dict, dict]:
         big = _big_trace(tmp, QUICK_BIG_REQUESTS if quick else BIG_REQUESTS)
     n = len(configs)
     figures = {
-        "cluster_sweep_dask_s": figure(dask_s, "s", ISSUE, note=f"{n} configurations (replicas x routers, "
+        "cluster_sweep_dask_s": figure(dask_s, "s", FEATURE, note=f"{n} configurations (replicas x routers, "
                                        f"{BUDGET:,} blocks each) on a LocalCluster of {cores} processes"),
-        "cluster_sweep_pool_s": figure(pool_s, "s", ISSUE, note=f"the same in a pool of {cores} processes"),
-        "cluster_dask_matches_pool": figure(1.0 if same else 0.0, "bool", ISSUE,
+        "cluster_sweep_pool_s": figure(pool_s, "s", FEATURE, note=f"the same in a pool of {cores} processes"),
+        "cluster_dask_matches_pool": figure(1.0 if same else 0.0, "bool", FEATURE,
                                             **target("cluster_dask_matches_pool"),
                                             note="every hit ratio, imbalance and TTFT equal"),
-        "cluster_1m_peak_rss_gb": figure(big["peak_rss_mb"] / 1000, "GB", ISSUE,
+        "cluster_1m_peak_rss_gb": figure(big["peak_rss_mb"] / 1000, "GB", FEATURE,
                                          **target("cluster_1m_peak_rss_gb"),
                                          note=f"{big['requests']:,} synthetic requests, 4 replicas, "
                                               f"cache-aware, {BUDGET:,} blocks each, "

@@ -20,19 +20,19 @@ TARGETS: dict[str, tuple[float, str]] = {
     "prefill_flops_fraction": (0.55, ">="), "decode_bw_fraction": (0.8, ">="), "batch_speedup": (2.5, ">="),
     "warm_load_s": (1.5, "<="), "peak_rss_gb": (1.2, "<="), "sched_wall_ratio": (0.45, "<="),
     # ttft_hit_miss_ratio: one request alone on a cold cache vs another question alone on the cached
-    # system prompt, TTFT from arrival (issue 10). The hit prefills only the uncached tail (28 of
+    # system prompt, TTFT from arrival. The hit prefills only the uncached tail (28 of
     # 236 tokens, 12%) plus a fixed per-request cost; measured 0.17-0.18 (best/median of 5, SmolLM2,
     # 2 busy cores). 0.25 leaves room for load noise yet fails if the hit recomputes much of the prefix.
     "ttft_hit_miss_ratio": (0.25, "<="), "ui_max_gap_ms": (100.0, "<="),
-    "ui_app_headless_ratio": (1.1, "<="),  # issue 22 keeps the app within 1.1x (was 1.15)
+    "ui_app_headless_ratio": (1.1, "<="),  # the app within 1.1x its headless time (was 1.15)
     "ui_busy_max_gap_ms": (100.0, "<="),
     "watch_block_events_per_s": (50_000, ">="), "watch_ui_stall_ms": (100, "<="),
-    # --peer llama-cpp (issue "Performance"): PrefixLab / llama.cpp, same GGUF, same run
+    # --peer llama-cpp: PrefixLab / llama.cpp, same GGUF, same run
     "peer_prefill_ratio": (1.5, ">="), "peer_decode_ratio": (0.4, ">="), "peer_batch8_ratio": (1.6, ">="),
-    "peer_w8_wall_ratio": (0.7, "<="),  # issue 22: was 0.8 (issue "Performance")
-    # W8's own timeline (issue 22): a decode step of 8 streams over one stream's, and the run's peak RSS
+    "peer_w8_wall_ratio": (0.7, "<="),  # was 0.8
+    # W8's own timeline: a decode step of 8 streams over one stream's, and the run's peak RSS
     "batch8_step_ratio": (1.8, "<="), "w8_peak_rss_mb": (700.0, "<="),
-    # bench section "w8" (issue "Performance"): whole `prefixlab run` processes
+    # bench section "w8": whole `prefixlab run` processes
     "w8_first_token_s": (1.0, "<="), "w8_one_busy_ratio": (1.6, "<="), "w8_two_busy_ratio": (4.0, "<="),
     "replay_one_config_s": (5.0, "<="), "replay_10k_blocks_s": (5.0, "<="),
     "replay_sweep_core_share": (0.75, ">="),
@@ -50,13 +50,14 @@ def target(name: str) -> dict:
     return {"target": value, "op": op}
 
 
-def figure(value, unit: str, issue: str, target: float | None = None, op: str | None = None,
+def figure(value, unit: str, feature: str, target: float | None = None, op: str | None = None,
            note: str = "") -> dict:
-    """One reported number with its target (`op` is "<=" or ">="); pass is None without a target."""
+    """One reported number of a feature with its target (`op` is "<=" or ">="); pass is None
+    without a target."""
     ok = None
     if target is not None and value is not None:
         ok = bool(value <= target) if op == "<=" else bool(value >= target)
-    return {"value": None if value is None else float(value), "unit": unit, "issue": issue,
+    return {"value": None if value is None else float(value), "unit": unit, "feature": feature,
             "target": target, "op": op, "pass": ok, "note": note}
 
 

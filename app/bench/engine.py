@@ -21,12 +21,12 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import engine as dl
-from engine.threads import blas_threads as engine_blas_threads
+from engine.cpu.blas_threads import blas_threads as engine_blas_threads
 
 from ..scenario import sample_tokens
 from .common import child_env, figure, peak_rss_mb, ratio, target
 
-ISSUE = "Engine core"
+FEATURE = "engine"  # the table's and the JSON's "feature" of its figures
 BW_BYTES = 512 * 1024 ** 2  # the bandwidth probe reads a float32 array this large
 
 
@@ -83,7 +83,7 @@ class GemmReference:
 def bandwidth_probe():
     """A >= 512 MB float32 matrix and a GEMV over it: one full read of the matrix per call, on
     every core the engine may use (the machine's limit, whatever the last pass chose: a decode
-    pass over column blocks runs BLAS on one thread beside its helpers, engine/split.py)."""
+    pass over column blocks runs BLAS on one thread beside its helpers, engine/cpu/shared_matmul.py)."""
     cols = 8192
     rows = BW_BYTES // (4 * cols)
     a = np.full((rows, cols), 0.5, dtype=np.float32)  # [rows, cols]; values do not matter to a read
@@ -126,11 +126,11 @@ def prefill_figures(m, quick: bool) -> tuple[dict, dict]:
     model_flop_s = flops["total"] / min(t_model)
     ref_flop_s = ref.flops / min(t_ref)
     figures = {
-        "prefill_tok_s": figure(n / min(t_model), "tok/s", ISSUE, note=f"{n}-token prompt, best of {reps}"),
-        "prefill_gflop_s": figure(model_flop_s / 1e9, "GFLOP/s", ISSUE),
-        "matmul_ref_gflop_s": figure(ref_flop_s / 1e9, "GFLOP/s", ISSUE,
+        "prefill_tok_s": figure(n / min(t_model), "tok/s", FEATURE, note=f"{n}-token prompt, best of {reps}"),
+        "prefill_gflop_s": figure(model_flop_s / 1e9, "GFLOP/s", FEATURE),
+        "matmul_ref_gflop_s": figure(ref_flop_s / 1e9, "GFLOP/s", FEATURE,
                                      note="NumPy GEMMs at the model's shapes, same process"),
-        "prefill_flops_fraction": figure(ratio(model_flop_s, ref_flop_s), "ratio", ISSUE,
+        "prefill_flops_fraction": figure(ratio(model_flop_s, ref_flop_s), "ratio", FEATURE,
                                          **target("prefill_flops_fraction")),
     }
     details = {"prompt_tokens": n, "reps": reps, "model_flops": flops, "ref_flops": ref.flops,
@@ -190,13 +190,13 @@ def decode_figures(m, quick: bool, batch_streams: int = 8, run_batch: bool = Tru
     bw = nbytes / min(t_bw)
     weight_bw = weight_bytes * single_tps
     figures = {
-        "decode_tok_s": figure(single_tps, "tok/s", ISSUE,
+        "decode_tok_s": figure(single_tps, "tok/s", FEATURE,
                                note=f"context {ctx}, best of {rounds} runs of {chunk} tokens"),
-        "decode_weight_gb_s": figure(weight_bw / 1e9, "GB/s", ISSUE,
+        "decode_weight_gb_s": figure(weight_bw / 1e9, "GB/s", FEATURE,
                                      note="Weights.matmul_bytes() x decode tok/s"),
-        "mem_read_gb_s": figure(bw / 1e9, "GB/s", ISSUE,
+        "mem_read_gb_s": figure(bw / 1e9, "GB/s", FEATURE,
                                 note=f"best GEMV over a {nbytes >> 20} MiB float32 array"),
-        "decode_bw_fraction": figure(ratio(weight_bw, bw), "ratio", ISSUE, **target("decode_bw_fraction")),
+        "decode_bw_fraction": figure(ratio(weight_bw, bw), "ratio", FEATURE, **target("decode_bw_fraction")),
     }
     details = {"context": ctx, "weight_bytes_per_token": weight_bytes,
                "bandwidth_method": f"best of {len(t_bw)} GEMVs (a @ x, one full read each) over a float32 "
@@ -206,8 +206,10 @@ def decode_figures(m, quick: bool, batch_streams: int = 8, run_batch: bool = Tru
     if run_batch:
         batch_tps = batch_streams * b_chunk / min(t_b)
         figures["batch_decode_tok_s"] = figure(
-            batch_tps, "tok/s", ISSUE, note=f"{batch_streams} sessions in eval_batch, context ~{ctx}")
-        figures["batch_speedup"] = figure(ratio(batch_tps, single_tps), "x", ISSUE, **target("batch_speedup"),
+            batch_tps, "tok/s", FEATURE,
+            note=f"{batch_streams} sessions in eval_batch, context ~{ctx}")
+        figures["batch_speedup"] = figure(ratio(batch_tps, single_tps), "x", FEATURE,
+                                          **target("batch_speedup"),
                                           note="aggregate batch tok/s / single-stream tok/s")
         details.update({"batch_streams": batch_streams, "batch_chunk_s": t_b, "batch_chunk_steps": b_chunk})
         for s in sessions:
@@ -226,7 +228,7 @@ def blas_thread_figures(m, quick: bool) -> tuple[dict, dict]:
     """The prefill and decode sections again with ONE BLAS thread (then the engine chooses again).
 
     Not a target: it shows how much of a miss is BLAS threading. The engine itself picks the
-    free cores before each pass (engine.threads); this pins it to 1 for comparison.
+    free cores before each pass (engine.cpu.blas_threads); this pins it to 1 for comparison.
     """
     chooser = engine_blas_threads()
     default = chooser.max_threads
@@ -288,15 +290,15 @@ def load_figures(path: str, cache_dir: str, quick: bool) -> tuple[dict, dict]:
     warm = _run_child(path, cache_dir, quick)
     peak_gb = max(cold["rss_peak_mb"], warm["rss_peak_mb"]) / 1000
     figures = {
-        "cold_load_s": figure(cold["load_s"], "s", ISSUE,
+        "cold_load_s": figure(cold["load_s"], "s", FEATURE,
                               note="empty PREFIXLAB_CACHE_DIR: dequantize + write the weight image "
                                    "(GGUF in the OS page cache)"),
-        "warm_load_s": figure(warm["load_s"], "s", ISSUE, **target("warm_load_s"),
+        "warm_load_s": figure(warm["load_s"], "s", FEATURE, **target("warm_load_s"),
                               note="from the weight image"),
-        "peak_rss_gb": figure(peak_gb, "GB", ISSUE, **target("peak_rss_gb"),
+        "peak_rss_gb": figure(peak_gb, "GB", FEATURE, **target("peak_rss_gb"),
                               note="max peak RSS (VmHWM) of the cold and warm load+generate children"),
-        "peak_rss_warm_gb": figure(warm["rss_peak_mb"] / 1000, "GB", ISSUE),
-        "peak_rss_cold_gb": figure(cold["rss_peak_mb"] / 1000, "GB", ISSUE),
+        "peak_rss_warm_gb": figure(warm["rss_peak_mb"] / 1000, "GB", FEATURE),
+        "peak_rss_cold_gb": figure(cold["rss_peak_mb"] / 1000, "GB", FEATURE),
     }
     if cold["from_image"] or not warm["from_image"]:
         figures["warm_load_s"]["note"] += " (WARNING: cold/warm image use was not as expected)"
@@ -308,6 +310,7 @@ def temp_cache_dir() -> str:
 
 
 def _main() -> int:
+    dl.tune_process()  # NumPy is loaded: OpenBLAS has its timeout from the parent's environment
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--child", nargs=3, metavar=("MODEL", "PROMPT_TOKENS", "NEW_TOKENS"), required=True)
     a = p.parse_args()

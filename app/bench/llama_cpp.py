@@ -18,7 +18,7 @@ import time
 
 from .common import ChildKilled, blas_threads, figure, ratio, timed_child
 
-ISSUE = "Architectures"
+FEATURE = "llama.cpp"  # the table's and the JSON's "feature" of its figures
 SPEED = ("llama_cpp_prefill_tok_s", "llama_cpp_decode_tok_s")
 # llama-cpp-python's default build uses every instruction the CPU reports; on a Sapphire Rapids
 # KVM guest its AMX matmul killed the process (SIGSEGV) on the first prefill. This build does not.
@@ -62,10 +62,10 @@ def decode_seconds(llm, prompt: list[int], n: int) -> float:
     return time.perf_counter() - t0
 
 
-def speed_figures(prefill_tok_s: float, decode_tok_s: float, issue: str, note: str) -> dict:
+def speed_figures(prefill_tok_s: float, decode_tok_s: float, feature: str, note: str) -> dict:
     """llama.cpp's prefill and decode tok/s under their one name, whichever section measured them."""
-    return {SPEED[0]: figure(prefill_tok_s, "tok/s", issue, note=note),
-            SPEED[1]: figure(decode_tok_s, "tok/s", issue, note=note)}
+    return {SPEED[0]: figure(prefill_tok_s, "tok/s", feature, note=note),
+            SPEED[1]: figure(decode_tok_s, "tok/s", feature, note=note)}
 
 
 def _child(path: str, n_prompt: int, n_new: int, threads: int) -> dict:
@@ -109,13 +109,13 @@ def llama_cpp_figures(path: str, quick: bool, figures_so_far: dict) -> tuple[dic
         prefill = d["prompt_tokens"] / min(d["prefill_s"])
         decode = d["new_tokens"] / d["decode_s"]
         note = f"llama-cpp-python {d['version']}, {threads} threads, same GGUF"
-        figures = speed_figures(prefill, decode, ISSUE, note=f"{d['prompt_tokens']}-token prompt; {note}")
+        figures = speed_figures(prefill, decode, FEATURE, note=f"{d['prompt_tokens']}-token prompt; {note}")
     ours = {k: figures_so_far.get(k, {}).get("value") for k in ("prefill_tok_s", "decode_tok_s")}
     if ours["prefill_tok_s"] is not None:
-        figures["prefill_vs_llama_cpp"] = figure(ratio(ours["prefill_tok_s"], prefill), "x", ISSUE,
+        figures["prefill_vs_llama_cpp"] = figure(ratio(ours["prefill_tok_s"], prefill), "x", FEATURE,
                                                  note="engine prefill tok/s / llama.cpp's")
     if ours["decode_tok_s"] is not None:
-        figures["decode_vs_llama_cpp"] = figure(ratio(ours["decode_tok_s"], decode), "x", ISSUE,
+        figures["decode_vs_llama_cpp"] = figure(ratio(ours["decode_tok_s"], decode), "x", FEATURE,
                                                 note="engine decode tok/s / llama.cpp's")
     return figures, d
 

@@ -1,6 +1,6 @@
 """Bench section "peer": PrefixLab against llama.cpp (llama-cpp-python) on the same GGUF, same run.
 
-Figures (issue "Performance"): prefill of 256 tokens, decode of one stream, eight
+Figures (feature "llama.cpp peer"): prefill of 256 tokens, decode of one stream, eight
 streams batched (aggregate) against llama.cpp's one stream, and the W8 workload (a
 shared system prompt, eight questions, up to 32 greedy tokens each) as whole processes:
 `prefixlab run` with default settings against a llama.cpp process answering the questions
@@ -24,7 +24,7 @@ from . import llama_cpp
 from .common import child_env, figure, ratio, target, timed_child
 from .w8 import W8_FILE, load_w8, ours_cmd
 
-ISSUE = "Performance"
+FEATURE = "llama.cpp peer"  # the table's and the JSON's "feature" of its figures
 PEER_THREADS = 2
 # W8 pairs (llama.cpp's process, then ours): the best of each side estimates its time on a
 # quiet machine. This host's speed swings by a quarter between runs a minute apart (the same
@@ -135,24 +135,24 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
             walls["ours"].append(timed_child(ours_w8, env)[0])
     figures = {
         "peer_prefill_ratio": figure(
-            ratio(our_pf, peer_pf), "x", ISSUE, **target("peer_prefill_ratio"),
+            ratio(our_pf, peer_pf), "x", FEATURE, **target("peer_prefill_ratio"),
             note=f"{n_prefill}-token prefill: {our_pf:.0f} vs llama.cpp {peer_pf:.0f} tok/s"),
         "peer_decode_ratio": figure(
-            ratio(our_dec, peer_dec), "x", ISSUE, **target("peer_decode_ratio"),
+            ratio(our_dec, peer_dec), "x", FEATURE, **target("peer_decode_ratio"),
             note=f"one stream, context {ctx}: {our_dec:.1f} vs llama.cpp {peer_dec:.1f} tok/s"),
         "peer_batch8_ratio": figure(
-            ratio(our_b, peer_dec), "x", ISSUE, **target("peer_batch8_ratio"),
+            ratio(our_b, peer_dec), "x", FEATURE, **target("peer_batch8_ratio"),
             note=f"{streams} streams aggregate {our_b:.1f} tok/s vs llama.cpp's one stream"),
         # llama.cpp's own speed, named by its owner (the llama_cpp section then reuses it)
-        **llama_cpp.speed_figures(peer_pf, peer_dec, ISSUE, note=(
+        **llama_cpp.speed_figures(peer_pf, peer_dec, FEATURE, note=(
             f"{n_prefill}-token prefill, decode at context {ctx}; llama-cpp-python {version}, "
             f"{PEER_THREADS} threads, same GGUF")),
     }
     if walls["ours"]:
         ours_w, peer_w = min(walls["ours"]), min(walls["peer"])
-        figures["peer_llama_cpp_w8_wall_s"] = figure(peer_w, "s", ISSUE,
+        figures["peer_llama_cpp_w8_wall_s"] = figure(peer_w, "s", FEATURE,
                                                 note="llama.cpp process, questions in turn")
-        figures["peer_w8_wall_ratio"] = figure(ratio(ours_w, peer_w), "x", ISSUE,
+        figures["peer_w8_wall_ratio"] = figure(ratio(ours_w, peer_w), "x", FEATURE,
                                                **target("peer_w8_wall_ratio"),
                                                note=f"PrefixLab W8 {ours_w:.2f} s (interleaved with "
                                                     "llama.cpp's) / llama.cpp's")
@@ -164,6 +164,7 @@ def peer_figures(m, quick: bool) -> tuple[dict, dict]:
 
 
 def _main() -> int:
+    dl.tune_process()  # NumPy is loaded: OpenBLAS has its timeout from the parent's environment
     if len(sys.argv) == 3 and sys.argv[1] == "--w8-child":
         print(json.dumps(peer_w8_child(sys.argv[2])))
         return 0

@@ -20,7 +20,7 @@ from app.replay.whatif import COMPARED_POLICIES
 
 from .common import REPO_ROOT, figure, target
 
-ISSUE = "Trace replay"
+FEATURE = "trace replay"  # the table's and the JSON's "feature" of its figures
 TRACE = os.path.join(REPO_ROOT, "resources", "traces", "mooncake", "conversation_trace.jsonl")
 SWEEP_BUDGETS = (None, 100_000, 30_000, 10_000, 3_000, 1_000)
 SWEEP_POLICIES = COMPARED_POLICIES
@@ -58,16 +58,16 @@ def replay_figures(quick: bool) -> tuple[dict, dict]:
     serial = sum(r.seconds for r in results)
     busy = min(cores, len(configs))  # processes the pool ran
     figures = {
-        "replay_one_config_s": figure(inf_s, "s", ISSUE, **target("replay_one_config_s"),
+        "replay_one_config_s": figure(inf_s, "s", FEATURE, **target("replay_one_config_s"),
                                       note=f"leaf-LRU, infinite capacity, {inf_r.requests:,} requests; "
                                            f"token hit ratio {inf_r.token_hit_ratio:.4f}"),
-        "replay_10k_blocks_s": figure(bounded_s, "s", ISSUE, **target("replay_10k_blocks_s"),
+        "replay_10k_blocks_s": figure(bounded_s, "s", FEATURE, **target("replay_10k_blocks_s"),
                                       note=f"leaf-LRU at 10,000 blocks; token hit ratio "
                                            f"{bounded_r.token_hit_ratio:.4f}, {bounded_r.evicted:,} evicted"),
-        "replay_sweep_wall_s": figure(wall, "s", ISSUE,
+        "replay_sweep_wall_s": figure(wall, "s", FEATURE,
                                       note=f"{len(configs)} configurations (capacities x policies) "
                                            f"in {busy} processes"),
-        "replay_sweep_core_share": figure(cpu / (wall * busy) if wall else None, "of cores", ISSUE,
+        "replay_sweep_core_share": figure(cpu / (wall * busy) if wall else None, "of cores", FEATURE,
                                           **target("replay_sweep_core_share"),
                                           note=f"worker CPU {cpu:.1f} s / (wall {wall:.1f} s x {busy} "
                                                f"processes); {cores} usable cores"),

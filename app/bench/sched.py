@@ -19,7 +19,7 @@ from engine.scheduler import Scheduler, SchedulerSettings
 from ..scenario import SCENARIO_DIR, load_scenario
 from .common import figure, ratio, target
 
-ISSUE = "Scheduler"
+FEATURE = "scheduler"  # the table's and the JSON's "feature" of its figures
 SCENARIO = os.path.join(SCENARIO_DIR, "eight_questions.json")
 
 
@@ -127,35 +127,35 @@ def scheduler_figures(m, quick: bool) -> tuple[dict, dict]:
     drafted = sum(r["spec_drafted"] for r in one_spec["records"])
     accepted = sum(r["spec_accepted"] for r in one_spec["records"])
     figures = {
-        "sched_wall_cached_s": figure(cached["wall_s"], "s", ISSUE,
+        "sched_wall_cached_s": figure(cached["wall_s"], "s", FEATURE,
                                       note=f"{len(prompts)} requests x {new_tokens} tokens, "
                                            f"max_streams {cached['settings']['max_streams']}, cache on"),
-        "sched_wall_plain_s": figure(plain["wall_s"], "s", ISSUE, note="max_streams 1, cache off"),
-        "sched_wall_ratio": figure(ratio(cached["wall_s"], plain["wall_s"]), "ratio", ISSUE,
+        "sched_wall_plain_s": figure(plain["wall_s"], "s", FEATURE, note="max_streams 1, cache off"),
+        "sched_wall_ratio": figure(ratio(cached["wall_s"], plain["wall_s"]), "ratio", FEATURE,
                                    **target("sched_wall_ratio"), note="cached+batched wall / plain wall"),
         # what a user feels from the cache: the same system prompt, each request arriving alone
-        "ttft_alone_miss_s": figure(solo["miss_best_s"], "s", ISSUE,
+        "ttft_alone_miss_s": figure(solo["miss_best_s"], "s", FEATURE,
                                     note=f"alone, cold cache, {solo['prompt_tokens'][0]} tokens; "
                                          f"best of {len(solo['miss_s'])}, TTFT from arrival"),
-        "ttft_alone_hit_s": figure(solo["hit_best_s"], "s", ISSUE,
+        "ttft_alone_hit_s": figure(solo["hit_best_s"], "s", FEATURE,
                                    note=f"alone, {solo['hit_cached_tokens']} of {solo['prompt_tokens'][1]} "
                                         f"tokens cached; best of {len(solo['hit_s'])}"),
-        "ttft_hit_miss_ratio": figure(ratio(solo["hit_best_s"], solo["miss_best_s"]), "ratio", ISSUE,
+        "ttft_hit_miss_ratio": figure(ratio(solo["hit_best_s"], solo["miss_best_s"]), "ratio", FEATURE,
                                       **target("ttft_hit_miss_ratio"), note="alone: hit TTFT / miss TTFT"),
         # diagnostic: in the eight-at-once run the hits also wait for the miss's prefill
-        "burst_ttft_hit_mean_s": figure(cached["ttft_hit_mean_s"], "s", ISSUE,
+        "burst_ttft_hit_mean_s": figure(cached["ttft_hit_mean_s"], "s", FEATURE,
                                         note=f"{cached['n_hits']} hits, all submitted at once, from arrival"),
-        "burst_ttft_miss_mean_s": figure(cached["ttft_miss_mean_s"], "s", ISSUE,
+        "burst_ttft_miss_mean_s": figure(cached["ttft_miss_mean_s"], "s", FEATURE,
                                          note=f"{cached['n_misses']} misses, all submitted at once"),
-        "queue_wait_mean_s": figure(cached["queue_wait_mean_s"], "s", ISSUE, note="cached run"),
-        "queue_wait_max_s": figure(cached["queue_wait_max_s"], "s", ISSUE, note="cached run"),
-        "plain_queue_wait_mean_s": figure(plain["queue_wait_mean_s"], "s", ISSUE, note="plain run"),
-        "sched_wall_spec_s": figure(spec["wall_s"], "s", ISSUE,
+        "queue_wait_mean_s": figure(cached["queue_wait_mean_s"], "s", FEATURE, note="cached run"),
+        "queue_wait_max_s": figure(cached["queue_wait_max_s"], "s", FEATURE, note="cached run"),
+        "plain_queue_wait_mean_s": figure(plain["queue_wait_mean_s"], "s", FEATURE, note="plain run"),
+        "sched_wall_spec_s": figure(spec["wall_s"], "s", FEATURE,
                                     note="defaults with speculative decoding on"),
         "spec_speedup_one_stream": figure(
-            ratio(one["wall_s"], one_spec["wall_s"]), "x", ISSUE,
+            ratio(one["wall_s"], one_spec["wall_s"]), "x", FEATURE,
             note=f"one request, {new_tokens} tokens: wall without / with speculative decoding"),
-        "spec_acceptance": figure(ratio(accepted, drafted), "ratio", ISSUE,
+        "spec_acceptance": figure(ratio(accepted, drafted), "ratio", FEATURE,
                                   note=f"one request: {accepted} of {drafted} drafted tokens accepted"),
     }
     details = {"scenario": SCENARIO, "new_tokens": new_tokens, "prompt_tokens": [len(p) for p in prompts],

@@ -18,7 +18,7 @@ from ..serve import loadtest
 from .common import child_env, figure, ratio
 from .w8 import load_w8
 
-ISSUE = "OpenAI server"
+FEATURE = "OpenAI server"  # the table's and the JSON's "feature" of its figures
 TARGET_VS_LLAMA_CPP = 0.8
 
 
@@ -53,10 +53,11 @@ def serve_figures(model_path: str, quick: bool, eos_ids: tuple[int, ...]) -> tup
                     f"http://127.0.0.1:{port}/v1", sc.system, prompts, max_new, {"ignore_eos": True},
                     "/health", env)
     figures = {
-        "serve_w8_wall_s": figure(ours["wall_s"], "s", ISSUE,
+        "serve_w8_wall_s": figure(ours["wall_s"], "s", FEATURE,
                                   note=f"{len(prompts)} streaming clients x {max_new} tokens, first request "
                                        "to last token, prefixlab serve"),
-        "serve_w8_hit_rate": figure(ours["hit_rate"], "ratio", ISSUE, note="cached / prompt tokens (usage)"),
+        "serve_w8_hit_rate": figure(ours["hit_rate"], "ratio", FEATURE,
+                                    note="cached / prompt tokens (usage)"),
     }
     details = {"scenario": sc.path, "clients": len(prompts), "max_new": max_new, "threads": threads,
                "prefixlab": ours}
@@ -78,9 +79,9 @@ def serve_figures(model_path: str, quick: bool, eos_ids: tuple[int, ...]) -> tup
         details["llama_cpp"] = {"available": False, "reason": why}
         return figures, details
     details["llama_cpp"] = theirs
-    figures["serve_w8_wall_llama_cpp_s"] = figure(theirs["wall_s"], "s", ISSUE,
+    figures["serve_w8_wall_llama_cpp_s"] = figure(theirs["wall_s"], "s", FEATURE,
                                                   note="the same clients against python -m llama_cpp.server")
-    figures["serve_w8_wall_ratio"] = figure(ratio(ours["wall_s"], theirs["wall_s"]), "ratio", ISSUE,
+    figures["serve_w8_wall_ratio"] = figure(ratio(ours["wall_s"], theirs["wall_s"]), "ratio", FEATURE,
                                             TARGET_VS_LLAMA_CPP, "<=",
                                             note="prefixlab serve wall / llama-cpp-python server wall")
     return figures, details

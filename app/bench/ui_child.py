@@ -161,6 +161,8 @@ def child(model_path: str, quick: bool, rounds: int, busy: bool) -> dict:
 
 
 def main() -> int:
+    import engine
+    engine.tune_process()  # NumPy is loaded: OpenBLAS has its timeout from the parent's environment
     if len(sys.argv) != 5:
         print("usage: python -m app.bench.ui_child MODEL QUICK(0/1) ROUNDS BUSY(0/1)", file=sys.stderr)
         return 2

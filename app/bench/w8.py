@@ -1,7 +1,8 @@
 """Bench section "w8": the W8 workload as a user runs it, whole `prefixlab run` processes.
 
-W8 (resources/scenarios/w8.json, the one copy of the issue's workload): a 129-token shared
-system prompt, eight questions, up to 32 greedy tokens each, default settings. Figures (issue "Performance"):
+W8 (resources/scenarios/w8.json, the one copy of the workload): a 129-token shared
+system prompt, eight questions, up to 32 greedy tokens each, default settings. Figures
+(feature "W8 workload"):
 - the first token: `prefixlab run` of W8's first question with --max-new 1, process start
   to exit (so an upper bound on the first token's time), on a warm weight image;
 - W8's wall time on the idle machine, then with one and with two busy-loop processes
@@ -21,7 +22,7 @@ import time
 from ..scenario import SCENARIO_DIR, Scenario, load_scenario
 from .common import figure, ratio, target, timed_child
 
-ISSUE = "Performance"
+FEATURE = "W8 workload"  # the table's and the JSON's "feature" of its figures
 W8_FILE = os.path.join(SCENARIO_DIR, "w8.json")
 BUSY_LOOP = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
 
@@ -72,15 +73,15 @@ def w8_figures(path: str, quick: bool) -> tuple[dict, dict]:
             walls[f"busy{n}"] = [timed_child(full)[0] for _ in range(max(1, reps - 1))]
     idle = min(walls["idle"])
     figures = {
-        "w8_first_token_s": figure(min(walls["first_token"]), "s", ISSUE, **target("w8_first_token_s"),
+        "w8_first_token_s": figure(min(walls["first_token"]), "s", FEATURE, **target("w8_first_token_s"),
                                    note="`prefixlab run` of one W8 question, --max-new 1: process "
                                         "start to exit, warm weight image"),
-        "w8_wall_s": figure(idle, "s", ISSUE, note="`prefixlab run` W8, default settings, whole "
+        "w8_wall_s": figure(idle, "s", FEATURE, note="`prefixlab run` W8, default settings, whole "
                                                    f"process, idle machine, best of {reps}"),
-        "w8_one_busy_ratio": figure(ratio(min(walls["busy1"]), idle), "x", ISSUE,
+        "w8_one_busy_ratio": figure(ratio(min(walls["busy1"]), idle), "x", FEATURE,
                                     **target("w8_one_busy_ratio"),
                                     note=f"W8 with one busy-loop process: {min(walls['busy1']):.2f} s"),
-        "w8_two_busy_ratio": figure(ratio(min(walls["busy2"]), idle), "x", ISSUE,
+        "w8_two_busy_ratio": figure(ratio(min(walls["busy2"]), idle), "x", FEATURE,
                                     **target("w8_two_busy_ratio"),
                                     note=f"W8 with two busy-loop processes: {min(walls['busy2']):.2f} s "
                                          "(a fair share of 2 cores among 3 is 3x)"),

@@ -9,14 +9,14 @@ free core, since they run 1.3-1.6x faster on two (measured by the bench's "deskt
 section: the eight-question scenario in the window 1.17-1.2x its headless time with one
 thread on every pass, against 1.17x for headless itself pinned to one thread).
 Over column blocks a decode pass runs BLAS on one thread anyway and shares its blocks with a
-helper process on the other core, in the window too (engine/split.py): the window ran the
+helper process on the other core, in the window too (engine/cpu/shared_matmul.py): the window ran the
 scenario in 3.15-3.31 s with it against 3.45 s before it, though headless gained more, as the
 UI thread now competes with the helper for that core.
 """
 
 from __future__ import annotations
 
-from engine.threads import blas_threads, usable_cores
+from engine.cpu.blas_threads import blas_threads, usable_cores
 
 UI_RESERVED_CORES = 1
 

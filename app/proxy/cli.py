@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 from urllib.parse import urlparse
 
 from ..stop_signals import StopOnSignals
+from .limits import DEFAULT_RECORD_MAX_BYTES, Limits
+
+LIMIT_HELP = {
+    "connect_timeout": "seconds to open a connection to the upstream (default %(default)s)",
+    "read_timeout": "seconds the upstream may send nothing, before or within an answer (default %(default)s)",
+    "total_timeout": "seconds one request may take, a stream included (default %(default)s)",
+    "max_connections": "connections to the upstream, all requests together (default %(default)s)",
+    "max_body_bytes": "largest request body; a larger one gets 413 (default %(default)s, 64 MiB)",
+    "max_answer_bytes": "largest answer held whole (streams pass as they come); a larger one gets 502 "
+                        "(default %(default)s, 64 MiB)",
+    "max_decoded_bytes": "most of an answer decoded to read its usage; past it the answer passes "
+                         "unread (default %(default)s, 16 MiB)",
+    "max_line_bytes": "longest event-stream line read for usage; a longer one passes unread "
+                      "(default %(default)s, 1 MiB)",
+}
 
 
 def add_parser(sub) -> None:
@@ -17,7 +33,16 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8001, help="TCP port (default 8001; 0: any free port)")
     p.add_argument("--record", metavar="TRACE.jsonl",
                    help="append one line per request here (for `prefixlab advise`); API keys are "
-                        "never written")
+                        "never written, the file is private (0600)")
+    p.add_argument("--record-max-bytes", type=int, default=DEFAULT_RECORD_MAX_BYTES, metavar="N",
+                   help="past this size the recording moves to TRACE.jsonl.1 and starts afresh "
+                        "(default %(default)s, 256 MiB)")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header names NAME (repeat; '*': any). Default: "
+                        "this machine's names and the --host address (keeps DNS rebinding out)")
+    for f in fields(Limits):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, metavar="N",
+                       help=LIMIT_HELP[f.name])
     p.set_defaults(func=run)
 
 
@@ -32,15 +57,17 @@ def check_upstream(url: str) -> str:
 class Proxy:
     """The proxy as an object: its app on an HTTP thread (tests and the desktop app start it)."""
 
-    def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 8001, record: str | None = None):
+    def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 8001, record: str | None = None,
+                 limits: Limits | None = None, record_max_bytes: int = DEFAULT_RECORD_MAX_BYTES,
+                 allowed_hosts: list[str] | None = None):
         from ..serve.runner import HttpThread
         from .record import Recorder
         from .server import create_proxy_app
         self.upstream = check_upstream(upstream)
-        self.recorder = Recorder(record)
+        self.recorder = Recorder(record, record_max_bytes)
+        app = create_proxy_app(self.upstream, self.recorder, limits, host, allowed_hosts)
         # no Server or Date header of our own: the upstream's pass through as they are
-        self.http = HttpThread(create_proxy_app(self.upstream, self.recorder), host, port,
-                               server_header=False, date_header=False)
+        self.http = HttpThread(app, host, port, server_header=False, date_header=False)
 
     @property
     def url(self) -> str:
@@ -59,7 +86,9 @@ def run(args) -> int:
     """Proxy until Ctrl-C or SIGTERM; a bad option or a port in use exits with a message."""
     from ..serve.runner import ServeError
     try:
-        proxy = Proxy(args.upstream, args.host, args.port, args.record).start()
+        limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+        proxy = Proxy(args.upstream, args.host, args.port, args.record, limits, args.record_max_bytes,
+                      args.allowed_hosts).start()
     except (ValueError, ServeError) as e:
         raise SystemExit(f"prefixlab proxy: {e}") from None
     where = f"; recording to {args.record}" if args.record else ""

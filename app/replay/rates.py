@@ -21,7 +21,7 @@ PREFILL_TOKENS, DECODE_STEPS = 256, 4
 
 
 def _store() -> str:
-    from engine.weight_image import cache_root
+    from engine.cpu.weight_image import cache_root
     return os.path.join(os.path.dirname(cache_root()), "engine-rates.json")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import split
+from . import shared_matmul
 
 # Passes of these many rows gain nothing from a second BLAS thread here: a decode step of 2-63
 # rows is bound by reading the weights (8 rows: 24 ms with one thread, 25 with two), while one
@@ -64,9 +64,10 @@ def _load_average() -> float:
 
 
 def _own_seconds() -> float:
-    """CPU seconds of this process and its split helpers (engine/split.py), which are its own work."""
+    """CPU seconds of this process and its helper processes (engine/cpu/shared_matmul.py),
+    which are its own work."""
     t = os.times()
-    return t.user + t.system + sum(map(_cpu_seconds, split.helper_pids()))
+    return t.user + t.system + sum(map(_cpu_seconds, shared_matmul.helper_pids()))
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -137,14 +138,14 @@ class BlasThreads:
         """Set the BLAS thread count for the next forward pass of `rows` rows (only when it
         changes) and the workers that share its column blocks (`blocks`: the model reads that
         layout). A decode pass over blocks runs BLAS on one thread and shares its blocks with
-        spinning helper processes (engine/split.py) on the other free cores, where BLAS's own
+        spinning helper processes (engine/cpu/shared_matmul.py) on the other free cores, where BLAS's own
         threads would only fight them for those cores."""
-        parts = self.choose(rows, capped=False) if blocks and split.can_share(rows) else 1
+        parts = self.choose(rows, capped=False) if blocks and shared_matmul.can_share(rows) else 1
         n = 1 if parts > 1 else self.choose(rows)
         if n != self._current:
             self._limit(n)
             self._current = n
-        split.set_parts(parts)
+        shared_matmul.set_parts(parts)
         return n
 
     def _limit(self, n: int) -> None:

@@ -7,12 +7,12 @@ half a layer's matrix: waking it cost 40-80 us there (the VM's guest halts an id
 once), about what it saved. So the helper is a process, started once, that spins on shared
 memory as BLAS's own threads do, for SPIN_S after its last job, then sleeps on an eventfd.
 Not a pipe: its "sync" wake-up put the helper on the waking caller's busy core, and every
-share of the next ~30 ms was taken back (docs/design.md §7).
+share of the next ~30 ms was taken back (docs/perf-notes.md).
 It maps the weight image's file itself (`share_file`), so a job is a few integers and the
 input rows, and it writes its blocks into shared memory: each block is computed exactly as
 it would be alone, so the answer is the same bit for bit. Passes of more than SHARE_ROWS
 rows (prefill) keep BLAS's own threads; the pass's thread count sets `parts`
-(engine/threads.py), so a busy machine shares nothing. A helper more than the caller's own
+(engine/cpu/blas_threads.py), so a busy machine shares nothing. A helper more than the caller's own
 share's time late (asleep, or its core taken by a UI thread) has its share taken back: the
 caller computes it into its own result and never reads the helper's late copy (job fields
 are written under a sequence lock). Each job names the pass's next matmul too: once a helper's
@@ -23,7 +23,7 @@ finished reading before the next job came. Once a pass has run, this thread also
 next matmul's job while the helpers end this one (a Site learns which follows it), so they
 take it up as soon as its input is in. A helper that dies or fails makes the caller compute
 its share and stop sharing. Only on x86-64 Linux (x86's ordered stores: a job's
-fields land before its sequence number; memfd_create). The helper's side is engine/helper.py.
+fields land before its sequence number; memfd_create). The helper's side is engine/cpu/helper_process.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import weakref
 
 import numpy as np
 
-from .helper import (
+from .helper_process import (
     AHEAD_READ,
     CHUNK_ROWS,
     CTL_BYTES,
@@ -113,7 +113,7 @@ class Site:
     that live as long as the weights), where each lies in a shared file, found once, and its
     shares and read-ahead for each count of rows and helpers, worked out once: a step's own
     Python runs between weight reads that empty this core's caches, and the helpers wait on it
-    (docs/design.md §7)."""
+    (docs/perf-notes.md). Which matmul follows is learned (`follow`) or given (`then`)."""
 
     __slots__ = ("blocks", "transposed", "then", "K", "nb", "job", "then_job", "rows", "key", "then_key",
                  "plans", "aheads", "next")
@@ -131,6 +131,13 @@ class Site:
         self.aheads: dict[tuple, tuple] = {}  # (rows, helpers, blocks to read) -> `plan`
         self.next: Site | None = None         # the Site that followed it in the last pass
 
+    def follow(self, site: Site) -> None:
+        """`site` runs after this one in a pass (learned from the last pass): the helpers read
+        ahead into its blocks."""
+        self.then, self.then_job = site.blocks, site.job
+        self.then_key = (site.blocks.shape, self.transposed)
+        self.aheads.clear()  # planned for the blocks that followed before
+
 
 def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False,
            then: np.ndarray | None = None) -> np.ndarray:
@@ -140,7 +147,7 @@ def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False,
 
 
 def matmul_site(x: np.ndarray, site: Site) -> np.ndarray:
-    """`matmul` of a prepared Site (a pass's matmuls repeat: engine/loader.py keeps their Sites)."""
+    """`matmul` of a prepared Site (a pass's matmuls repeat: engine/cpu/backend.py keeps their Sites)."""
     rows = len(x)
     if site.transposed and rows > SHARE_ROWS:  # prefill: side by side, transposed blocks are W^T [nb*64, K],
         return x @ site.blocks.reshape(-1, site.K).T  # so one GEMM (1.2x column blocks' speed here)
@@ -353,7 +360,7 @@ def shutdown() -> None:
 
 
 def helper_pids() -> list[int]:
-    """The helpers' process ids (engine/threads.py counts their CPU time as this process's own)."""
+    """The helpers' process ids (engine/cpu/blas_threads.py counts their CPU time as this process's own)."""
     return [h.proc.pid for h in _pool.helpers] if _pool is not None else []
 
 

@@ -1,4 +1,4 @@
-"""A decode helper process (engine/split.py runs them): the control block both sides map, the
+"""A decode helper process (engine/cpu/shared_matmul.py runs them): the control block both sides map, the
 arithmetic both sides run, the caller's handle on a helper (start, post, go, collect) and the
 loop a helper runs, so both ends of a slot's protocol are in one file. Run as a script, this
 file is a helper; it imports only NumPy (its folder is not on sys.path: the engine's modules
@@ -216,7 +216,7 @@ def _map(path: str, dev: int, ino: int) -> mmap.mmap:
         raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
-            raw.madvise(mmap.MADV_HUGEPAGE)   # as the engine maps it (engine/weight_image.py)
+            raw.madvise(mmap.MADV_HUGEPAGE)   # as the engine maps it (engine/cpu/weight_image.py)
         except OSError:
             pass
     return raw

@@ -21,8 +21,8 @@ import zlib
 
 import numpy as np
 
-from . import split
-from .atomic import atomic_dir, atomic_write
+from ..atomic import atomic_dir, atomic_write
+from . import shared_matmul
 
 IMAGE_VERSION = 8  # 2: index checksum; 3: head [d, vocab]; 5: architectures, one head copy; 6: blocks;
 #                   7: matrices on huge-page boundaries; 8: transposed blocks too
@@ -177,7 +177,7 @@ def read_image(gguf_path: str) -> tuple[dict[str, np.ndarray], dict] | None:
             _write_stamp(folder, meta["data_crc"])
         # A plain read-only ndarray over the map (np.memmap's Python-level hooks cost ~0.6 ms a token)
         blob = np.frombuffer(_map_huge(data_path), dtype=np.uint8)
-        split.share_file(data_path, blob)  # a helper process reads its share of a decode's blocks here
+        shared_matmul.share_file(data_path, blob)  # helper processes read their share of decode's blocks here
         arrays = {}
         for name, spec in meta["arrays"].items():
             shape = tuple(int(x) for x in spec["shape"])

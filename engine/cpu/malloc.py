@@ -12,7 +12,7 @@ Two defaults made a burst's prefill fault its big temporaries in again and again
   after every burst (23,000 faults each, on every thread). The thresholds are therefore set
   where glibc's own raising ends: blocks under 32 MB come from the arena, and its top is
   trimmed above 64 MB.
-The options bind threads that have not allocated yet, so `import engine` sets them, before
+The options bind threads that have not allocated yet, so `engine.tune_process()` sets them before
 any engine thread starts. A user's own MALLOC_* settings win; other C libraries are left alone.
 """
 

@@ -2,7 +2,7 @@
 
 Three layouts, and only one is ever read (docs/design.md §11): "plain" ([K, N] for `x @ W`),
 "blocks" ([N/64, K, 64] column blocks) and "blocks_t" (the same blocks transposed, [N/64, 64, K]);
-a decode pass shares either kind of blocks with a helper process (engine/split.py). Which wins
+a decode pass shares either kind of blocks with a helper process (engine/cpu/shared_matmul.py). Which wins
 depends on the CPU's BLAS kernels. On a 2-core EPYC with
 OpenBLAS's SkylakeX kernels the blocks won both ways: a decode step of 8 rows took 28 ms
 against 60 as plain GEMMs, and one row 18.6 ms against the plain GEMV's 20.1. On a 2-core
@@ -33,11 +33,11 @@ import time
 
 import numpy as np
 
-from . import split
-from .atomic import atomic_write
-from .errors import ModelLoadError
-from .machine import blas_runtime, cpu_model
-from .threads import blas_threads, load_sample, others_cores
+from ..atomic import atomic_write
+from ..errors import ModelLoadError
+from ..machine import blas_runtime, cpu_model
+from . import shared_matmul
+from .blas_threads import blas_threads, load_sample, others_cores
 
 LAYOUTS = ("plain", "blocks", "blocks_t")
 BLOCKS = ("blocks", "blocks_t")  # the layouts a decode pass shares with its helpers
@@ -72,20 +72,20 @@ def to_blocks(w: np.ndarray, layout: str = "blocks") -> np.ndarray | None:
 def blocks_matmul(x: np.ndarray, blocks: np.ndarray, one_row: str = "pair",
                   transposed: bool = False, then: np.ndarray | None = None) -> np.ndarray:
     """x [N, K] @ W given as blocks (to_blocks; `transposed` for "blocks_t"): [N, out]. A decode
-    pass's blocks are shared with a helper process (engine/split.py), which starts reading
+    pass's blocks are shared with a helper process (engine/cpu/shared_matmul.py), which starts reading
     `then` (the pass's next matmul's blocks) once its share is done."""
-    return site_matmul(x, split.Site(blocks, transposed, then), one_row)
+    return site_matmul(x, shared_matmul.Site(blocks, transposed, then), one_row)
 
 
-def site_matmul(x: np.ndarray, site: split.Site, one_row: str = "pair") -> np.ndarray:
-    """`blocks_matmul` of a prepared split.Site. One row goes as `one_row` says, whichever the
+def site_matmul(x: np.ndarray, site: shared_matmul.Site, one_row: str = "pair") -> np.ndarray:
+    """`blocks_matmul` of a prepared shared_matmul.Site. One row goes as `one_row` says, whichever the
     probe found faster here: "pair", as two rows (BLAS's small-matrix GEMM kernel), or "gemv",
     as itself (a GEMV per block)."""
     if len(x) == 1 and one_row == "pair":
         x2 = np.zeros((2, x.shape[1]), dtype=np.float32)                   # [2, K]
         x2[0] = x[0]
-        return split.matmul_site(x2, site)[:1]                             # [1, out]
-    return split.matmul_site(x, site)                                      # [N, out]
+        return shared_matmul.matmul_site(x2, site)[:1]                             # [1, out]
+    return shared_matmul.matmul_site(x, site)                                      # [N, out]
 
 
 def plain_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -119,13 +119,13 @@ def measure(arrays: dict[str, list[np.ndarray]]) -> dict:
     passes = [("plain", "", plain_matmul, rows) for rows in (1, BATCH_ROWS)]  # (copy, key suffix, run, rows)
     mats = {"plain": arrays["plain"]}  # what each pass reads: the plain arrays, the blocks as decode's Sites
     for kind in (k for k in BLOCKS if k in arrays):
-        mats[kind] = [split.Site(w, kind == "blocks_t") for w in arrays[kind]]
+        mats[kind] = [shared_matmul.Site(w, kind == "blocks_t") for w in arrays[kind]]
         pair, gemv = (functools.partial(site_matmul, one_row=form) for form in ONE_ROW)
         passes += [(kind, "", pair, 1), (kind, "", pair, BATCH_ROWS), (kind, "_gemv", gemv, 1)]
     chooser = blas_threads()
     pinned = chooser.pinned
     chooser.pinned = pinned or chooser.max_threads  # every core, as on a quiet machine
-    split.warm(chooser.pinned)                      # blocks are read as decode reads them: shared
+    shared_matmul.warm(chooser.pinned)                      # blocks are read as decode reads them: shared
     times: dict[str, list[float]] = {}
     try:
         for rnd in range(PROBE_ROUNDS + 1):
