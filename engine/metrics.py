@@ -100,6 +100,7 @@ class RequestRecord:
     parts: TokenParts | None = None
     diverged_at: int | None = None
     diverged_from: int | None = None
+    diverged_words: str = ""            # the prompt's text from diverged_at on, a few tokens
     evicted_by: Eviction | None = None
     tenant: Account | None = None
 

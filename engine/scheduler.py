@@ -221,6 +221,12 @@ class Scheduler:
             batch.drafts = plan_drafts(batch.decode, self.settings.spec_k, self.model.config.context_length)
         return batch
 
+    def _words_at(self, prompt: list[int], at: int | None, n: int = 6) -> str:
+        """The prompt's text from token `at` on (n tokens): where it departed, in words."""
+        if at is None or at >= len(prompt):
+            return ""
+        return self.model.tokenizer.decode(prompt[at:at + n])
+
     def _admit(self) -> None:
         self.waiting_for_pages, rows = None, self.settings.page_rows
         for s in list(self._queue):
@@ -255,6 +261,7 @@ class Scheduler:
             else:
                 cold = Account(TokenParts(new=len(s.prompt)))
                 s.record.take_account(cold, cold)
+            s.record.diverged_words = self._words_at(s.prompt, s.record.diverged_at)
             # A bounded pool takes every page the request may fill now, so it never runs dry
             # mid-answer; an unbounded one grows as the answer does (eval_batch allocates).
             bounded = self.pool.max_pages is not None
