@@ -21,8 +21,9 @@ def record(rid: int, **parts) -> RequestRecord:
 
 
 def test_segments_split_disk_out_of_cached_and_drop_empty_parts():
-    assert segments({"cached": 64, "disk": 16, "lent": 0, "rounding": 5, "cap": 0, "evicted": 0,
-                     "isolated": 0, "new": 11}) == [("disk", 16), ("cached", 48), ("rounding", 5), ("new", 11)]
+    parts = {"cached": 64, "disk": 16, "lent": 0, "rounding": 5, "cap": 0, "evicted": 0, "isolated": 0,
+             "new": 11}
+    assert segments(parts) == [("disk", 16), ("cached", 48), ("rounding", 5), ("new", 11)]
     assert segments(None) == [] and segments({}) == []
 
 
