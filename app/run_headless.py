@@ -7,6 +7,7 @@ import time
 from engine.loop import EngineLoop
 from engine.scheduler import FinishEvent, Scheduler, SubmitRefused
 from engine.stream import MAX_NEW_TOKENS
+from engine.token_parts import add_parts, describe_totals, zero_totals
 
 from .cache_persist import persist_from_args
 from .common_args import (
@@ -50,10 +51,16 @@ def describe(r) -> str:
 
 
 def summary(sch: Scheduler, wall_s: float) -> str:
+    """The session in two lines: hits and savings, then where its prompt tokens went (§15)."""
     st = sch.stats()
+    totals = zero_totals()
+    for r in sch.records():
+        if r.parts is not None:
+            add_parts(totals, r.parts)
     return (f"{len(sch.records())} requests in {wall_s:.2f} s; hit rate {st.get('hit_rate', 0.0):.0%}; "
             f"prefill tokens saved {sch.prefill_saved} (computed {sch.prefill_computed}); "
-            f"seconds saved {sch.seconds_saved():.2f} at {sch.prefill_rate():.0f} prefill tok/s")
+            f"seconds saved {sch.seconds_saved():.2f} at {sch.prefill_rate():.0f} prefill tok/s\n"
+            f"{describe_totals(totals)}")
 
 
 def run(args) -> int:

@@ -117,6 +117,7 @@ def run(args) -> int:
         raise SystemExit(f"prefixlab replay: {e}") from None
     _say_skipped(args.trace, results[0].skipped_lines, results[0].skipped)
     print(table(results))
+    print(parts_table([config_label(r) for r in results], [r.parts for r in results]))
     rows = [r.to_json() for r in results]
     try:
         if args.json:
@@ -172,6 +173,27 @@ def finite_or_null(value):
     if isinstance(value, (list, tuple)):
         return [finite_or_null(v) for v in value]
     return value
+
+
+def config_label(r) -> str:
+    """A configuration in a few words: "page 512, budget 3,000, leaf-lru" (clusters: replicas, router)."""
+    words = [f"{r.replicas} x {r.router}"] if hasattr(r, "router") else [f"page {r.page_rows}"]
+    words += [f"budget {'inf' if r.budget is None else f'{r.budget:,}'}", r.policy]
+    if getattr(r, "disk_budget", None):
+        words.append(f"disk {r.disk_budget:,}")
+    return ", ".join(words)
+
+
+def parts_table(labels: list[str], parts: list[dict[str, int]]) -> str:
+    """Where the prompt tokens went, one line per configuration (docs/design.md §15): tokens by
+    part, then the prompt tokens they add up to (`disk` is a share of `cached`)."""
+    keys = list(parts[0]) if parts else []
+    head = ("where the prompt tokens went", *keys, "prompt tokens")
+    body = [(label, *(f"{p[k]:,}" for k in keys), f"{sum(v for k, v in p.items() if k != 'disk'):,}")
+            for label, p in zip(labels, parts, strict=True)]
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+                     for cells in [head, *body])
 
 
 def table(results: list[ReplayResult]) -> str:

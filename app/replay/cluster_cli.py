@@ -97,7 +97,7 @@ def cluster_configs(replicas, routers, budgets, policies, page_rows, service: Se
 
 def run_cluster(args, source) -> int:
     """Sweep the cluster configurations of `args` over `source`; print, write JSON and PNG."""
-    from .cli import _say_skipped, _write_json
+    from .cli import _say_skipped, _write_json, config_label, parts_table
     from .sweep import run_sweep
     service, where = service_from_args(args)
     knobs = RouterKnobs(args.seed, args.balance_abs, args.balance_rel, args.overlap_weight)
@@ -112,6 +112,7 @@ def run_cluster(args, source) -> int:
           f"{service.decode_rate:,.2f} tok/s per request, {service.slots} slots ({where})")
     _say_skipped(args.trace, results[0].skipped_lines, results[0].skipped)
     print(cluster_table(results))
+    print(parts_table([config_label(r) for r in results], [r.parts for r in results]))
     rows = [r.to_json() for r in results]
     if args.json:
         _write_json(args.json, {"trace": os.path.abspath(args.trace), "format": source.format,

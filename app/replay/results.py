@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from engine.eviction import DEFAULT_POLICY
 from engine.metrics import hit_rate
+from engine.token_parts import zero_totals
 
 OVER_TIME_POINTS = 64  # windows of the hit-ratio-over-time series, at most
 
@@ -61,6 +62,9 @@ class ReplayResult(TokenHits):
     blocks_from_disk: int = 0      # of blocks_hit, those loaded back from the disk tier
     skipped_lines: int = 0
     skipped: list[dict] = field(default_factory=list)
+    # where the trace's prompt tokens went (docs/design.md §15), and the ever-seen index's size
+    parts: dict[str, int] = field(default_factory=zero_totals)
+    seen_pages: int = 0
 
 
 class OverTime:

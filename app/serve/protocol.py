@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine import SamplingParams
 from engine.sampler import REPEAT_PENALTY_RANGE
+from engine.token_parts import Account, TokenParts
 
 MAX_STOPS = 4
 # The answer limit of a request that sets none: None is OpenAI's (the context). The default
@@ -279,10 +280,24 @@ def new_id(chat: bool) -> str:
 
 
 def usage(record) -> dict:
-    """OpenAI's usage with cached tokens, from a finished RequestRecord."""
+    """OpenAI's usage with cached tokens, from a finished RequestRecord, plus `prefixlab`: where
+    its prompt tokens went (docs/design.md §15)."""
     return {"prompt_tokens": record.n_prompt, "completion_tokens": record.n_gen,
             "total_tokens": record.n_prompt + record.n_gen,
-            "prompt_tokens_details": {"cached_tokens": record.n_cached}}
+            "prompt_tokens_details": {"cached_tokens": record.n_cached},
+            "prefixlab": token_parts(record)}
+
+
+def token_parts(record) -> dict:
+    """The tenant's own account (never another namespace's traffic: `isolated` is `new` and
+    `diverged_at` looks only within its namespace); an eviction names its budget, not when or
+    during whose request."""
+    tenant = record.tenant or Account(TokenParts(new=record.n_prompt))
+    out = {"tokens": tenant.parts.as_dict(), "diverged_at": tenant.diverged_at,
+           "diverged_from": tenant.diverged_from}
+    if tenant.evicted_by is not None:
+        out["evicted_by"] = {"cause": tenant.evicted_by.cause, "budget_pages": tenant.evicted_by.budget_pages}
+    return out
 
 
 def timings(record) -> dict:
