@@ -9,7 +9,11 @@ import httpx
 import openai
 import pytest
 
-from engine.token_parts import KEYS
+from app.replay.record import save_session_trace
+from app.replay.results import ReplayConfig
+from app.replay.simulate import replay
+from app.replay.trace import open_trace
+from engine.token_parts import KEYS, add_parts, zero_totals
 from tests.serve_helpers import scheduler_on, start_server, wait_idle
 
 pytestmark = pytest.mark.model
@@ -50,7 +54,7 @@ def served(real_model):
     srv.stop()
 
 
-def test_a_session_cold_shared_repeated_and_salted(served):
+def test_a_session_cold_shared_repeated_and_salted(served, tmp_path):
     srv, client = served
     cold = parts_of(ask(client, "When is breakfast?"))
     assert cold["tokens"]["new"] == sum(cold["tokens"].values())
@@ -75,9 +79,18 @@ def test_a_session_cold_shared_repeated_and_salted(served):
     assert salted["tokens"]["new"] == usage.prompt_tokens
     assert (salted["diverged_at"], salted["diverged_from"]) == (None, None)
     wait_idle(srv)
-    operator = srv.engine.scheduler.records()[-1]            # the operator's view counts them isolated
+    sch = srv.engine.scheduler
+    operator = sch.records()[-1]                             # the operator's view counts them isolated
     assert operator.parts.isolated == operator.parts.total - operator.parts.cap - operator.parts.rounding > 0
     assert operator.diverged_from is not None
+    # a replay of the session's trace (two namespaces) counts them the same
+    save_session_trace(str(tmp_path / "session.jsonl"), sch)
+    replayed = replay(open_trace(str(tmp_path / "session.jsonl")), ReplayConfig(page_rows=ROWS)).parts
+    recorded = zero_totals()
+    for r in sch.records():
+        add_parts(recorded, r.parts)
+    assert replayed["isolated"] == recorded["isolated"] == operator.parts.isolated
+    assert replayed == recorded
 
     # /metrics: tokens by part, isolated folded into new (no --metrics-isolated)
     text = httpx.get(srv.url + "/metrics").text
