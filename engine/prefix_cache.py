@@ -416,9 +416,9 @@ class PrefixCache:
             piece = () if self.id_keys else prompt[at * rows:(at + 1) * rows]
             lcp, sighting = self.seen.nearest(frees[n_pages], piece, ns)
             by = sighting.request if sighting is not None else None
-            if held is not None and n_pages == 0 and held[0] - pos > lcp:   # a lender's prompt
+            if held is not None and n_pages == 0 and held[0] - pos >= lcp:  # a lender's prompt
                 lcp, by = held[0] - pos, held[1]
-            if not lcp:
+            elif not lcp:
                 by = self._request_of(frees[n_pages], namespace, ns is None) if at else None
             diverged = at * rows + lcp
             parts = TokenParts(**base, evicted=own_n * rows, isolated=(n_pages - own_n) * rows,
