@@ -424,7 +424,8 @@ class PrefixCache:
             parts = TokenParts(**base, evicted=own_n * rows, isolated=(n_pages - own_n) * rows,
                                rounding=lcp, new=n - diverged)
             return Account(parts, diverged or None, by, evicted_by)
-        return view(len(frees) - 1, None), view(own_n, namespace)
+        operator = view(len(frees) - 1, None)
+        return operator, operator if self.seen.only(namespace) else view(own_n, namespace)
 
     def _request_of(self, free: int | None, namespace: str, any_ns: bool) -> int | None:
         """The request that first cached a page (by free key) in `namespace`, else (`any_ns`)
