@@ -26,9 +26,13 @@ pool's pages. The tutorial's free functions (`prefix_insert`, ...) are one-line 
 in engine/api.py. Listeners (`add_listener`) hear every change: pages stored, removed,
 or all cleared.
 
-Reading order: keys; the tutorial's operations (insert, attach, probe, release); pins;
-eviction; the tree of cached pages and its sibling index; the disk tier's moves; saved
-pages adopted back.
+Every attach can also say where each prompt token went (`attach_accounted`, docs/design.md §15):
+the same walk goes on past the attached pages through an ever-seen index (engine/token_parts.py)
+that the cache feeds as pages are cached and evicted.
+
+Reading order: keys; the tutorial's operations (insert, attach, probe, release); where every
+token went; pins; eviction; the tree of cached pages and its sibling index; the disk tier's
+moves; saved pages adopted back.
 """
 
 from __future__ import annotations

@@ -121,3 +121,32 @@ def test_evicted_names_the_budget_and_the_disk_tier_brings_pages_back(real_model
                 assert "budget of 12 pages" in srv.engine.scheduler.records()[-1].evicted_by.describe()
         finally:
             srv.stop()
+
+
+def test_metrics_fold_isolated_into_new_unless_asked():
+    from types import SimpleNamespace
+
+    from app.serve.metrics import TtftHistogram
+    from engine.token_parts import TokenParts
+
+    record = SimpleNamespace(ttft_s=0.1, n_prompt=20, parts=TokenParts(cached=8, disk=4, isolated=8, new=4))
+    finish = SimpleNamespace(reason="stop", record=record)
+    for show, expect in ((False, {"cached": 8, "isolated": None, "new": 12}),
+                         (True, {"cached": 8, "isolated": 8, "new": 4})):
+        h = TtftHistogram(show_isolated=show)
+        h.observe(None, finish)
+        text = "\n".join(h.lines())
+        for part, n in expect.items():
+            line = f'prefixlab_prompt_tokens_total{{part="{part}"}}'
+            assert (f"{line} {n}" in text) if n is not None else line not in text, (show, part)
+        assert "prefixlab_prompt_tokens_from_disk_total 4" in text
+
+
+def test_the_serve_command_takes_metrics_isolated():
+    import argparse
+
+    from app.serve.cli import add_parser
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert parser.parse_args(["serve", "--metrics-isolated"]).metrics_isolated is True
+    assert parser.parse_args(["serve"]).metrics_isolated is False
