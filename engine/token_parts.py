@@ -107,12 +107,6 @@ class Eviction:
         by = f", during request {self.request}" if self.request is not None else ""
         return f"evicted by {what}{by}, at {time.strftime('%H:%M:%S', time.gmtime(self.at))} UTC"
 
-    def as_dict(self, with_request: bool = True) -> dict:
-        d = {"cause": self.cause, "budget_pages": self.budget_pages, "at": self.at}
-        if with_request:
-            d["request"] = self.request
-        return d
-
 
 @dataclass(frozen=True)
 class Account:
