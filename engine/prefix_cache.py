@@ -26,9 +26,13 @@ pool's pages. The tutorial's free functions (`prefix_insert`, ...) are one-line 
 in engine/api.py. Listeners (`add_listener`) hear every change: pages stored, removed,
 or all cleared.
 
-Reading order: keys; the tutorial's operations (insert, attach, probe, release); pins;
-eviction; the tree of cached pages and its sibling index; the disk tier's moves; saved
-pages adopted back.
+Every attach can also say where each prompt token went (`attach_accounted`, docs/design.md §15):
+the same walk goes on past the attached pages through an ever-seen index (engine/token_parts.py)
+that the cache feeds as pages are cached and evicted.
+
+Reading order: keys; the tutorial's operations (insert, attach, probe, release); where every
+token went; pins; eviction; the tree of cached pages and its sibling index; the disk tier's
+moves; saved pages adopted back.
 """
 
 from __future__ import annotations
@@ -416,15 +420,16 @@ class PrefixCache:
             piece = () if self.id_keys else prompt[at * rows:(at + 1) * rows]
             lcp, sighting = self.seen.nearest(frees[n_pages], piece, ns)
             by = sighting.request if sighting is not None else None
-            if held is not None and n_pages == 0 and held[0] - pos > lcp:   # a lender's prompt
+            if held is not None and n_pages == 0 and held[0] - pos >= lcp:  # a lender's prompt
                 lcp, by = held[0] - pos, held[1]
-            if not lcp:
+            elif not lcp:
                 by = self._request_of(frees[n_pages], namespace, ns is None) if at else None
             diverged = at * rows + lcp
             parts = TokenParts(**base, evicted=own_n * rows, isolated=(n_pages - own_n) * rows,
                                rounding=lcp, new=n - diverged)
             return Account(parts, diverged or None, by, evicted_by)
-        return view(len(frees) - 1, None), view(own_n, namespace)
+        operator = view(len(frees) - 1, None)
+        return operator, operator if self.seen.only(namespace) else view(own_n, namespace)
 
     def _request_of(self, free: int | None, namespace: str, any_ns: bool) -> int | None:
         """The request that first cached a page (by free key) in `namespace`, else (`any_ns`)

@@ -14,6 +14,7 @@ had), `rounding` (tokens shared with an earlier prompt inside a page that is not
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
@@ -106,12 +107,6 @@ class Eviction:
         by = f", during request {self.request}" if self.request is not None else ""
         return f"evicted by {what}{by}, at {time.strftime('%H:%M:%S', time.gmtime(self.at))} UTC"
 
-    def as_dict(self, with_request: bool = True) -> dict:
-        d = {"cause": self.cause, "budget_pages": self.budget_pages, "at": self.at}
-        if with_request:
-            d["request"] = self.request
-        return d
-
 
 @dataclass(frozen=True)
 class Account:
@@ -167,15 +162,17 @@ class Seen(Sighting):
 class SeenIndex:
     """Every page ever cached, up to `max_pages` of them (least recently cached or evicted go first), by
     its namespace-free chained key (the key the page would have in the default namespace), with
-    each namespace's sighting; plus each page's siblings by first token, so the token where a
-    prompt departs inside a page is found."""
+    each namespace's sighting; plus each parent's children sorted by their tokens, so the token
+    where a prompt departs inside a page is found in O(log siblings): the longest common prefix
+    of a query with a sorted set is its neighbour's, before or after it."""
 
     def __init__(self, max_pages: int = SEEN_PAGES):
         if not isinstance(max_pages, int) or max_pages < 1:
             raise ValueError(f"the ever-seen index needs at least 1 page, got {max_pages!r}")
         self.max_pages = max_pages
         self.pages: OrderedDict[int, Seen] = OrderedDict()
-        self.children: dict[tuple[int | None, int], dict[int, None]] = {}  # (parent, 1st token) -> keys
+        self.children: dict[int | None, list[tuple[tuple, int]]] = {}  # parent -> sorted (tokens, key)
+        self.namespaces: set[str] = set()   # every namespace that cached a page
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -193,8 +190,9 @@ class SeenIndex:
         seen = self.pages.get(free)
         if seen is None:
             self.pages[free] = Seen(parent, tokens, namespace, key, request)
+            self.namespaces.add(namespace)
             if tokens:
-                self.children.setdefault((parent, tokens[0]), {})[free] = None
+                bisect.insort(self.children.setdefault(parent, []), (tokens, free))
             if len(self.pages) > self.max_pages:
                 self._drop()
             return
@@ -202,6 +200,7 @@ class SeenIndex:
         sighting = seen.of(namespace)
         if sighting is None:
             seen.add(namespace, key, request)
+            self.namespaces.add(namespace)
         else:
             sighting.evicted = None
 
@@ -217,34 +216,52 @@ class SeenIndex:
     def _drop(self) -> None:
         free, seen = self.pages.popitem(last=False)
         if seen.tokens:
-            slot = (seen.parent, seen.tokens[0])
-            kids = self.children[slot]
-            del kids[free]
+            kids = self.children[seen.parent]
+            del kids[bisect.bisect_left(kids, (seen.tokens, free))]
             if not kids:
-                del self.children[slot]
+                del self.children[seen.parent]
 
     def clear(self) -> None:
         self.pages.clear()
         self.children.clear()
+        self.namespaces.clear()
+
+    def only(self, namespace: str) -> bool:
+        """True when no namespace but `namespace` ever cached a page here (the operator's view of
+        its requests is then the tenant's)."""
+        return self.namespaces <= {namespace}
 
     def nearest(self, parent: int | None, piece, namespace: str | None) -> tuple[int, Sighting | None]:
         """Longest common prefix of `piece` with a seen page under `parent` (in `namespace`, or
-        in any with None), and that page's sighting. Scans at most 64 siblings."""
-        if not len(piece):
+        in any with None), and that page's sighting: the nearest such sibling on each side of
+        `piece` in sorted order (at most 64 steps each way past other namespaces' pages)."""
+        kids = self.children.get(parent) if len(piece) else None
+        if not kids:
             return 0, None
-        kids = self.children.get((parent, int(piece[0])))
+        query = tuple(int(t) for t in piece)
+        at = bisect.bisect_left(kids, (query,))
         best, found = 0, None
-        for free in list(kids or ())[:64]:
-            seen = self.pages[free]
-            sighting = seen.of(namespace)
-            if sighting is None:
-                continue
-            n = 0
-            for a, b in zip(seen.tokens, piece, strict=False):
-                if a != b:
+        for step in (-1, 1):
+            i = at - 1 if step < 0 else at
+            for _ in range(64):
+                if not 0 <= i < len(kids):
                     break
-                n += 1
-            if n > best:
-                best, found = n, sighting
+                tokens, free = kids[i]
+                sighting = self.pages[free].of(namespace)
+                if sighting is not None:
+                    n = _common(tokens, query)
+                    if n > best:
+                        best, found = n, sighting
+                    break
+                i += step
         return best, found
 
+
+def _common(a: tuple, b: tuple) -> int:
+    """How many leading items two tuples share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -9,7 +9,11 @@ import httpx
 import openai
 import pytest
 
-from engine.token_parts import KEYS
+from app.replay.record import save_session_trace
+from app.replay.results import ReplayConfig
+from app.replay.simulate import replay
+from app.replay.trace import open_trace
+from engine.token_parts import KEYS, add_parts, zero_totals
 from tests.serve_helpers import scheduler_on, start_server, wait_idle
 
 pytestmark = pytest.mark.model
@@ -50,7 +54,7 @@ def served(real_model):
     srv.stop()
 
 
-def test_a_session_cold_shared_repeated_and_salted(served):
+def test_a_session_cold_shared_repeated_and_salted(served, tmp_path):
     srv, client = served
     cold = parts_of(ask(client, "When is breakfast?"))
     assert cold["tokens"]["new"] == sum(cold["tokens"].values())
@@ -75,9 +79,18 @@ def test_a_session_cold_shared_repeated_and_salted(served):
     assert salted["tokens"]["new"] == usage.prompt_tokens
     assert (salted["diverged_at"], salted["diverged_from"]) == (None, None)
     wait_idle(srv)
-    operator = srv.engine.scheduler.records()[-1]            # the operator's view counts them isolated
+    sch = srv.engine.scheduler
+    operator = sch.records()[-1]                             # the operator's view counts them isolated
     assert operator.parts.isolated == operator.parts.total - operator.parts.cap - operator.parts.rounding > 0
     assert operator.diverged_from is not None
+    # a replay of the session's trace (two namespaces) counts them the same
+    save_session_trace(str(tmp_path / "session.jsonl"), sch)
+    replayed = replay(open_trace(str(tmp_path / "session.jsonl")), ReplayConfig(page_rows=ROWS)).parts
+    recorded = zero_totals()
+    for r in sch.records():
+        add_parts(recorded, r.parts)
+    assert replayed["isolated"] == recorded["isolated"] == operator.parts.isolated
+    assert replayed == recorded
 
     # /metrics: tokens by part, isolated folded into new (no --metrics-isolated)
     text = httpx.get(srv.url + "/metrics").text
@@ -108,3 +121,32 @@ def test_evicted_names_the_budget_and_the_disk_tier_brings_pages_back(real_model
                 assert "budget of 12 pages" in srv.engine.scheduler.records()[-1].evicted_by.describe()
         finally:
             srv.stop()
+
+
+def test_metrics_fold_isolated_into_new_unless_asked():
+    from types import SimpleNamespace
+
+    from app.serve.metrics import TtftHistogram
+    from engine.token_parts import TokenParts
+
+    record = SimpleNamespace(ttft_s=0.1, n_prompt=20, parts=TokenParts(cached=8, disk=4, isolated=8, new=4))
+    finish = SimpleNamespace(reason="stop", record=record)
+    for show, expect in ((False, {"cached": 8, "isolated": None, "new": 12}),
+                         (True, {"cached": 8, "isolated": 8, "new": 4})):
+        h = TtftHistogram(show_isolated=show)
+        h.observe(None, finish)
+        text = "\n".join(h.lines())
+        for part, n in expect.items():
+            line = f'prefixlab_prompt_tokens_total{{part="{part}"}}'
+            assert (f"{line} {n}" in text) if n is not None else line not in text, (show, part)
+        assert "prefixlab_prompt_tokens_from_disk_total 4" in text
+
+
+def test_the_serve_command_takes_metrics_isolated():
+    import argparse
+
+    from app.serve.cli import add_parser
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert parser.parse_args(["serve", "--metrics-isolated"]).metrics_isolated is True
+    assert parser.parse_args(["serve"]).metrics_isolated is False

@@ -112,7 +112,7 @@ def test_seen_index_is_bounded_and_validated():
     for k in range(10):
         idx.saw(k, None, (k, 0), "", k, k)
     assert len(idx) == 3 and sorted(idx.pages) == [7, 8, 9]
-    assert len(idx.children) == 3
+    assert sum(map(len, idx.children.values())) == 3
     try:
         SeenIndex(0)
     except ValueError as e:
@@ -146,3 +146,25 @@ def test_parts_always_add_up_to_the_prompt(reqs, budget, disk, seen_pages):
             if acc.diverged_at is not None:
                 assert 0 < acc.diverged_at <= len(prompt)
                 assert acc.diverged_at >= acc.parts.cached + acc.parts.lent
+
+
+def test_the_scheduler_counts_pages_shared_in_flight_as_lent(tiny_model):
+    """Prompts submitted together: the first computes the shared pages, the others borrow them
+    in the same pass (engine/lending.py) and count them `lent`; the FinishEvent carries the parts."""
+    from engine.loop import EngineLoop
+    from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings
+
+    shared = list(range(100, 164))                       # 4 pages of 16, uncached at the start
+    prompts = [shared + [5, 6, 7, 8], shared + [5, 6, 9], shared + [12, 13]]
+    loop = EngineLoop(Scheduler(tiny_model, SchedulerSettings(page_rows=16)))
+    ids = [loop.submit_now(prompt=p, max_new_tokens=3, stop_ids=[]) for p in prompts]
+    finished = {}
+    while loop.has_work():
+        finished.update({ev.request_id: ev for ev in loop.step() if isinstance(ev, FinishEvent)})
+    owner, near, far = (finished[i] for i in ids)
+    assert owner.parts == TokenParts(new=68) and owner.record.diverged_at is None
+    assert near.parts == TokenParts(lent=64, rounding=2, new=1)   # shares 66 tokens with the owner
+    assert (near.record.diverged_at, near.record.diverged_from) == (66, ids[0])
+    assert far.parts == TokenParts(lent=64, new=2) and far.record.diverged_from == ids[0]
+    for ev in finished.values():
+        assert ev.parts.cached + ev.parts.lent == ev.record.n_cached
