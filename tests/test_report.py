@@ -36,7 +36,6 @@ from app.report import (
 from app.report.render import export_report, render_html, render_pdf
 from engine.loop import EngineLoop
 from engine.sampler import SamplingParams
-from engine.scheduler import Scheduler
 from engine.token_parts import KEYS, Eviction
 
 pytestmark = pytest.mark.model
