@@ -134,7 +134,7 @@ def test_metrics_fold_isolated_into_new_unless_asked():
     for show, expect in ((False, {"cached": 8, "isolated": None, "new": 12}),
                          (True, {"cached": 8, "isolated": 8, "new": 4})):
         h = TtftHistogram(show_isolated=show)
-        h.observe(None, finish)
+        h.observe(finish)
         text = "\n".join(h.lines())
         for part, n in expect.items():
             line = f'prefixlab_prompt_tokens_total{{part="{part}"}}'

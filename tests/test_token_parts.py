@@ -152,15 +152,16 @@ def test_the_scheduler_counts_pages_shared_in_flight_as_lent(tiny_model):
     """Prompts submitted together: the first computes the shared pages, the others borrow them
     in the same pass (engine/lending.py) and count them `lent`; the FinishEvent carries the parts."""
     from engine.loop import EngineLoop
-    from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings
+    from engine.scheduler import FinishEvent, SchedulerSettings
+    from tests.loop_helpers import Heard
 
     shared = list(range(100, 164))                       # 4 pages of 16, uncached at the start
     prompts = [shared + [5, 6, 7, 8], shared + [5, 6, 9], shared + [12, 13]]
-    loop = EngineLoop(Scheduler(tiny_model, SchedulerSettings(page_rows=16)))
-    ids = [loop.submit_now(prompt=p, max_new_tokens=3, stop_ids=[]) for p in prompts]
+    heard = Heard(EngineLoop(tiny_model, SchedulerSettings(page_rows=16)))
+    ids = [heard.submit(prompt=p, max_new_tokens=3, stop_ids=[]) for p in prompts]
     finished = {}
-    while loop.has_work():
-        finished.update({ev.request_id: ev for ev in loop.step() if isinstance(ev, FinishEvent)})
+    while heard.loop.has_work():
+        finished.update({ev.request_id: ev for ev in heard.step() if isinstance(ev, FinishEvent)})
     owner, near, far = (finished[i] for i in ids)
     assert owner.parts == TokenParts(new=68) and owner.record.diverged_at is None
     assert near.parts == TokenParts(lent=64, rounding=2, new=1)   # shares 66 tokens with the owner
