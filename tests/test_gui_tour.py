@@ -68,6 +68,10 @@ def test_the_tour_walks_the_tutorial_on_the_engine(window, qtbot):
     assert set(f["refcounts"].values()) == {2}
     assert all(eng.pool.refcount[p] == n for p, n in f["refcounts"].items())
     assert f"cached {f['matched']} of {f['n_prompt']}" in tour.panel.caption.text()
+    parts = f["parts"]  # where B's tokens went, summing to its prompt: cached, the page it shares in part
+    assert parts["cached"] == f["matched"] and sum(v for k, v in parts.items() if k != "disk") == len(pb)
+    assert parts["rounding"] == f["diverged_at"] - f["matched"] and f["diverged_at"] <= common
+    assert f"cached {f['matched']}" in tour.panel.caption.text().split("went:")[1]
     assert page_counts(w)["shared"] == f["matched_pages"]
 
     f = step("prefill_b")  # only the tail; the TTFT chart shows B beside its estimate

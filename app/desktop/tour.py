@@ -52,9 +52,10 @@ def caption(f: dict) -> str:
                 f"still holds <b>{f['held']}</b> pages, now held only by the cache (reference count 1).")
     if s == "attach_b":
         refs = ", ".join(f"page {p}: {n}" for p, n in f["refcounts"].items())
+        parts = ", ".join(f"{k} {n}" for k, n in f["parts"].items() if n and k != "disk")
         return (f"B attached <b>cached {f['matched']} of {f['n_prompt']}</b> prompt tokens: "
                 f"{f['matched_pages']} pages by reference, not copied. Their reference counts: {refs} "
-                f"(the cache and B).")
+                f"(the cache and B). Where B's prompt tokens went: <b>{parts}</b>.")
     if s == "prefill_b":
         return (f"B prefilled only its <b>{f['tail']}</b>-token tail, in <b>{_ms(f['seconds'])}</b>; its "
                 f"whole prompt of {f['n_prompt']} tokens would take ≈ {_ms(f['whole_estimate'])}: the tail "

@@ -214,11 +214,14 @@ class TourEngine:
         self._call("s_b = dl.create_session(m, pool)")
         matched = dl.prefix_attach(self.cache, self.pool, s, p)
         self._call("dl.prefix_attach(cache, pool, s_b, p_b)", matched)
+        # where B's prompt tokens went (docs/design.md §15), as the scheduler would account them
+        account, _ = self.cache.account(p, "", n_cached=matched // self.pool.page_rows)
+        self._records[B].parts, self._records[B].diverged_at = account.parts, account.diverged_at
         self.prefill_saved += matched
         self._records[B].n_cached = matched
         refs = {int(page): int(self.pool.refcount[page]) for page in s.page_table}
         return {"matched": matched, "n_prompt": len(p), "matched_pages": len(s.page_table),
-                "refcounts": refs}
+                "refcounts": refs, "parts": account.parts.as_dict(), "diverged_at": account.diverged_at}
 
     def _prefill_b(self) -> dict:
         s = self._streams[B].session
