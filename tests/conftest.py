@@ -42,6 +42,77 @@ def image_cache_dir(tmp_path_factory):
         yield root
 
 
+# --- no test blocks on a dialog ----------------------------------------------------------------
+# A modal dialog waits for a click that never comes: offscreen, the suite would hang (and a
+# per-test timeout cannot end it gently, being blocked in Qt's C++ loop). Each of these calls
+# fails its test instead, naming the dialog; a test that drives one patches it itself (the
+# window's confirm/ask_open_path/ask_save_path of ui/ask.py, or the Qt call they make).
+MODAL_CALLS = {
+    "QDialog": ("exec", "exec_"),  # every dialog's own loop: QMessageBox, QFileDialog, the app's
+    "QMessageBox": ("question", "information", "warning", "critical", "about", "aboutQt"),
+    "QFileDialog": ("getOpenFileName", "getOpenFileNames", "getSaveFileName", "getExistingDirectory",
+                    "getOpenFileUrl", "getOpenFileUrls", "getSaveFileUrl", "getExistingDirectoryUrl"),
+    "QInputDialog": ("getText", "getMultiLineText", "getInt", "getDouble", "getItem"),
+    "QColorDialog": ("getColor",),
+    "QFontDialog": ("getFont",),
+    "QMenu": ("exec", "exec_"),
+}
+
+
+class ModalDialogRefused(AssertionError):
+    """A test opened a modal dialog it did not patch."""
+
+
+REFUSED_DIALOGS: list[str] = []  # this test's refused dialogs (a Qt slot may swallow the raise)
+
+
+def _describe_dialog(call: str, args: tuple) -> str:
+    target = args[0] if args else None
+    if call.endswith((".exec", ".exec_")) and hasattr(target, "windowTitle"):  # an instance's exec()
+        text = target.text() if hasattr(target, "text") and callable(target.text) else ""
+        words = [w for w in (target.windowTitle(), text) if w]
+        return f"{type(target).__name__}.exec() of {' / '.join(map(repr, words)) or 'an untitled dialog'}"
+    words = [repr(a[:80]) for a in args if isinstance(a, str) and a]
+    return f"{call}({', '.join(words)})"
+
+
+def _refusal(what: str) -> str:
+    return (f"a test opened a modal dialog: {what}; offscreen it would wait for ever. Patch it in the "
+            f"test (the window's confirm/ask_open_path/ask_save_path of ui/ask.py, or the Qt call).")
+
+
+def _refusing(call: str):
+    def refuse(*args, **kwargs):
+        what = _describe_dialog(call, args)
+        REFUSED_DIALOGS.append(what)
+        raise ModalDialogRefused(_refusal(what))
+    return refuse
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_modal_dialogs():
+    """Every modal dialog fails its test at once (MODAL_CALLS); pytest-qt has loaded Qt already."""
+    from PySide6 import QtWidgets
+
+    with pytest.MonkeyPatch.context() as mp:
+        for cls_name, calls in MODAL_CALLS.items():
+            cls = getattr(QtWidgets, cls_name)
+            for call in (c for c in calls if c in vars(cls)):
+                fake = _refusing(f"{cls_name}.{call}")
+                static = isinstance(vars(cls)[call], staticmethod)
+                mp.setattr(cls, call, staticmethod(fake) if static else fake)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    REFUSED_DIALOGS.clear()
+    result = yield
+    if REFUSED_DIALOGS:  # refused inside a Qt slot or an app's own `except`: the test fails all the same
+        pytest.fail(_refusal("; ".join(REFUSED_DIALOGS)), pytrace=False)
+    return result
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_system_keyring():
     """The server's API key never reaches the person's own keyring (test_secrets sets its own)."""
@@ -109,6 +180,28 @@ def gemma_missing(monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", fake)
     return engine.BUILTIN_MODELS["gemma3-270m"]
+
+
+@pytest.fixture
+def gemma_installed(monkeypatch, tmp_path):
+    """gemma3-270m looks installed (find_spec finds its packages) with its GGUF at a stand-in path,
+    whether or not its 253 MB of packages are: for the app's wiring, never loaded; returns that path."""
+    import dataclasses
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec
+    model = engine.BUILTIN_MODELS["gemma3-270m"]
+    path = str(tmp_path / "gemma-3-270m-q4_k_m.gguf")
+
+    def fake(name, *args, **kwargs):
+        if name == model.module:
+            return importlib.machinery.ModuleSpec(name, None, origin=str(tmp_path / "__init__.py"))
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+    monkeypatch.setitem(engine.BUILTIN_MODELS, "gemma3-270m", dataclasses.replace(model, locate=lambda: path))
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -191,11 +284,16 @@ def open_desktop(qtbot, gui_settings):
 
 
 @pytest.fixture
-def window(open_desktop, qtbot, real_model):
-    """A shown desktop app whose worker loaded the bundled model (real_model warms the weight image);
-    `window.errors` lists every error it reported."""
+def window(open_desktop, qtbot, real_model, monkeypatch):
+    """A shown desktop app whose worker loaded the bundled model; `window.errors` lists every error
+    it reported. The worker's load of the bundled model returns the session's `real_model`: one
+    load (and its ~550 MB of mapped weights) for every GUI test instead of one each; any other
+    path (a dropped file) loads for real."""
     from tests.gui_helpers import LOAD_TIMEOUT_MS, Errors, close_boxes
 
+    load = engine.load_model
+    monkeypatch.setattr(engine, "load_model", lambda path=None, **kw: load(path, **kw) if path or kw
+                        else real_model)
     d = open_desktop(autoload=True)
     d.window.show()
     d.errors = Errors(d.controller)
