@@ -13,6 +13,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # GUI tests never need a display
 _NUMPY_WAS_LOADED = "numpy" in sys.modules
 
+import gc  # noqa: E402
 import json  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -258,7 +259,8 @@ def gui_settings(tmp_path, qapp):
     folder.mkdir()
     QSettings.setDefaultFormat(QSettings.Format.IniFormat)
     QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(folder))
-    apply_theme(qapp, "light")
+    gc.collect()  # earlier tests' deleted desktops (pyqtgraph's ~60 parentless menus each), before
+    apply_theme(qapp, "light")  # this restyles every widget there is
     yield folder
     apply_theme(qapp, "light")
 
@@ -277,10 +279,24 @@ def open_desktop(qtbot, gui_settings):
         return d
 
     yield make
-    for d in made:
-        thread = d.controller.client.thread
-        d.window.close()
-        assert not thread.isRunning()
+    while made:
+        _close_and_delete(made.pop(0))
+
+
+def _close_and_delete(d) -> None:
+    """Close a desktop (its engine thread must end) and delete its Qt objects. Closed is not
+    deleted: Qt's connections keep its Python objects, and those its widgets, alive; left so,
+    every later theme change (gui_settings) restyles them all: in one run each GUI test's
+    set-up and teardown took up to a minute. Its Python objects, in cycles, go at the next
+    gui_settings."""
+    import shiboken6
+
+    client = d.controller.client
+    d.window.close()
+    assert not client.thread.isRunning()
+    for obj in (d.window, client.worker, client.thread, d):
+        if shiboken6.isValid(obj):
+            shiboken6.delete(obj)
 
 
 @pytest.fixture
