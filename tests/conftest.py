@@ -158,9 +158,24 @@ def real_model():
                     f"install it with: {INSTALL_HINT}", pytrace=False)
 
 
-@pytest.fixture(scope="session")
+def bundled_model_is(model, mp: pytest.MonkeyPatch) -> None:
+    """engine.load_model of the bundled model (by no path or by its own) returns `model`: the GUI
+    tests and the bench test share the session's one load (~550 MB of mapped weights and a layout
+    probe each) instead of loading their own; any other file loads for real."""
+    load = engine.load_model
+
+    def shared(path=None, **kw):
+        if kw or (path is not None and os.path.abspath(os.fspath(path)) != model.path):
+            return load(path, **kw)
+        return model
+
+    mp.setattr(engine, "load_model", shared)
+
+
+@pytest.fixture(scope="module")
 def gemma_model():
-    """Gemma 3 270M Q4_K_M (the built-in gemma3-270m), loaded once, in memory (no 0.75 GB image).
+    """Gemma 3 270M Q4_K_M (the built-in gemma3-270m), in memory (no 0.75 GB image), loaded once
+    for the module that uses it: its 1.8 GB go when that module ends, not at the end of the run.
 
     tools/setup.sh test installs its chunk packages: no skip.
     """
@@ -301,15 +316,11 @@ def _close_and_delete(d) -> None:
 
 @pytest.fixture
 def window(open_desktop, qtbot, real_model, monkeypatch):
-    """A shown desktop app whose worker loaded the bundled model; `window.errors` lists every error
-    it reported. The worker's load of the bundled model returns the session's `real_model`: one
-    load (and its ~550 MB of mapped weights) for every GUI test instead of one each; any other
-    path (a dropped file) loads for real."""
+    """A shown desktop app whose worker loaded the bundled model (the session's `real_model`);
+    `window.errors` lists every error it reported."""
     from tests.gui_helpers import LOAD_TIMEOUT_MS, Errors, close_boxes
 
-    load = engine.load_model
-    monkeypatch.setattr(engine, "load_model", lambda path=None, **kw: load(path, **kw) if path or kw
-                        else real_model)
+    bundled_model_is(real_model, monkeypatch)
     d = open_desktop(autoload=True)
     d.window.show()
     d.errors = Errors(d.controller)
