@@ -60,8 +60,8 @@ def test_waits_for_ever(qapp):
 
 
 def test_a_test_stuck_in_a_qt_loop_ends_the_run_with_the_stacks(tmp_path):
-    """The suite's timeout settings (pyproject.toml) end a stuck test, here after 3 s, not the 600 s
-    of the suite."""
+    """The suite's timeout settings (pyproject.toml) end a stuck test: here after 3 s instead of the
+    suite's 300 s."""
     (tmp_path / "test_hangs.py").write_text(HANGS, encoding="utf-8")
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
