@@ -17,6 +17,7 @@ import engine  # noqa: E402 - loads no NumPy
 
 engine.tune_process()  # as the app's entry points do, before NumPy loads OpenBLAS
 
+import gc  # noqa: E402
 import json  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -43,6 +44,105 @@ def image_cache_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PREFIXLAB_CACHE_DIR", str(root))
         yield root
+
+
+# --- memory back between modules ----------------------------------------------------------------
+_MADV_DONTNEED = 4  # Linux: drop these pages from this process; a mapped file's come back on a read
+
+
+@pytest.fixture(scope="module", autouse=True)
+def memory_back_after_each_module():
+    """After each module: its cycles collected, glibc's free heap given back, and the pages of
+    every mapped weight image unmapped from this process (they stay in the page cache; the next
+    read maps them again). Else a run's resident memory is the sum of every module's: test_layout
+    reads each copy of the weights (+1 GB), a 6.5 MB prompt's tokenization leaves +0.6 GB of free
+    heap, and one run peaked at 4.4 GB."""
+    yield
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
+        for line in fh:
+            span, perms, *rest = line.split()
+            if perms == "r--s" and rest and rest[-1].endswith("/weights.bin"):  # read-only: only views
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+# --- no test blocks on a dialog ----------------------------------------------------------------
+# A modal dialog waits for a click that never comes: offscreen, the suite would hang (and a
+# per-test timeout cannot end it gently, being blocked in Qt's C++ loop). Each of these calls
+# fails its test instead, naming the dialog; a test that drives one patches it itself (the
+# window's confirm/ask_open_path/ask_save_path of ui/ask.py, or the Qt call they make).
+MODAL_CALLS = {
+    "QDialog": ("exec", "exec_"),  # every dialog's own loop: QMessageBox, QFileDialog, the app's
+    "QMessageBox": ("question", "information", "warning", "critical", "about", "aboutQt"),
+    "QFileDialog": ("getOpenFileName", "getOpenFileNames", "getSaveFileName", "getExistingDirectory",
+                    "getOpenFileUrl", "getOpenFileUrls", "getSaveFileUrl", "getExistingDirectoryUrl"),
+    "QInputDialog": ("getText", "getMultiLineText", "getInt", "getDouble", "getItem"),
+    "QColorDialog": ("getColor",),
+    "QFontDialog": ("getFont",),
+    "QMenu": ("exec", "exec_"),
+}
+
+
+class ModalDialogRefused(AssertionError):
+    """A test opened a modal dialog it did not patch."""
+
+
+REFUSED_DIALOGS: list[str] = []  # this test's refused dialogs (a Qt slot may swallow the raise)
+
+
+def _describe_dialog(call: str, args: tuple) -> str:
+    target = args[0] if args else None
+    if call.endswith((".exec", ".exec_")) and hasattr(target, "windowTitle"):  # an instance's exec()
+        text = target.text() if hasattr(target, "text") and callable(target.text) else ""
+        words = [w for w in (target.windowTitle(), text) if w]
+        return f"{type(target).__name__}.exec() of {' / '.join(map(repr, words)) or 'an untitled dialog'}"
+    words = [repr(a[:80]) for a in args if isinstance(a, str) and a]
+    return f"{call}({', '.join(words)})"
+
+
+def _refusal(what: str) -> str:
+    return (f"a test opened a modal dialog: {what}; offscreen it would wait for ever. Patch it in the "
+            f"test (the window's confirm/ask_open_path/ask_save_path of ui/ask.py, or the Qt call).")
+
+
+def _refusing(call: str):
+    def refuse(*args, **kwargs):
+        what = _describe_dialog(call, args)
+        REFUSED_DIALOGS.append(what)
+        raise ModalDialogRefused(_refusal(what))
+    return refuse
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_modal_dialogs():
+    """Every modal dialog fails its test at once (MODAL_CALLS); pytest-qt has loaded Qt already."""
+    from PySide6 import QtWidgets
+
+    with pytest.MonkeyPatch.context() as mp:
+        for cls_name, calls in MODAL_CALLS.items():
+            cls = getattr(QtWidgets, cls_name)
+            for call in (c for c in calls if c in vars(cls)):
+                fake = _refusing(f"{cls_name}.{call}")
+                static = isinstance(vars(cls)[call], staticmethod)
+                mp.setattr(cls, call, staticmethod(fake) if static else fake)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    REFUSED_DIALOGS.clear()
+    result = yield
+    if REFUSED_DIALOGS:  # refused inside a Qt slot or an app's own `except`: the test fails all the same
+        pytest.fail(_refusal("; ".join(REFUSED_DIALOGS)), pytrace=False)
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -89,9 +189,24 @@ def real_model():
                     f"install it with: {INSTALL_HINT}", pytrace=False)
 
 
-@pytest.fixture(scope="session")
+def bundled_model_is(model, mp: pytest.MonkeyPatch) -> None:
+    """engine.load_model of the bundled model (by no path or by its own) returns `model`: the GUI
+    tests and the bench test share the session's one load (~550 MB of mapped weights and a layout
+    probe each) instead of loading their own; any other file loads for real."""
+    load = engine.load_model
+
+    def shared(path=None, **kw):
+        if kw or (path is not None and os.path.abspath(os.fspath(path)) != model.path):
+            return load(path, **kw)
+        return model
+
+    mp.setattr(engine, "load_model", shared)
+
+
+@pytest.fixture(scope="module")
 def gemma_model():
-    """Gemma 3 270M Q4_K_M (the built-in gemma3-270m), loaded once, in memory (no 0.75 GB image).
+    """Gemma 3 270M Q4_K_M (the built-in gemma3-270m), in memory (no 0.75 GB image), loaded once
+    for the module that uses it: its 1.8 GB go when that module ends, not at the end of the run.
 
     tools/setup.sh test installs its chunk packages: no skip.
     """
@@ -112,6 +227,28 @@ def gemma_missing(monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", fake)
     return engine.BUILTIN_MODELS["gemma3-270m"]
+
+
+@pytest.fixture
+def gemma_installed(monkeypatch, tmp_path):
+    """gemma3-270m looks installed (find_spec finds its packages) with its GGUF at a stand-in path,
+    whether or not its 253 MB of packages are: for the app's wiring, never loaded; returns that path."""
+    import dataclasses
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec
+    model = engine.BUILTIN_MODELS["gemma3-270m"]
+    path = str(tmp_path / "gemma-3-270m-q4_k_m.gguf")
+
+    def fake(name, *args, **kwargs):
+        if name == model.module:
+            return importlib.machinery.ModuleSpec(name, None, origin=str(tmp_path / "__init__.py"))
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+    monkeypatch.setitem(engine.BUILTIN_MODELS, "gemma3-270m", dataclasses.replace(model, locate=lambda: path))
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -168,7 +305,8 @@ def gui_settings(tmp_path, qapp):
     folder.mkdir()
     QSettings.setDefaultFormat(QSettings.Format.IniFormat)
     QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(folder))
-    apply_theme(qapp, "light")
+    gc.collect()  # earlier tests' deleted desktops (pyqtgraph's ~60 parentless menus each), before
+    apply_theme(qapp, "light")  # this restyles every widget there is
     yield folder
     apply_theme(qapp, "light")
 
@@ -187,18 +325,33 @@ def open_desktop(qtbot, gui_settings):
         return d
 
     yield make
-    for d in made:
-        thread = d.controller.client.thread
-        d.window.close()
-        assert not thread.isRunning()
+    while made:
+        _close_and_delete(made.pop(0))
+
+
+def _close_and_delete(d) -> None:
+    """Close a desktop (its engine thread must end) and delete its Qt objects. Closed is not
+    deleted: Qt's connections keep its Python objects, and those its widgets, alive; left so,
+    every later theme change (gui_settings) restyles them all: in one run each GUI test's
+    set-up and teardown took up to a minute. Its Python objects, in cycles, go at the next
+    gui_settings."""
+    import shiboken6
+
+    client = d.controller.client
+    d.window.close()
+    assert not client.thread.isRunning()
+    for obj in (d.window, client.worker, client.thread, d):
+        if shiboken6.isValid(obj):
+            shiboken6.delete(obj)
 
 
 @pytest.fixture
-def window(open_desktop, qtbot, real_model):
-    """A shown desktop app whose worker loaded the bundled model (real_model warms the weight image);
+def window(open_desktop, qtbot, real_model, monkeypatch):
+    """A shown desktop app whose worker loaded the bundled model (the session's `real_model`);
     `window.errors` lists every error it reported."""
     from tests.gui_helpers import LOAD_TIMEOUT_MS, Errors, close_boxes
 
+    bundled_model_is(real_model, monkeypatch)
     d = open_desktop(autoload=True)
     d.window.show()
     d.errors = Errors(d.controller)

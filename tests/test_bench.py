@@ -1,4 +1,9 @@
-"""`prefixlab bench --quick --json`: every figure present, finite and self-consistent.
+"""`prefixlab bench`: every figure present, finite and self-consistent.
+
+The quick bench runs every section (a Dask cluster, child processes: a minute and more); here one
+small section goes through the real CLI (`bench --quick --only scheduler --json`) for the whole
+result (figures, targets, machine, table), and the engine's sections, whose figures are ratios
+of one another, are checked on their own on the session's model.
 
 No timing assertions: the machine is shared and noisy. The checks are that each figure is
 there with a sane value, that every ratio is the quotient of the same run's numbers, and
@@ -7,7 +12,6 @@ that each pass/fail agrees with its value and target.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -16,21 +20,19 @@ import pytest
 
 from app import bench
 from app.bench.cache import cache_figures
-from app.bench.common import PEER_TARGETS, TARGETS, W8_TARGETS, figure, ratio
+from app.bench.common import TARGETS, figure, ratio
 from app.bench.engine import prefill_flops
+from tests.conftest import bundled_model_is
 
-ENGINE = ["prefill_tok_s", "prefill_gflop_s", "matmul_ref_gflop_s", "prefill_flops_fraction",
-          "decode_tok_s", "decode_weight_gb_s", "mem_read_gb_s", "decode_bw_fraction",
-          "batch_decode_tok_s", "batch_speedup", "cold_load_s", "warm_load_s", "peak_rss_gb",
-          "peak_rss_warm_gb", "peak_rss_cold_gb", "batch8_step_ratio", "w8_peak_rss_mb"]
+PREFILL = ["prefill_tok_s", "prefill_gflop_s", "matmul_ref_gflop_s", "prefill_flops_fraction"]
+DECODE = ["decode_tok_s", "decode_weight_gb_s", "mem_read_gb_s", "decode_bw_fraction", "batch_decode_tok_s",
+          "batch_speedup"]
+W8_STEPS = ["batch8_step_ratio", "w8_peak_rss_mb"]
 CACHE = ["attach_us_per_page", "insert_us_per_page", "evict_us_per_page"]
 SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_alone_hit_s",
          "ttft_alone_miss_s", "ttft_hit_miss_ratio", "burst_ttft_hit_mean_s", "burst_ttft_miss_mean_s",
          "queue_wait_mean_s", "queue_wait_max_s",
          "plain_queue_wait_mean_s", "sched_wall_spec_s", "spec_speedup_one_stream"]
-REPLAY = ["replay_one_config_s", "replay_10k_blocks_s", "replay_sweep_wall_s", "replay_sweep_core_share"]
-CLUSTER = ["cluster_sweep_dask_s", "cluster_sweep_pool_s", "cluster_dask_matches_pool",
-           "cluster_1m_peak_rss_gb"]
 QUEUE_WAITS = {"queue_wait_mean_s", "queue_wait_max_s", "plain_queue_wait_mean_s"}
 
 
@@ -38,17 +40,35 @@ def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9)
 
 
+def assert_finite_and_positive(figures: dict, names: list[str]) -> None:
+    for name in names:
+        assert name in figures, f"missing figure {name}"
+        v = figures[name]["value"]
+        assert isinstance(v, float) and math.isfinite(v), f"{name} = {v!r}"
+        assert v >= 0 if name in QUEUE_WAITS else v > 0, f"{name} = {v!r}"
+        assert figures[name]["unit"] and figures[name]["feature"]
+
+
+def assert_targets_attached(figures: dict) -> None:
+    """Each figure carries its target from TARGETS, if it has one, and a verdict that agrees."""
+    for name, fig in figures.items():
+        if name not in TARGETS:
+            assert fig["target"] is None and fig["pass"] is None, name
+            continue
+        target, op = TARGETS[name]
+        assert (fig["op"], fig["target"]) == (op, target), name
+        assert fig["pass"] is (fig["value"] <= target if op == "<=" else fig["value"] >= target), name
+
+
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    """One `bench --quick --json` run through the real CLI, in this process."""
-    try:
-        import engine
-        engine.default_model_path()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"the bundled model is not installed: {e}")
+def section_run(real_model, tmp_path_factory):
+    """One `bench --quick --only scheduler --json` run through the real CLI, in this process, on
+    the session's model (the bench's own load of the bundled model returns it)."""
     from app import cli
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    assert cli.main(["bench", "--quick", "--json", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        bundled_model_is(real_model, mp)
+        assert cli.main(["bench", "--quick", "--only", "scheduler", "--json", str(out)]) == 0
     with open(out, encoding="utf-8") as fh:
         return json.load(fh)
 
@@ -94,70 +114,43 @@ def test_cache_section_alone_on_a_tiny_pool():
         assert figures[name]["value"] > 0 and math.isfinite(figures[name]["value"])
 
 
-# the quick run ----------------------------------------------------------------------------
+# one section through the CLI --------------------------------------------------------------------
 @pytest.mark.model
-def test_quick_bench_has_every_figure_finite_and_positive(quick_run):
-    assert quick_run["errors"] == {}
-    assert quick_run["quick"] is True
-    figs = quick_run["figures"]
-    for name in ENGINE + CACHE + SCHED + REPLAY + CLUSTER:
-        assert name in figs, f"missing figure {name}"
-        v = figs[name]["value"]
-        assert isinstance(v, float) and math.isfinite(v), f"{name} = {v!r}"
-        assert v >= 0 if name in QUEUE_WAITS else v > 0, f"{name} = {v!r}"
-        assert figs[name]["unit"] and figs[name]["feature"]
+def test_bench_section_has_every_figure_finite_and_positive(section_run):
+    assert section_run["errors"] == {}
+    assert section_run["quick"] is True and section_run["sections_run"] == ["scheduler"]
+    assert_finite_and_positive(section_run["figures"], SCHED)
 
 
 @pytest.mark.model
-def test_quick_bench_ratios_come_from_the_same_run(quick_run):
-    f = {k: v["value"] for k, v in quick_run["figures"].items()}
-    d = quick_run["details"]
-    assert close(f["prefill_flops_fraction"], f["prefill_gflop_s"] / f["matmul_ref_gflop_s"])
-    n = d["prefill"]["prompt_tokens"]
-    assert close(f["prefill_gflop_s"], d["prefill"]["model_flops"]["total"] * f["prefill_tok_s"] / n / 1e9)
-    assert close(f["prefill_tok_s"], n / min(d["prefill"]["prefill_s"]))
-    assert close(f["decode_bw_fraction"], f["decode_weight_gb_s"] / f["mem_read_gb_s"])
-    assert close(f["decode_weight_gb_s"], f["decode_tok_s"] * quick_run["model"]["matmul_bytes"] / 1e9)
-    assert d["decode"]["bandwidth_bytes"] >= 512 * 1024 ** 2
-    assert close(f["batch_speedup"], f["batch_decode_tok_s"] / f["decode_tok_s"])
-    w8 = d["w8_steps"]  # W8's own timeline: pure decode steps of 8 streams and of one
-    assert w8["steps_8"] and w8["steps_1"] and w8["from_image"]
-    assert close(f["batch8_step_ratio"], w8["median_step_8_s"] / w8["median_step_1_s"])
+def test_bench_section_ratios_come_from_the_same_run(section_run):
+    f = {k: v["value"] for k, v in section_run["figures"].items()}
+    sd = section_run["details"]["scheduler"]
     assert close(f["sched_wall_ratio"], f["sched_wall_cached_s"] / f["sched_wall_plain_s"])
-    sd = d["scheduler"]
     assert close(f["spec_speedup_one_stream"], sd["one"]["wall_s"] / sd["one_spec"]["wall_s"])
     assert sum(r["spec_drafted"] for r in sd["one"]["records"]) == 0   # the default drafts nothing
     drafted = sum(r["spec_drafted"] for r in sd["one_spec"]["records"])
     if drafted:
         accepted = sum(r["spec_accepted"] for r in sd["one_spec"]["records"])
         assert close(f["spec_acceptance"], accepted / drafted)
-    assert close(f["sched_wall_cached_s"], d["scheduler"]["cached"]["wall_s"])
+    assert close(f["sched_wall_cached_s"], sd["cached"]["wall_s"])
     assert close(f["ttft_hit_miss_ratio"], f["ttft_alone_hit_s"] / f["ttft_alone_miss_s"])
     assert sd["ttft_alone"]["hit_cached_tokens"] > 0  # the hit really reused the system prompt
-    assert close(f["peak_rss_gb"], max(f["peak_rss_warm_gb"], f["peak_rss_cold_gb"]))
-    assert f["cluster_dask_matches_pool"] == 1.0  # the Dask cluster's numbers equal the pool's
-    assert d["cluster"]["big"]["requests"] > 0
 
 
 @pytest.mark.model
-def test_quick_bench_targets_and_verdicts_agree(quick_run):
-    figs = quick_run["figures"]
-    # the peer section runs only with --peer, the w8 section (whole processes) not with --quick
-    measured = set(TARGETS) - set(PEER_TARGETS) - set(W8_TARGETS)
-    assert measured == {k for k, v in figs.items() if v["target"] is not None}
-    for name, (target, op) in ((k, TARGETS[k]) for k in measured):
-        fig = figs[name]
-        assert (fig["op"], fig["target"]) == (op, target), name
-        expected = fig["value"] <= target if op == "<=" else fig["value"] >= target
-        assert fig["pass"] is expected, name
-    summary = quick_run["targets"]
+def test_bench_targets_and_verdicts_agree(section_run):
+    figs = section_run["figures"]
+    assert_targets_attached(figs)
+    assert {"sched_wall_ratio", "ttft_hit_miss_ratio"} <= {k for k, v in figs.items() if v["target"]}
+    summary = section_run["targets"]
     assert summary["missed"] == [k for k, v in figs.items() if v["pass"] is False]
     assert summary["checked"] == sum(1 for v in figs.values() if v["target"] is not None)
 
 
 @pytest.mark.model
-def test_quick_bench_runs_are_comparable(quick_run):
-    sched = quick_run["details"]["scheduler"]
+def test_bench_scheduler_runs_are_comparable(section_run):
+    sched = section_run["details"]["scheduler"]
     for run in ("cached", "plain", "spec", "one", "one_spec"):
         assert all(r["n_gen"] == sched["new_tokens"] for r in sched[run]["records"]), run
     assert sched["cached"]["n_hits"] > 0 and sched["cached"]["n_misses"] > 0
@@ -167,47 +160,59 @@ def test_quick_bench_runs_are_comparable(quick_run):
     assert not sched["one"]["settings"]["spec_enabled"]
     assert all(sched[run]["settings"]["spec_enabled"] for run in ("spec", "one_spec"))
     assert {**sched["spec"]["settings"], "spec_enabled": False} == sched["cached"]["settings"]
-    load = quick_run["details"]["load"]
-    assert load["cold"]["from_image"] is False and load["warm"]["from_image"] is True
 
 
 @pytest.mark.model
-def test_quick_bench_records_the_machine(quick_run):
-    m = quick_run["machine"]
+def test_bench_records_the_machine(section_run):
+    m = section_run["machine"]
     for key in ("timestamp", "cpu_model", "cpu_count", "numpy", "blas", "python", "versions"):
         assert m.get(key), key
     assert m["cpu_count"] >= 1 and m["blas"].get("name")
     # where it ran, so two hosts' figures compare: the vector ISA, the BLAS kernel and its threads
     assert "isa" in m and m["blas_runtime"].get("core") and m["blas_runtime"].get("threads")
-    assert (m["isa"] or "?") in bench.format_table(quick_run).splitlines()[0]
-    assert quick_run["model"]["n_params"] > 0 and quick_run["model"]["matmul_bytes"] > 0
+    assert (m["isa"] or "?") in bench.format_table(section_run).splitlines()[0]
+    assert section_run["model"]["n_params"] > 0 and section_run["model"]["matmul_bytes"] > 0
 
 
 @pytest.mark.model
-def test_quick_bench_ui_figures_when_the_worker_exists(quick_run):
-    ui = quick_run["details"]["ui"]
-    if importlib.util.find_spec("app.desktop.worker") is None:
-        assert ui["available"] is False and "worker" in ui["reason"]
-        return
-    assert ui["available"], ui.get("reason")
-    f = {k: v["value"] for k, v in quick_run["figures"].items()}
-    for name in ("ui_max_gap_ms", "ui_busy_max_gap_ms", "ui_app_headless_ratio", "ui_app_s", "ui_headless_s"):
-        assert f[name] > 0 and math.isfinite(f[name]), name
-    assert quick_run["figures"]["ui_max_gap_ms"]["target"] == TARGETS["ui_max_gap_ms"][0]
-    for load in ("idle", "busy"):  # the window and headless produced the same tokens, in the same rounds
-        rounds = ui[load]
-        assert [a["tokens"] for a in rounds["app"]] == [h["tokens"] for h in rounds["headless"]]
-        assert rounds["app"][0]["tokens"] == ui["prompts"] * ui["new_tokens"]
-        assert close(rounds["ratios"][0], rounds["app"][0]["wall_s"] / rounds["headless"][0]["wall_s"])
-    assert close(f["ui_app_headless_ratio"], ui["idle"]["ratio"])
-
-
-@pytest.mark.model
-def test_quick_bench_table_lists_every_figure(quick_run):
-    table = bench.format_table(quick_run)
-    for name in quick_run["figures"]:
+def test_bench_table_lists_every_figure(section_run):
+    table = bench.format_table(section_run)
+    for name in section_run["figures"]:
         assert name in table
     assert "targets:" in table
+
+
+# the other sections, one by one ------------------------------------------------------------------
+@pytest.mark.model
+def test_prefill_and_decode_ratios_come_from_the_same_run(real_model):
+    from app.bench.engine import decode_figures, prefill_figures
+    figures, d = prefill_figures(real_model, quick=True)
+    assert_finite_and_positive(figures, PREFILL)
+    assert_targets_attached(figures)
+    f = {k: v["value"] for k, v in figures.items()}
+    assert close(f["prefill_flops_fraction"], f["prefill_gflop_s"] / f["matmul_ref_gflop_s"])
+    n = d["prompt_tokens"]
+    assert close(f["prefill_gflop_s"], d["model_flops"]["total"] * f["prefill_tok_s"] / n / 1e9)
+    assert close(f["prefill_tok_s"], n / min(d["prefill_s"]))
+
+    figures, d = decode_figures(real_model, quick=True, run_batch=True)
+    assert_finite_and_positive(figures, DECODE)
+    assert_targets_attached(figures)
+    f = {k: v["value"] for k, v in figures.items()}
+    assert close(f["decode_bw_fraction"], f["decode_weight_gb_s"] / f["mem_read_gb_s"])
+    assert close(f["decode_weight_gb_s"], f["decode_tok_s"] * real_model.weights.matmul_bytes() / 1e9)
+    assert d["bandwidth_bytes"] >= 512 * 1024 ** 2
+    assert close(f["batch_speedup"], f["batch_decode_tok_s"] / f["decode_tok_s"])
+
+
+@pytest.mark.model
+def test_w8_steps_section_divides_its_own_timelines_steps(real_model):
+    from app.bench.w8_steps import w8_step_figures
+    figures, w8 = w8_step_figures(real_model.path, None, quick=True)  # W8's own timeline, a child's
+    assert_finite_and_positive(figures, W8_STEPS)
+    assert_targets_attached(figures)
+    assert w8["steps_8"] and w8["steps_1"] and w8["from_image"]
+    assert close(figures["batch8_step_ratio"]["value"], w8["median_step_8_s"] / w8["median_step_1_s"])
 
 
 CRASH = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"

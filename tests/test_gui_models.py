@@ -18,12 +18,13 @@ def test_menu_lists_the_builtin_models(open_desktop, gemma_missing):
     assert texts[1] == "Gemma 3 270M Q4_K_M (base) — install…"
 
 
-def test_installed_gemma_opens_its_file(open_desktop, monkeypatch):
+def test_installed_gemma_opens_its_file(open_desktop, gemma_installed, monkeypatch):
     d = open_desktop()
+    assert menu_texts(d)[1] == "Gemma 3 270M Q4_K_M (base)"  # no "install…": nothing to ask
     loaded = []
     monkeypatch.setattr(d, "load_model", lambda path: loaded.append(path) or True)
     d.window.builtin_chosen.emit("gemma3-270m")
-    assert loaded == [BUILTIN_MODELS["gemma3-270m"].path()]
+    assert loaded == [BUILTIN_MODELS["gemma3-270m"].path()] == [gemma_installed]
 
 
 def test_missing_model_shows_terms_and_declining_installs_nothing(open_desktop, gemma_missing, monkeypatch):
