@@ -67,6 +67,22 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
         assert card.badge_reason.text() == card.turns[-1].reason
     assert w.requests_table.rowCount() == 3
 
+    # Where every prompt token went (docs/design.md §15): each card's bar shows its record's parts,
+    # adding up to its prompt, and the parts chart's last point is the session's totals.
+    totals: dict[str, int] = {}
+    for card in cards:
+        r = card.turns[-1].record
+        parts = r["parts"]
+        shown = card.parts_shown()
+        assert sum(shown.values()) == r["n_prompt"] == sum(v for k, v in parts.items() if k != "disk")
+        assert shown.get("cached", 0) + shown.get("disk", 0) + shown.get("lent", 0) == r["n_cached"]
+        assert "Where the" in card.parts_bar.toolTip()
+        for k, v in shown.items():
+            totals[k] = totals.get(k, 0) + v
+    w.charts.refresh()
+    chart = {k: v for k, v in w.charts.part_totals().items() if v}
+    assert chart == totals and sum(chart.values()) == sum(r.n_prompt for r in c.finished_records)
+
     # The charts hold exactly the scheduler's timeline; the page map counts match the pool.
     sched = c.client.worker.scheduler
     qtbot.waitUntil(lambda: w.charts.row_count == len(sched.timeline.rows), timeout=10_000)

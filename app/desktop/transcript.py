@@ -114,6 +114,9 @@ class Transcript:
         if record.text and len(record.text) >= len(turn.answer):
             turn.answer = record.text  # the scheduler's text is authoritative (split UTF-8 pieces)
         turn.record = {k: getattr(record, k) for k in RECORD_FIELDS}
+        if record.parts is not None:  # where its prompt tokens went (docs/design.md §15)
+            turn.record.update(parts=record.parts.as_dict(), diverged_at=record.diverged_at,
+                               diverged_words=record.diverged_words)
 
     def refuse(self, message: str) -> None:
         """The scheduler refused the turn."""
