@@ -16,7 +16,13 @@ def probe_prompt(scheduler: Scheduler, system: str, user: str, namespace: str = 
     prompt = chat_prompt(tok, turn_messages(system, user))
     r = engine.prefix_probe(cache, prompt, namespace)
     context, prompt_token, cached_token = departure(tok, prompt, r)
+    # Where its tokens would go if it ran now, by the accounting the scheduler's attach uses
+    # (docs/design.md §15): the cap's case is the whole rest held by the cache.
+    held = (len(prompt), None) if r.stop_reason == "cap" else None
+    account, _ = cache.account(prompt, namespace, n_cached=r.matched_pages, held=held)
     return {
+        "parts": account.parts.as_dict(), "diverged_at": account.diverged_at,
+        "evicted_by": account.evicted_by.describe() if account.evicted_by is not None else None,
         "matched_tokens": r.matched_tokens, "matched_pages": r.matched_pages, "n_prompt": len(prompt),
         "stop_reason": r.stop_reason, "first_diff_index": r.first_diff_index, "chain_id": r.nearest_chain_id,
         "context_before": context, "prompt_token": prompt_token, "cached_token": cached_token,

@@ -108,6 +108,9 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
                 "chain_id", "context_before", "prompt_token", "cached_token"):
         assert key in probe
     assert probe["matched_tokens"] >= cached[1] > 0
+    assert sum(v for k, v in probe["parts"].items() if k != "disk") == probe["n_prompt"]  # §15's parts
+    assert probe["parts"]["cached"] == probe["matched_tokens"]
+    assert "Where its tokens would go" in w.cache_panel.probe_view.plain_text()
 
     # A follow-up turn extends the conversation, so it hits the first turn's pages.
     first = cards[0].turns[-1].record

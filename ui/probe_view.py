@@ -7,7 +7,8 @@ import html
 from PySide6.QtCore import QEvent, Qt
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
 
-from .colors import SERIES_COLORS, Theme, theme_for
+from .colors import PART_COLORS, SERIES_COLORS, Theme, theme_for
+from .parts_bar import segments
 
 REASONS = {
     "cap": ("capped", "the last page is kept for the model to compute at least one token"),
@@ -48,6 +49,14 @@ def probe_html(info: dict, theme: Theme) -> str:
         f"<div style='margin-top:6px'><span style='color:{muted}'>The match stops:</span> "
         f"<b>{html.escape(short)}</b> — {html.escape(words)}.</div>",
     ]
+    if info.get("parts"):  # the scheduler's own accounting: why each token would or would not hit
+        words = ", ".join(f"<span style='color:{PART_COLORS[k]}'>■</span> {html.escape(k)} <b>{n:,}</b>"
+                          for k, n in segments(info["parts"]))
+        parts.append(f"<div style='margin-top:6px'><span style='color:{muted}'>Where its tokens would go:"
+                     f"</span> {words}</div>")
+        if info.get("evicted_by"):
+            parts.append(f"<div><span style='color:{muted}'>Its cached pages were</span> "
+                         f"{html.escape(str(info['evicted_by']))}</div>")
     chain = info.get("chain_id")
     if chain is not None:
         parts.append(f"<div><span style='color:{muted}'>Nearest cached chain:</span> "
