@@ -27,10 +27,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from .admission import can_take, plan_prefill
-from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch, prefix_attach, prefix_insert
+from .api import create_prefix_cache, create_session, prefix_attach, prefix_insert
 from .lending import can_lend, in_flight_share, lend, settle_borrowers
 from .loader import Model
 from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
+from .runner import ModelRunner, Runner
 from .sampler import Sampler, SamplingParams
 from .spec import plan_drafts, verify
 from .stream import (
@@ -59,12 +60,13 @@ MAX_ENDED_RECORDS = 10_000
 class Scheduler:
     """Continuous batching with a prefix cache; drive it with `submit` and `step`."""
 
-    def __init__(self, model: Model, settings: SchedulerSettings | None = None):
+    def __init__(self, model: Model, settings: SchedulerSettings | None = None, runner: Runner | None = None):
+        """`runner` runs each pass (engine/runner.py): the model's forward pass unless given."""
         self.settings = dataclasses.replace(settings) if settings else SchedulerSettings()
         self.settings.validate()
         self.model = model
-        self.pool = create_kv_pool(model, self.settings.page_rows, self.settings.pool_pages,
-                                   kv_dtype=self.settings.kv_dtype)
+        self.runner = runner or ModelRunner(model)
+        self.pool = self.runner.new_pool(self.settings)
         self.cache = create_prefix_cache(max_pages=self.settings.cache_pages,
                                          disk_pages=self.settings.disk_tier_pages)
         self.cache.bind(self.pool)
@@ -74,6 +76,7 @@ class Scheduler:
         self._records: dict[int, RequestRecord] = {}
         self._tokens: dict[int, RequestTokens] = {}  # ended requests' prompts and donations (traces)
         self._ended: deque[int] = deque()             # ended request ids, oldest first
+        self.max_ended_records = MAX_ENDED_RECORDS    # the twin keeps fewer (app/replay/twin.py)
         self.timeline = Timeline()
         self.waiting_for_pages: int | None = None  # the queued request that waits for free pages
         self._ids = itertools.count(1)
@@ -193,9 +196,7 @@ class Scheduler:
         """schedule -> one batched forward pass -> postprocess; return the events."""
         t0 = time.perf_counter()
         batch = self.schedule()
-        sessions = batch.sessions()
-        logits = eval_batch(self.model, sessions, batch.tokens(), n_logits=batch.n_logits()) \
-            if sessions else None
+        logits = self.runner.forward(batch) if batch.sessions() else None
         events = self.postprocess(batch, logits)
         step_s = time.perf_counter() - t0
         if batch.n_prefill:
@@ -364,7 +365,7 @@ class Scheduler:
         self._tokens[s.id] = RequestTokens(array("i", s.prompt), donated, admitted_s,
                                            time.perf_counter() - self._t0)
         self._ended.append(s.id)
-        while len(self._ended) > MAX_ENDED_RECORDS:
+        while len(self._ended) > self.max_ended_records:
             old = self._ended.popleft()
             self._records.pop(old, None)
             self._tokens.pop(old, None)
