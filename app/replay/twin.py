@@ -32,7 +32,7 @@ KEPT_RECORDS = 64   # ended requests the twin's scheduler keeps (the twin keeps 
 
 
 @dataclass(frozen=True)
-class TwinConfig:
+class StandInConfig:
     """The model facts the scheduler reads: its context length and vocabulary size."""
 
     context_length: int
@@ -60,14 +60,14 @@ class _NoText:
 class TwinModel:
     """What the scheduler reads of a model, without weights."""
 
-    config: TwinConfig
+    config: StandInConfig
     tokenizer: _NoText
 
 
 class Pages(BlockManager):
     """The twin's pool: the engine's page manager, no K/V arrays (`cfg` ties sessions to it)."""
 
-    def __init__(self, cfg: TwinConfig, page_rows: int, max_pages: int | None):
+    def __init__(self, cfg: StandInConfig, page_rows: int, max_pages: int | None):
         super().__init__(page_rows=page_rows, max_pages=max_pages)
         self.cfg = cfg
 
@@ -84,7 +84,7 @@ class _Discard:
 class TwinRunner:
     """A pass that records its tokens in storage-free pages and predicts its own duration."""
 
-    def __init__(self, cost: StepCost, cfg: TwinConfig):
+    def __init__(self, cost: StepCost, cfg: StandInConfig):
         self.cost, self.cfg = cost, cfg
         self.last_s = 0.0   # the predicted seconds of the latest pass
 
@@ -142,7 +142,7 @@ class Twin:
     def __init__(self, cost: StepCost, settings: SchedulerSettings | None = None,
                  context_length: int = TWIN_VOCAB, on_done=None):
         settings = settings or SchedulerSettings()
-        self.cfg = TwinConfig(context_length)
+        self.cfg = StandInConfig(context_length)
         self.runner = TwinRunner(cost, self.cfg)
         self.scheduler = Scheduler(TwinModel(self.cfg, _NoText()), settings, runner=self.runner)
         self.scheduler.max_ended_records = KEPT_RECORDS

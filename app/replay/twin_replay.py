@@ -165,8 +165,8 @@ def summary(res: TwinResult) -> str:
     """The lines the CLI prints."""
     def ps(d: dict) -> str:
         return "  ".join(f"{k} {v:,.3f}" for k, v in d.items())
-    slo = " and ".join([f"TTFT <= {res.slo_ttft_s:g} s"] * (res.slo_ttft_s is not None)
-                       + [f"TPOT <= {res.slo_tpot_s:g} s"] * (res.slo_tpot_s is not None))
+    slos = (("TTFT", res.slo_ttft_s), ("TPOT", res.slo_tpot_s))
+    slo = " and ".join(f"{name} <= {v:g} s" for name, v in slos if v is not None)
     lines = [f"twin: {res.requests:,} requests on {res.replicas} replica(s)"
              + (f" behind {res.router}" if res.replicas > 1 else "")
              + f", {res.steps:,} passes predicted in {res.seconds:.1f} s",
