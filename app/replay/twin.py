@@ -26,8 +26,11 @@ from engine.scheduler import FinishEvent, Request, Scheduler, SchedulerSettings
 from .stepcost import StepCost, shape_of
 from .trace import TraceRequest
 
-# A stand-in vocabulary as wide as token ids can be: a hash-id trace's blocks become token ids.
+# A stand-in vocabulary as wide as token ids can be (the twin checks no id against a model).
 TWIN_VOCAB = 2**31 - 1
+# The token ids a hash-id trace's blocks are drawn from, for the twin and for `--against` alike:
+# the byte range every byte-level BPE vocabulary has, above the special and control tokens.
+BLOCK_IDS = (32, 256)
 KEPT_RECORDS = 64   # ended requests the twin's scheduler keeps (the twin keeps its own books)
 
 
@@ -214,21 +217,20 @@ class Twin:
 
 
 # prompts -------------------------------------------------------------------------------
-def prompt_of(r: TraceRequest, block_size: int | None, vocab: int = TWIN_VOCAB,
-              first_id: int = 0) -> list[int]:
+def prompt_of(r: TraceRequest, block_size: int | None, ids: tuple[int, int] = BLOCK_IDS) -> list[int]:
     """The request's prompt as token ids: its own, or (hash-id traces) one block of `block_size`
     tokens per hash id, the same id always the same block, the last block cut to the input length."""
     if r.prompt is not None:
         return r.prompt
     out: list[int] = []
     for h in r.hash_ids:
-        out += block_tokens(h, block_size, vocab, first_id)
+        out += block_tokens(h, block_size, *ids)
     return out[:r.input_length]
 
 
 @functools.lru_cache(maxsize=4096)
-def block_tokens(hash_id: int, block_size: int, vocab: int, first_id: int = 0) -> tuple[int, ...]:
-    """The block of a hash id: `block_size` token ids in [first_id, vocab), drawn from a generator
+def block_tokens(hash_id: int, block_size: int, low: int, high: int) -> tuple[int, ...]:
+    """The block of a hash id: `block_size` token ids in [low, high), drawn from a generator
     seeded by the id (so every run, the twin and `--against` rebuild the same blocks)."""
     rng = np.random.default_rng(hash_id)
-    return tuple(int(t) for t in rng.integers(first_id, vocab, block_size))
+    return tuple(rng.integers(low, high, block_size).tolist())

@@ -38,7 +38,7 @@ class TwinConfig:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     context_length: int = TWIN_VOCAB
-    vocab: int = TWIN_VOCAB   # token ids of rebuilt hash-id prompts are below this
+    speed: float = 1.0        # arrivals at the trace's times divided by this
 
 
 @dataclass
@@ -108,10 +108,10 @@ def predict(source: TraceSource, config: TwinConfig, progress=None,
     gc.disable()  # the pages and records hold no cycles; collections would walk them all
     try:
         for i, r in enumerate(source):
-            clock = max(clock, r.arrival_s)  # a trace slightly out of order never runs time backwards
+            clock = max(clock, r.arrival_s / config.speed)  # a trace slightly out of order never runs back
             for rep in reps:
                 rep.advance(clock)
-            prompt = prompt_of(r, block, config.vocab)
+            prompt = prompt_of(r, block)
             cached = [rep.cached_pages(prompt, r.namespace) for rep in reps]
             view = View(index=i, first_key=_first_key(reps[0], r, prompt),
                         blocks=-(-len(prompt) // settings.page_rows),
@@ -153,7 +153,8 @@ def _result(config: TwinConfig, books: _Books, steps: int, seconds: float) -> Tw
     for name, col in books.cols.items():
         a = np.frombuffer(col, dtype=np.float64)
         values = np.percentile(a, PERCENTILES)
-        setattr(res, f"{name}_s", {f"p{q}": float(v) for q, v in zip(PERCENTILES, values)})
+        setattr(res, f"{name}_s", {**{f"p{q}": float(v) for q, v in zip(PERCENTILES, values)},
+                                   "mean": float(a.mean())})
     res.span_s = books.last_end - books.first_arrival
     res.token_hit_ratio = books.cached / books.input_tokens if books.input_tokens else 0.0
     res.good = books.good
