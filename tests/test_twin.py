@@ -179,3 +179,31 @@ def test_two_twins_behind_cache_aware_beat_round_robin_on_mooncake(tmp_path):
     assert ca.token_hit_ratio > rr.token_hit_ratio
     for q in ("p50", "p90", "p99", "mean"):
         assert ca.ttft_s[q] < rr.ttft_s[q], q
+
+
+def test_against_a_real_server_measures_every_request_beside_the_twin(tiny_model, tmp_path, capsys):
+    """`replay --against` sends a small hash-id trace (two shared blocks) to a real `prefixlab
+    serve` over HTTP on a free loopback port and prints measured beside predicted."""
+    from app.cli import main
+    from tests.serve_helpers import scheduler_on, start_server
+    path = str(tmp_path / "burst.jsonl")
+    write_trace(path, TraceHeader(block_size=16), [
+        TraceRequest(arrival_s=0.05 * i, input_length=40, output_length=3, hash_ids=[1, 2, 10 + i])
+        for i in range(5)])
+    cost = str(tmp_path / "cost.json")
+    StepCost(c0=0.01, c_prefill=1e-4, c_decode=1e-3).save(cost)
+    server = start_server(scheduler_on(tiny_model, page_rows=16))
+    try:
+        out = str(tmp_path / "against.json")
+        assert main(["replay", path, "--against", server.url, "--cost", cost, "--json", out]) == 0
+    finally:
+        server.stop()
+    text = capsys.readouterr().out
+    assert "measured 5 of 5 requests" in text and "TTFT p90: measured" in text
+    got = json.loads(open(out, encoding="utf-8").read())
+    assert got["compare"]["measured_ok"] == 5
+    assert [m["tokens"] for m in got["measured"]] == [3] * 5      # each answer ran to its length
+    assert all(m["ttft_s"] > 0 and m["total_s"] >= m["ttft_s"] for m in got["measured"])
+    # the server cached what the twin predicted it would: the shared blocks, once computed
+    assert sum(m["cached_tokens"] or 0 for m in got["measured"]) > 0
+    assert got["twin"]["token_hit_ratio"] > 0

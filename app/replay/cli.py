@@ -101,6 +101,9 @@ def run(args) -> int:
                 print(f"wrote {args.redact}: {n} requests, block hashes of "
                       f"{args.block_size or source.header.page_rows} tokens, no token ids")
                 return 0
+            if args.against:
+                from .twin_cli import run_against
+                return run_against(args, source)
             if args.twin:  # the twin rebuilds a hash-id trace's prompts as tokens: any page size
                 from .twin_cli import run_twin
                 return run_twin(args, source)

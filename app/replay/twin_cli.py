@@ -24,6 +24,13 @@ def add_twin_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-pages", type=int, metavar="N",
                    help="the twin's KV pool per replica in pages (default: grows, as serve's)")
     g.add_argument("--per-request", metavar="OUT.jsonl", help="write each request's predicted figures here")
+    g.add_argument("--against", metavar="URL",
+                   help="send the trace to this OpenAI-compatible server at its arrival times and report "
+                        "measured beside the twin's prediction (e.g. http://127.0.0.1:8000)")
+    g.add_argument("--speed", type=_speed, default=1.0, metavar="X",
+                   help="--against and --twin: arrivals X times as fast as the trace's (default 1)")
+    g.add_argument("--served-model", metavar="NAME", help="--against: the model name to send "
+                                                          "(default: the server's first)")
 
 
 def _seconds(text: str) -> float:
@@ -33,6 +40,16 @@ def _seconds(text: str) -> float:
         v = float("nan")
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"an SLO is a number of seconds > 0, got {text!r}")
+    return v
+
+
+def _speed(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"--speed is a number > 0, got {text!r}")
     return v
 
 
@@ -70,7 +87,8 @@ def twin_config(args, cost):
     if len(routers) > 1 or len(replicas) > 1:
         raise ValueError("--twin runs one configuration: give one --replicas N and one --router")
     knobs = RouterKnobs(args.seed, args.balance_abs, args.balance_rel, args.overlap_weight)
-    return TwinConfig(cost, settings, replicas[0], routers[0], knobs, args.slo_ttft, args.slo_tpot)
+    return TwinConfig(cost, settings, replicas[0], routers[0], knobs, args.slo_ttft, args.slo_tpot,
+                      speed=args.speed)
 
 
 def run_twin(args, source) -> int:
@@ -101,3 +119,30 @@ def run_twin(args, source) -> int:
                                 "twin": res.to_json()})
         print(f"wrote {args.json}")
     return 0
+
+
+def run_against(args, source) -> int:
+    """Send the trace to --against, then predict it with the twin; print both and the errors."""
+    from . import against
+    from .cli import _write_json
+    from .twin_replay import predict, summary
+    try:
+        cost, where = load_cost(args.cost, getattr(args, "model", None))
+        config = twin_config(args, cost)
+    except ValueError as e:
+        raise TraceError(str(e)) from None
+    print(f"sending the trace to {args.against} at {args.speed:g}x its arrival times ...", flush=True)
+    measured = against.send(args.against, source, args.speed, args.served_model)
+    predicted: dict = {}
+    res = predict(source, config, per_request=lambda p: predicted.__setitem__(p.index, p))
+    cmp = against.compare(measured, predicted)
+    print(against.table(measured, predicted))
+    print(f"step cost: {where}")
+    print(summary(res))
+    print(against.summary(cmp))
+    if args.json:
+        _write_json(args.json, {"trace": os.path.abspath(args.trace), "against": args.against,
+                                "speed": args.speed, "cost": cost.to_json(), "twin": res.to_json(),
+                                "compare": cmp, "measured": [m.__dict__ for m in measured]})
+        print(f"wrote {args.json}")
+    return 0 if cmp["measured_ok"] == cmp["requests"] else 1
