@@ -23,15 +23,16 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 
 from .admission import can_take, plan_prefill
-from .api import create_prefix_cache, create_session, prefix_attach, prefix_insert
+from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch, prefix_attach, prefix_insert
+from .block_manager import BlockManager
 from .lending import can_lend, in_flight_share, lend, settle_borrowers
 from .loader import Model
 from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
-from .runner import ModelRunner, Runner
 from .sampler import Sampler, SamplingParams
 from .spec import plan_drafts, verify
 from .stream import (
@@ -57,11 +58,34 @@ POOL_FIELDS = ("page_rows", "pool_pages", "kv_dtype", "disk_tier_pages")
 MAX_ENDED_RECORDS = 10_000
 
 
+class Runner(Protocol):
+    """What runs the scheduler's passes: a pool of pages for it to hold, and per planned `Batch`
+    the logits after each row it samples from, the batch's tokens recorded in the pool. The twin
+    (app/replay/twin.py, docs/design.md §16) runs one over pages that store nothing."""
+
+    def new_pool(self, settings: SchedulerSettings) -> BlockManager: ...
+
+    def forward(self, batch: Batch) -> np.ndarray: ...
+
+
+class ModelRunner:
+    """The model's forward pass over a KV pool: what `serve` runs."""
+
+    def __init__(self, model: Model):
+        self.model = model
+
+    def new_pool(self, settings: SchedulerSettings) -> BlockManager:
+        return create_kv_pool(self.model, settings.page_rows, settings.pool_pages, kv_dtype=settings.kv_dtype)
+
+    def forward(self, batch: Batch) -> np.ndarray:
+        return eval_batch(self.model, batch.sessions(), batch.tokens(), n_logits=batch.n_logits())
+
+
 class Scheduler:
     """Continuous batching with a prefix cache; drive it with `submit` and `step`."""
 
     def __init__(self, model: Model, settings: SchedulerSettings | None = None, runner: Runner | None = None):
-        """`runner` runs each pass (engine/runner.py): the model's forward pass unless given."""
+        """`runner` runs each pass: the model's forward pass (`ModelRunner`) unless given."""
         self.settings = dataclasses.replace(settings) if settings else SchedulerSettings()
         self.settings.validate()
         self.model = model

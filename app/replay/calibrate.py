@@ -15,8 +15,7 @@ import argparse
 import os
 import time
 
-from engine.runner import ModelRunner
-from engine.scheduler import Request, Scheduler, SchedulerSettings
+from engine.scheduler import ModelRunner, Request, Scheduler, SchedulerSettings
 
 from .stepcost import StepCost, StepShape, fit, shape_of
 

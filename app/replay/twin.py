@@ -3,7 +3,7 @@ nothing, each pass timed by a step-cost model on a virtual clock.
 
 Admission, chunked prefill, lending, continuous batching and eviction are the scheduler's own
 code (the code `serve` runs); only the forward pass is replaced (`TwinRunner`, an
-`engine.runner.Runner`): it records the pass's tokens in the pages, as `eval_batch` does, and
+`engine.scheduler.Runner`): it records the pass's tokens in the pages, as `eval_batch` does, and
 predicts the pass's seconds from its shape (app/replay/stepcost.py). Each request's answer is
 forced to the trace's output length (greedy over one-logit rows, no stop tokens). A pass
 starts when the one before ends, or when a request arrives at an idle replica; a request that
