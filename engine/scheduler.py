@@ -61,7 +61,7 @@ MAX_ENDED_RECORDS = 10_000
 class Runner(Protocol):
     """What runs the scheduler's passes: a pool of pages for it to hold, and per planned `Batch`
     the logits after each row it samples from, the batch's tokens recorded in the pool. The twin
-    (app/replay/twin.py, docs/design.md §16) runs one over pages that store nothing."""
+    (app/replay/twin.py, docs/design.md §15) runs one over pages that store nothing."""
 
     def new_pool(self, settings: SchedulerSettings) -> BlockManager: ...
 

@@ -1,4 +1,4 @@
-"""The twin (docs/design.md §16): the engine's scheduler over storage-free pages on a step-cost
+"""The twin (docs/design.md §15): the engine's scheduler over storage-free pages on a step-cost
 clock. Deterministic: a given cost file, no timing."""
 
 from __future__ import annotations

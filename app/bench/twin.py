@@ -1,4 +1,4 @@
-"""Bench section "twin" (docs/design.md §16): how far the twin's prediction is from the real server.
+"""Bench section "twin" (docs/design.md §15): how far the twin's prediction is from the real server.
 
 A fresh `prefixlab calibrate` (a child process, before the server starts), then `prefixlab serve`
 on the bundled model as shipped (only its queue made long enough for the bursts), then a trace of

@@ -1,5 +1,5 @@
 """`prefixlab replay TRACE --against URL`: send the trace to a running OpenAI-compatible server at
-the trace's own arrival times (divided by `--speed`) and measure each request (docs/design.md §16).
+the trace's own arrival times (divided by `--speed`) and measure each request (docs/design.md §15).
 
 Prompts go as token ids to `/v1/completions` (prefixlab serve, vLLM and llama.cpp's server take a
 list of ids), rebuilt as the twin rebuilds them (`app.replay.twin.prompt_of`: a hash-id trace's

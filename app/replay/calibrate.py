@@ -1,5 +1,5 @@
 """`prefixlab calibrate`: time real passes of the loaded model on this machine and fit the twin's
-step-cost model (docs/design.md §16).
+step-cost model (docs/design.md §15).
 
 The passes are the engine's own: the real `Scheduler` runs a few small workloads (one prompt of
 each of several lengths, then 2, 4 and 8 streams decoding together, then long prompts whose

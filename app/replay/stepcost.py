@@ -1,4 +1,4 @@
-"""The twin's step-cost model (docs/design.md §16): one pass's seconds from what it runs.
+"""The twin's step-cost model (docs/design.md §15): one pass's seconds from what it runs.
 
     seconds = c0 + c_prefill x prefill rows + c_decode x decode rows
               + c_ctx x context attended by decode rows + c_prefill_ctx x (prefill row, key) pairs

@@ -1,4 +1,4 @@
-"""The engine's twin (docs/design.md §16): the engine's own `Scheduler` over pages that store
+"""The engine's twin (docs/design.md §15): the engine's own `Scheduler` over pages that store
 nothing, each pass timed by a step-cost model on a virtual clock.
 
 Admission, chunked prefill, lending, continuous batching and eviction are the scheduler's own

@@ -1,5 +1,5 @@
 """`prefixlab replay TRACE --twin`: the options, the cost file's lookup, the run and its output
-(docs/design.md §16)."""
+(docs/design.md §15)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .trace import TraceError
 
 
 def add_twin_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("the twin: predicted latency (docs/design.md §16)")
+    g = p.add_argument_group("the twin: predicted latency (docs/design.md §15)")
     g.add_argument("--twin", action="store_true",
                    help="predict each request's queueing, TTFT, time per output token and end with the "
                         "engine's own scheduler over a fitted step cost (with --replicas/--router: N twins)")

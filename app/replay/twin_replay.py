@@ -1,5 +1,5 @@
 """`prefixlab replay TRACE --twin`: a trace through one twin or N twins behind a router
-(docs/design.md §16, §13's routers), streamed: each request is read, routed and submitted at its
+(docs/design.md §15, §13's routers), streamed: each request is read, routed and submitted at its
 arrival, and forgotten once it ends but for its figures (eight bytes each per measure), so a
 million-request trace runs in bounded memory.
 """
