@@ -207,3 +207,30 @@ def test_against_a_real_server_measures_every_request_beside_the_twin(tiny_model
     # the server cached what the twin predicted it would: the shared blocks, once computed
     assert sum(m["cached_tokens"] or 0 for m in got["measured"]) > 0
     assert got["twin"]["token_hit_ratio"] > 0
+
+
+def test_the_twin_command_names_what_is_wrong(tmp_path):
+    from app.cli import main
+    trace = _write(tmp_path, _small_trace()).path
+    cost = str(tmp_path / "cost.json")
+    COST.save(cost)
+    with pytest.raises(SystemExit, match="cannot read the step-cost file .*nowhere.json"):
+        main(["replay", trace, "--twin", "--cost", str(tmp_path / "nowhere.json")])
+    with pytest.raises(SystemExit, match="one --replicas N and one --router"):
+        main(["replay", trace, "--twin", "--cost", cost, "--replicas", "1,2"])
+    with pytest.raises(SystemExit):
+        main(["replay", trace, "--twin", "--cost", cost, "--slo-ttft", "-1"])
+
+
+def test_the_twin_command_prints_percentiles_and_goodput(tmp_path, capsys):
+    from app.cli import main
+    trace = _write(tmp_path, _small_trace()).path
+    cost, out = str(tmp_path / "cost.json"), str(tmp_path / "per.jsonl")
+    COST.save(cost)
+    assert main(["replay", trace, "--twin", "--cost", cost, "--page-rows", "4", "--chunk-tokens", "16",
+                 "--max-streams", "2", "--slo-ttft", "4", "--per-request", out, "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "TTFT s   p50 3.000" in text
+    assert "goodput under TTFT <= 4 s: 3 of 4 requests" in text     # C's TTFT is 5 s
+    rows = [json.loads(line) for line in open(out, encoding="utf-8")]
+    assert sorted(r["index"] for r in rows) == [0, 1, 2, 3] and rows[0]["ttft_s"] == 3.0
