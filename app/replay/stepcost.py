@@ -109,13 +109,32 @@ class StepCost:
 
 
 def fit(shapes: list[StepShape], seconds: list[float], **about) -> StepCost:
-    """Least squares over timed passes (relative error weighted: a short pass counts as much as a
-    long one), negative coefficients dropped; `about` sets machine and model."""
+    """Least squares on relative error (a short pass counts as much as a long one), negative
+    coefficients dropped; `about` sets machine and model.
+
+    Weighting each pass by 1 / its measured time biases the fit low (a pass slowed by another
+    process counts for less than one that ran fast), so the weights become 1 / the fitted time
+    and the fit is repeated until they settle (iteratively reweighted least squares)."""
     if len(shapes) < len(TERMS):
         raise ValueError(f"fitting a step cost needs at least {len(TERMS)} timed passes, got {len(shapes)}")
     x = np.array([s.features() for s in shapes], dtype=np.float64)
     y = np.asarray(seconds, dtype=np.float64)
-    w = 1.0 / y  # relative error: divide each row by its own time
+    coef = _nonnegative_lstsq(x, y, 1.0 / y)
+    for _ in range(REWEIGHTS):
+        coef = _nonnegative_lstsq(x, y, 1.0 / np.maximum(x @ coef, y.min() * 0.01))
+    rel = np.abs(x @ coef - y) / y
+    about = dict(about)
+    about["fit"] = {**about.get("fit", {}), "steps": len(shapes), "median_rel_error": float(np.median(rel)),
+                    "p90_rel_error": float(np.percentile(rel, 90)), "max_rel_error": float(rel.max())}
+    return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about)
+
+
+REWEIGHTS = 5
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least squares; the most negative term dropped and the rest fitted again until
+    none is negative (a time never shrinks with more work)."""
     keep = [i for i in range(x.shape[1]) if x[:, i].any()]
     while True:
         a = x[:, keep] * w[:, None]
@@ -123,13 +142,7 @@ def fit(shapes: list[StepShape], seconds: list[float], **about) -> StepCost:
         sol = np.linalg.lstsq(a / scale, y * w, rcond=None)[0] / scale
         if (sol >= 0).all() or len(keep) == 1:
             break
-        del keep[int(np.argmin(sol))]  # the most negative term explains nothing: drop it, fit again
-    coef = [0.0] * len(TERMS)
-    for k, c in zip(keep, sol):
-        coef[k] = max(0.0, float(c))
-    rel = np.abs(x @ np.array(coef) - y) / y
-    about = dict(about)
-    about.setdefault("fit", {})
-    about["fit"] = {**about["fit"], "steps": len(shapes), "median_rel_error": float(np.median(rel)),
-                    "p90_rel_error": float(np.percentile(rel, 90)), "max_rel_error": float(rel.max())}
-    return StepCost(**dict(zip(TERMS, coef)), **about)
+        del keep[int(np.argmin(sol))]
+    coef = np.zeros(x.shape[1])
+    coef[keep] = np.maximum(sol, 0.0)
+    return coef
