@@ -13,7 +13,7 @@ import engine
 # of every `prefixlab run` start).
 COMMANDS = {"generate": "generate", "run": "run_headless", "bench": "bench", "models": "builtin_models",
             "replay": "replay.cli", "watch": "watch.cli", "serve": "serve.cli",
-            "advise": "advise.cli", "proxy": "proxy.cli"}
+            "advise": "advise.cli", "proxy": "proxy.cli", "calibrate": "replay.calibrate"}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

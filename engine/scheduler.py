@@ -23,11 +23,13 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 
 from .admission import can_take, plan_prefill
 from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch, prefix_insert
+from .block_manager import BlockManager
 from .lending import account_loan, can_lend, in_flight_share, lend, settle_borrowers
 from .loader import Model
 from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
@@ -57,15 +59,39 @@ POOL_FIELDS = ("page_rows", "pool_pages", "kv_dtype", "disk_tier_pages")
 MAX_ENDED_RECORDS = 10_000
 
 
+class Runner(Protocol):
+    """What runs the scheduler's passes: a pool of pages for it to hold, and per planned `Batch`
+    the logits after each row it samples from, the batch's tokens recorded in the pool. The twin
+    (app/replay/twin.py, docs/design.md §16) runs one over pages that store nothing."""
+
+    def new_pool(self, settings: SchedulerSettings) -> BlockManager: ...
+
+    def forward(self, batch: Batch) -> np.ndarray: ...
+
+
+class ModelRunner:
+    """The model's forward pass over a KV pool: what `serve` runs."""
+
+    def __init__(self, model: Model):
+        self.model = model
+
+    def new_pool(self, settings: SchedulerSettings) -> BlockManager:
+        return create_kv_pool(self.model, settings.page_rows, settings.pool_pages, kv_dtype=settings.kv_dtype)
+
+    def forward(self, batch: Batch) -> np.ndarray:
+        return eval_batch(self.model, batch.sessions(), batch.tokens(), n_logits=batch.n_logits())
+
+
 class Scheduler:
     """Continuous batching with a prefix cache; drive it with `submit` and `step`."""
 
-    def __init__(self, model: Model, settings: SchedulerSettings | None = None):
+    def __init__(self, model: Model, settings: SchedulerSettings | None = None, runner: Runner | None = None):
+        """`runner` runs each pass: the model's forward pass (`ModelRunner`) unless given."""
         self.settings = dataclasses.replace(settings) if settings else SchedulerSettings()
         self.settings.validate()
         self.model = model
-        self.pool = create_kv_pool(model, self.settings.page_rows, self.settings.pool_pages,
-                                   kv_dtype=self.settings.kv_dtype)
+        self.runner = runner or ModelRunner(model)
+        self.pool = self.runner.new_pool(self.settings)
         self.cache = create_prefix_cache(max_pages=self.settings.cache_pages,
                                          disk_pages=self.settings.disk_tier_pages)
         self.cache.bind(self.pool)
@@ -75,6 +101,7 @@ class Scheduler:
         self._records: dict[int, RequestRecord] = {}
         self._tokens: dict[int, RequestTokens] = {}  # ended requests' prompts and donations (traces)
         self._ended: deque[int] = deque()             # ended request ids, oldest first
+        self.max_ended_records = MAX_ENDED_RECORDS    # the twin keeps fewer (app/replay/twin.py)
         self.timeline = Timeline()
         self.waiting_for_pages: int | None = None  # the queued request that waits for free pages
         self._ids = itertools.count(1)
@@ -194,9 +221,7 @@ class Scheduler:
         """schedule -> one batched forward pass -> postprocess; return the events."""
         t0 = time.perf_counter()
         batch = self.schedule()
-        sessions = batch.sessions()
-        logits = eval_batch(self.model, sessions, batch.tokens(), n_logits=batch.n_logits()) \
-            if sessions else None
+        logits = self.runner.forward(batch) if batch.sessions() else None
         events = self.postprocess(batch, logits)
         step_s = time.perf_counter() - t0
         if batch.n_prefill:
@@ -382,7 +407,7 @@ class Scheduler:
         self._tokens[s.id] = RequestTokens(array("i", s.prompt), donated, admitted_s,
                                            time.perf_counter() - self._t0)
         self._ended.append(s.id)
-        while len(self._ended) > MAX_ENDED_RECORDS:
+        while len(self._ended) > self.max_ended_records:
             old = self._ended.popleft()
             self._records.pop(old, None)
             self._tokens.pop(old, None)

@@ -26,6 +26,8 @@ time per page beside the prefill time it spares.
 --peer llama-cpp adds the peer section ("llama.cpp peer"): llama-cpp-python on the same
 GGUF, prefill, decode, eight streams and the W8 workload, as ratios with their targets
 (its llama.cpp tok/s are the llama_cpp_* figures, which the llama_cpp section then reuses).
+twin ("twin"): a fresh calibration, then 60 requests in bursts sent to `prefixlab serve` and
+predicted by the twin: the error of TTFT p50 and p90 (not in --quick).
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ import sys
 import time
 
 SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
-            "cluster", "blas", "llama_cpp", "w8", "peer", "tiers", "soak")
+            "cluster", "blas", "llama_cpp", "w8", "peer", "tiers", "soak", "twin")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 # left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run;
 # w8: a minute of whole processes, with busy ones)
-QUICK_SKIPS = ("blas", "serve", "llama_cpp", "w8", "peer", "soak")
+QUICK_SKIPS = ("blas", "serve", "llama_cpp", "w8", "peer", "soak", "twin")
 OPT_IN = ("peer", "soak")  # run only when asked for (--peer, or --only naming it; soak: ~30 min)
 
 
@@ -208,6 +210,9 @@ def _model_free_sections(sections: list, section, path: str, quick: bool, figure
     if "soak" in sections:
         from .soak import soak_figures
         section("soak", lambda: soak_figures(path, quick))
+    if "twin" in sections:
+        from .twin import twin_figures
+        section("twin", lambda: twin_figures(path, quick))
     if "replay" in sections:
         from . import replay as bench_replay
         section("replay", lambda: bench_replay.replay_figures(quick))

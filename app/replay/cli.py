@@ -52,6 +52,8 @@ def add_parser(sub) -> None:
                         "report them)")
     from .cluster_cli import add_cluster_args
     add_cluster_args(p)
+    from .twin_cli import add_twin_args
+    add_twin_args(p)
     p.set_defaults(func=run)
 
 
@@ -105,6 +107,12 @@ def run(args) -> int:
                 print(f"wrote {args.redact}: {n} requests, block hashes of "
                       f"{args.block_size or source.header.page_rows} tokens, no token ids")
                 return 0
+            if args.against:
+                from .twin_cli import run_against
+                return run_against(args, source)
+            if args.twin:  # the twin rebuilds a hash-id trace's prompts as tokens: any page size
+                from .twin_cli import run_twin
+                return run_twin(args, source)
             if source.hashed and args.page_rows != [None]:
                 raise TraceError("--page-rows applies to token traces; a hash-id trace replays at "
                                  "its --block-size")

@@ -1,0 +1,89 @@
+"""Bench section "twin" (docs/design.md §16): how far the twin's prediction is from the real server.
+
+A fresh `prefixlab calibrate` (a child process, before the server starts), then `prefixlab serve`
+on the bundled model as shipped (only its queue made long enough for the bursts), then a trace of
+bursts of requests sharing one of three system prompts, at a rate that queues, sent `--against`
+it; the same trace through the twin at the fresh calibration. The figures are the twin's relative
+error on TTFT p50 and p90 (target: within 20 %) and on the total time's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import tempfile
+
+from ..replay import against
+from ..replay.stepcost import StepCost
+from ..replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
+from ..replay.twin_replay import TwinConfig, predict
+from ..serve import loadtest
+from .common import child_env, figure
+from .serve import free_port
+
+ISSUE = "A twin of the engine"
+TARGET_ERROR = 0.20
+BLOCK = 32
+BURSTS, PER_BURST, EVERY_S = 10, 6, 4.0          # 60 requests
+QUICK_BURSTS, QUICK_PER_BURST = 3, 3
+
+
+def burst_trace(path: str, bursts: int, per_burst: int, seed: int = 7) -> int:
+    """Bursts of requests 50 ms apart, each a 4-block system prompt (one of three) and a 1-2 block
+    question of its own, 8-16 answer tokens; a burst every EVERY_S s."""
+    rng = random.Random(seed)
+    reqs, fresh = [], 1000
+    for b in range(bursts):
+        for j in range(per_burst):
+            system = rng.randrange(3)
+            own = rng.randint(1, 2)
+            ids = [100 * system + k for k in range(4)] + list(range(fresh, fresh + own))
+            fresh += own
+            reqs.append(TraceRequest(arrival_s=b * EVERY_S + 0.05 * j, input_length=BLOCK * (4 + own) - 3,
+                                     output_length=rng.randint(8, 16), hash_ids=ids))
+    write_trace(path, TraceHeader(block_size=BLOCK, source="prefixlab bench twin"), reqs)
+    return len(reqs)
+
+
+def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
+    with tempfile.TemporaryDirectory(prefix="prefixlab-bench-twin-") as tmp:
+        cost_file = os.path.join(tmp, "cost.json")
+        subprocess.run([loadtest.python(), "-m", "app.cli", "calibrate", "--model", model_path,
+                        "--out", cost_file, "--quiet"], env=child_env(), check=True, capture_output=True)
+        cost = StepCost.load(cost_file)
+        trace = os.path.join(tmp, "trace.jsonl")
+        n = burst_trace(trace, *((QUICK_BURSTS, QUICK_PER_BURST) if quick else (BURSTS, PER_BURST)))
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = loadtest.start_server([loadtest.python(), "-m", "app.cli", "serve", "--model", model_path,
+                                      "--port", str(port), "--max-queue", "512"], base + "/v1",
+                                     env=child_env(), ready_path="/health")
+        try:
+            warm = os.path.join(tmp, "warm.jsonl")  # first-use costs (workspaces, pages) are no queue
+            write_trace(warm, TraceHeader(block_size=BLOCK), [
+                TraceRequest(arrival_s=0.0, input_length=BLOCK * 5, output_length=4,
+                             hash_ids=[9000 + k for k in range(5)])])
+            against.send(base, open_trace(warm))
+            measured = against.send(base, open_trace(trace))
+        finally:
+            loadtest.stop_server(proc)
+        predicted: dict = {}
+        res = predict(open_trace(trace), TwinConfig(cost),  # serve's own scheduler settings
+                      per_request=lambda p: predicted.__setitem__(p.index, p))
+    cmp = against.compare(measured, predicted)
+    if cmp["measured_ok"] != n:
+        raise RuntimeError(f"only {cmp['measured_ok']} of {n} requests measured: {cmp['errors'][:3]}")
+    err = {k: cmp[k]["error"] for k in ("ttft", "total")}
+    note = f"{n} requests in bursts, 3 shared system prompts, against prefixlab serve"
+    figures = {
+        "twin_ttft_p50_error": figure(abs(err["ttft"]["p50"]), "ratio", ISSUE, TARGET_ERROR, "<=", note=note),
+        "twin_ttft_p90_error": figure(abs(err["ttft"]["p90"]), "ratio", ISSUE, TARGET_ERROR, "<=", note=note),
+        "twin_ttft_p99_error": figure(abs(err["ttft"]["p99"]), "ratio", ISSUE),
+        "twin_total_p50_error": figure(abs(err["total"]["p50"]), "ratio", ISSUE),
+        "twin_total_p90_error": figure(abs(err["total"]["p90"]), "ratio", ISSUE),
+    }
+    details = {"compare": cmp, "cost": cost.to_json(), "twin": res.to_json(),
+               "measured": [m.__dict__ for m in measured],
+               "predicted": [predicted[i].to_json() for i in sorted(predicted)]}
+    return figures, details

@@ -1,0 +1,127 @@
+"""`prefixlab calibrate`: time real passes of the loaded model on this machine and fit the twin's
+step-cost model (docs/design.md §16).
+
+The passes are the engine's own: the real `Scheduler` runs a few small workloads (one prompt of
+each of several lengths, then 2, 4 and 8 streams decoding together, then long prompts whose
+chunks share passes with decoding streams), and each `step()` is timed whole, so the fit includes
+the scheduler's own work around the forward pass, as `serve` pays it. Answers run to their length
+(no stop token). The fit is kept beside the weight image as one versioned JSON file
+(`cost_path`); `prefixlab replay --twin` reads it unless `--cost` names another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from engine.scheduler import ModelRunner, Request, Scheduler, SchedulerSettings
+
+from .stepcost import StepCost, StepShape, fit, shape_of
+
+# (prompt tokens, answer tokens) of each request, one workload (submitted together) per line;
+# all but the warm-up run twice, so one slow pass (another process took a core) weighs less
+WORKLOADS = (
+    [(24, 4)],                                        # warm-up: not fitted
+    *[[(16, 3)], [(96, 3)], [(256, 3)], [(512, 3)], [(900, 12)],
+      [(40, 14)] * 2, [(40, 14)] * 4, [(40, 14)] * 8,
+      [(300, 8)] * 4, [(160, 10)] * 8] * 2,
+)
+
+
+def cost_path(model_path: str) -> str:
+    """Where the model's calibrated step cost lives: beside its weight image."""
+    from engine.cpu.weight_image import cache_root, image_key
+    return os.path.join(cache_root(), f"{image_key(model_path)}.step-cost.json")
+
+
+class _TimedRunner(ModelRunner):
+    """The model's pass, noting each pass's shape for the caller's timing."""
+
+    shape: StepShape | None = None
+
+    def forward(self, batch):
+        self.shape = shape_of(batch)
+        return super().forward(batch)
+
+
+def measure(model, log=None) -> list[tuple[StepShape, float]]:
+    """(shape, seconds) of every pass of WORKLOADS through the real scheduler (warm-up left out)."""
+    from ..scenario import sample_tokens
+    runner = _TimedRunner(model)
+    sched = Scheduler(model, SchedulerSettings(cache_enabled=False), runner=runner)
+    text = sample_tokens(model, 4096)
+    samples: list[tuple[StepShape, float]] = []
+    for w, workload in enumerate(WORKLOADS):
+        for i, (n, new) in enumerate(workload):
+            start = (97 * (w + i)) % 1024  # different text per request
+            prompt = (text[start:] + text)[:n]
+            sched.submit(Request(prompt, max_new_tokens=new, stop_ids=[]))
+        while sched.has_work():
+            runner.shape = None
+            t0 = time.perf_counter()
+            sched.step()
+            seconds = time.perf_counter() - t0
+            if runner.shape is not None and w > 0:
+                samples.append((runner.shape, seconds))
+        if log:
+            log(f"  workload {w}/{len(WORKLOADS) - 1}: {len(workload)} request(s) of {workload[0][0]} tokens")
+    return samples
+
+
+def calibrate(model, log=None) -> tuple[StepCost, list[tuple[StepShape, float]]]:
+    """Measure and fit; the cost names this machine and the model."""
+    from engine.machine import cpu_model
+    samples = measure(model, log)
+    size = os.path.getsize(model.path) if os.path.exists(model.path) else 0
+    cost = fit([s for s, _ in samples], [t for _, t in samples],
+               machine=f"{cpu_model()}, {os.cpu_count()} cores",
+               model=f"{os.path.basename(model.path)} ({size} bytes)",
+               fit={"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return cost, samples
+
+
+def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
+    """The fit, its inputs and each pass's error, as the command prints them."""
+    lines = ["pass  prefill rows  decode rows  decode ctx  prefill ctx  measured ms  predicted ms  error"]
+    for i, (s, t) in enumerate(samples):
+        p = cost.predict(s)
+        lines.append(f"{i:4d}  {s.prefill_rows:12d}  {s.decode_rows:11d}  {s.decode_context:10d}  "
+                     f"{s.prefill_context:11d}  {t * 1e3:11.2f}  {p * 1e3:12.2f}  {(p - t) / t:+6.1%}")
+    f = cost.fit
+    lines += ["", "step seconds = c0 + c_prefill x prefill rows + c_decode x decode rows"
+                  " + c_ctx x decode context + c_prefill_ctx x prefill context",
+              f"  c0 {cost.c0 * 1e3:.4f} ms  c_prefill {cost.c_prefill * 1e3:.4f} ms/row  "
+              f"c_decode {cost.c_decode * 1e3:.4f} ms/row  c_ctx {cost.c_ctx * 1e6:.4f} us/position  "
+              f"c_prefill_ctx {cost.c_prefill_ctx * 1e6:.5f} us/pair",
+              f"  {f['steps']} passes; relative error per pass: median {f['median_rel_error']:.1%}, "
+              f"p90 {f['p90_rel_error']:.1%}, worst {f['max_rel_error']:.1%}",
+              f"  machine: {cost.machine}; model: {cost.model}"]
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    from ..common_args import add_model_arg
+    p = sub.add_parser("calibrate", help="time real passes of the model and fit the twin's step cost",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arg(p)
+    p.add_argument("--out", metavar="FILE.json", help="write the fit here (default: beside the weight image)")
+    p.add_argument("--quiet", action="store_true", help="print only the fit, not every pass")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..common_args import load_model_or_exit
+    m = load_model_or_exit(getattr(args, "model", None))
+    print(f"calibrating the step cost of {os.path.basename(m.path)} on this machine ...", flush=True)
+    cost, samples = calibrate(m, log=None if args.quiet else lambda s: print(s, flush=True))
+    text = report(cost, samples)
+    print(text if not args.quiet else "\n".join(text.splitlines()[-4:]))
+    out = args.out or cost_path(m.path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        cost.save(out)
+    except OSError as e:
+        raise SystemExit(f"prefixlab calibrate: cannot write {out}: {e}") from None
+    print(f"wrote {out}")
+    return 0

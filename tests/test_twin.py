@@ -1,0 +1,236 @@
+"""The twin (docs/design.md §16): the engine's scheduler over storage-free pages on a step-cost
+clock. Deterministic: a given cost file, no timing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+
+from app.replay.stepcost import StepCost, StepShape, fit
+from app.replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
+from app.replay.twin_replay import TwinConfig, predict
+from engine.sampler import SamplingParams
+from engine.scheduler import Request, Scheduler, SchedulerSettings
+
+# Costs in binary fractions, so the hand-worked times are exact: a pass costs 1 s, plus 1/8 s
+# per prefill row and 1/2 s per decode row.
+COST = StepCost(c0=1.0, c_prefill=0.125, c_decode=0.5)
+SETTINGS = SchedulerSettings(page_rows=4, chunk_tokens=16, max_streams=2)
+SYSTEM = list(range(40, 48))   # two pages every prompt but C's starts with
+
+
+def _small_trace() -> list[TraceRequest]:
+    """A, B and C arrive together (B shares A's first two pages, C nothing), D later (shares them)."""
+    def req(t, prompt, out):
+        return TraceRequest(arrival_s=t, input_length=len(prompt), output_length=out, prompt=prompt)
+    return [req(0.0, SYSTEM + [60, 61, 62, 63], 2),     # A
+            req(0.0, SYSTEM + [70, 71, 72, 73], 1),     # B
+            req(0.0, [80, 81, 82, 83], 2),              # C
+            req(10.0, SYSTEM + [90, 91, 92, 93], 1)]    # D
+
+
+def _write(tmp_path, requests, name="t.jsonl", rows=4):
+    path = str(tmp_path / name)
+    write_trace(path, TraceHeader(page_rows=rows), requests)
+    return open_trace(path)
+
+
+def test_the_predicted_timeline_is_the_one_worked_out_by_hand(tmp_path):
+    """Pass 1 (t 0-3): A admitted, B borrows A's two shared pages as A computes them and joins the
+    pass: 12 + 4 prefill rows = 1 + 16/8 = 3 s; both first tokens at 3, B (one token) ends.
+    C waited for a stream (max 2). Pass 2 (3-5): C admitted, its 4 rows + A's decode row = 1 + 0.5 +
+    0.5 = 2 s; A ends, C's first token. Pass 3 (5-6.5): C decodes, ends. D arrives at 10 at an idle
+    replica, attaches the two cached pages, prefills 4 rows: 1.5 s."""
+    done = []
+    res = predict(_write(tmp_path, _small_trace()), TwinConfig(COST, SETTINGS), per_request=done.append)
+    got = {p.index: (p.admitted_s, p.first_token_s, p.end_s, p.cached_tokens) for p in done}
+    assert got == {0: (0.0, 3.0, 5.0, 0), 1: (0.0, 3.0, 3.0, 8), 2: (3.0, 5.0, 6.5, 0),
+                   3: (10.0, 11.5, 11.5, 8)}
+    assert [p.index for p in done] == [1, 0, 2, 3]       # finish order
+    by = {p.index: p for p in done}
+    assert (by[2].queue_s, by[2].ttft_s, by[2].tpot_s) == (3.0, 5.0, 1.5)
+    assert by[0].tpot_s == 2.0
+    assert res.steps == 4
+    assert res.ttft_s["p50"] == pytest.approx(3.0)
+    assert res.token_hit_ratio == pytest.approx(16 / 40)
+
+
+def test_the_real_scheduler_admits_and_finishes_in_the_twins_order(tiny_model, tmp_path):
+    """The same requests through the real Scheduler and the tiny model: the same pass admits each
+    and the same pass finishes each (D submitted when the others are done, as it arrives)."""
+    done = []
+    predict(_write(tmp_path, _small_trace()), TwinConfig(COST, SETTINGS), per_request=done.append)
+    twin_pass = {p.index: ([0.0, 3.0, 5.0, 10.0].index(p.admitted_s),
+                           [3.0, 5.0, 6.5, 11.5].index(p.end_s)) for p in done}
+    sched = Scheduler(tiny_model, SETTINGS)
+    trace = _small_trace()
+    ids = {}
+    admitted, finished = {}, {}
+    def run(passes):
+        for k in passes:
+            sched.step()
+            queued = {rid for rid, _, _ in sched.queued()}
+            for i, rid in ids.items():
+                if rid not in queued:
+                    admitted.setdefault(i, k)
+                rec = sched.record(rid)
+                if rec.finish_reason is not None:
+                    finished.setdefault(i, k)
+    for i, r in enumerate(trace[:3]):
+        ids[i] = sched.submit(Request(r.prompt, SamplingParams(), max_new_tokens=r.output_length,
+                                      stop_ids=[]))
+    run(range(3))
+    assert not sched.has_work()
+    ids[3] = sched.submit(Request(trace[3].prompt, SamplingParams(), max_new_tokens=1, stop_ids=[]))
+    run([3])
+    real = {i: (admitted[i], finished[i]) for i in ids}
+    assert real == twin_pass
+    assert [sched.record(ids[i]).n_cached for i in range(4)] == [0, 8, 0, 8]
+
+
+def _burst_trace(rate: float, n: int = 24) -> list[TraceRequest]:
+    """n requests sharing a 32-token system prompt, `rate` per second."""
+    return [TraceRequest(arrival_s=i / rate, input_length=48, output_length=8,
+                         prompt=list(range(100, 132)) + [200 + 16 * i + j for j in range(16)])
+            for i in range(n)]
+
+
+def test_goodput_follows_the_rate_until_the_replica_is_full_then_falls(tmp_path):
+    """A pass of 1/20 s + 1/50 s per decode row: four streams of eight tokens serve about three
+    requests a second. Below that, doubling the rate doubles the goodput (every request meets the
+    0.3 s TTFT target); past it, each doubling queues more and fewer requests meet it."""
+    cost = StepCost(c0=0.05, c_prefill=0.002, c_decode=0.02)
+    config = TwinConfig(cost, SchedulerSettings(page_rows=16, max_streams=4), slo_ttft_s=0.3)
+    res = {rate: predict(_write(tmp_path, _burst_trace(rate), f"r{rate}.jsonl", 16), config)
+           for rate in (1.0, 2.0, 4.0, 8.0)}
+    assert [r.requests for r in res.values()] == [24] * 4
+    assert res[1.0].good == res[2.0].good == 24
+    assert res[2.0].goodput_rps > 1.8 * res[1.0].goodput_rps
+    assert res[8.0].good < res[4.0].good < res[2.0].good
+    assert res[8.0].goodput_rps < res[4.0].goodput_rps < res[2.0].goodput_rps
+    assert res[8.0].ttft_s["p90"] > res[4.0].ttft_s["p90"] > res[2.0].ttft_s["p90"]
+    strict = predict(_write(tmp_path, _burst_trace(1.0), "strict.jsonl", 16),
+                     TwinConfig(cost, config.settings, slo_ttft_s=0.3, slo_tpot_s=0.01))
+    assert strict.good == 0       # no pass is that short: every request misses the TPOT target
+
+
+def test_fit_recovers_the_coefficients_it_was_given():
+    true = StepCost(c0=0.02, c_prefill=0.001, c_decode=0.004, c_ctx=2e-6, c_prefill_ctx=1e-7)
+    shapes = [StepShape(p, d, d * ctx, p * (p + 1) // 2 + p * ctx)
+              for p, d, ctx in itertools.product((0, 16, 128, 512), (0, 1, 4, 8), (0, 100, 1000))
+              if p or d]
+    got = fit(shapes, [true.predict(s) for s in shapes], machine="test")
+    for name in ("c0", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx"):
+        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-6)
+    assert got.fit["max_rel_error"] < 1e-9 and got.machine == "test"
+
+
+def test_a_cost_file_round_trips_and_bad_ones_say_what_is_wrong(tmp_path):
+    path = str(tmp_path / "cost.json")
+    COST.save(path)
+    assert StepCost.load(path) == COST
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 1, "c0": -1}))
+    with pytest.raises(ValueError, match="c0 must be a finite number >= 0"):
+        StepCost.load(str(bad))
+    bad.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 9, "c0": 1}))
+    with pytest.raises(ValueError, match="version 9"):
+        StepCost.load(str(bad))
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a step-cost file"):
+        StepCost.load(str(bad))
+
+
+MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "resources", "traces", "mooncake",
+                        "conversation_trace.jsonl")
+
+
+def _scaled_mooncake(path: str, n: int, k: int = 16) -> None:
+    """The shipped Mooncake trace's first n requests, arrivals and shared blocks as they are, each
+    request's tokens divided by k (32-token blocks for 512), so the test runs in seconds."""
+    reqs = []
+    with open(MOONCAKE, encoding="utf-8") as fh:
+        for line in itertools.islice(fh, n):
+            o = json.loads(line)
+            length = max(1, o["input_length"] // k)
+            reqs.append(TraceRequest(arrival_s=o["timestamp"] / 1000, input_length=length,
+                                     output_length=max(1, o["output_length"] // k),
+                                     hash_ids=o["hash_ids"][:-(-length // (512 // k))]))
+    write_trace(path, TraceHeader(block_size=512 // k), reqs)
+
+
+def test_two_twins_behind_cache_aware_beat_round_robin_on_mooncake(tmp_path):
+    path = str(tmp_path / "mooncake.jsonl")
+    _scaled_mooncake(path, 600)
+    cost = StepCost(c0=0.005, c_prefill=8e-4, c_decode=2e-3)
+    print(f"per replica: a pass {cost.c0 * 1e3:g} ms + {cost.c_prefill * 1e3:g} ms a prefill row "
+          f"({1 / cost.c_prefill:,.0f} prefill tokens/s) + {cost.c_decode * 1e3:g} ms a decode row")
+    res = {}
+    for router in ("round-robin", "cache-aware"):
+        res[router] = r = predict(open_trace(path), TwinConfig(cost, SchedulerSettings(), replicas=2,
+                                                               router=router))
+        print(router, r.requests, f"hit ratio {r.token_hit_ratio:.3f}",
+              {k: round(v, 3) for k, v in r.ttft_s.items()})
+    rr, ca = res["round-robin"], res["cache-aware"]
+    assert rr.requests == ca.requests == 600
+    assert ca.token_hit_ratio > rr.token_hit_ratio
+    for q in ("p50", "p90", "p99", "mean"):
+        assert ca.ttft_s[q] < rr.ttft_s[q], q
+
+
+def test_against_a_real_server_measures_every_request_beside_the_twin(tiny_model, tmp_path, capsys):
+    """`replay --against` sends a small hash-id trace (two shared blocks) to a real `prefixlab
+    serve` over HTTP on a free loopback port and prints measured beside predicted."""
+    from app.cli import main
+    from tests.serve_helpers import scheduler_on, start_server
+    path = str(tmp_path / "burst.jsonl")
+    write_trace(path, TraceHeader(block_size=16), [
+        TraceRequest(arrival_s=0.05 * i, input_length=40, output_length=3, hash_ids=[1, 2, 10 + i])
+        for i in range(5)])
+    cost = str(tmp_path / "cost.json")
+    StepCost(c0=0.01, c_prefill=1e-4, c_decode=1e-3).save(cost)
+    server = start_server(scheduler_on(tiny_model, page_rows=16))
+    try:
+        out = str(tmp_path / "against.json")
+        assert main(["replay", path, "--against", server.url, "--cost", cost, "--json", out]) == 0
+    finally:
+        server.stop()
+    text = capsys.readouterr().out
+    assert "measured 5 of 5 requests" in text and "TTFT p90: measured" in text
+    got = json.loads(open(out, encoding="utf-8").read())
+    assert got["compare"]["measured_ok"] == 5
+    assert [m["tokens"] for m in got["measured"]] == [3] * 5      # each answer ran to its length
+    assert all(m["ttft_s"] > 0 and m["total_s"] >= m["ttft_s"] for m in got["measured"])
+    # the server cached what the twin predicted it would: the shared blocks, once computed
+    assert sum(m["cached_tokens"] or 0 for m in got["measured"]) > 0
+    assert got["twin"]["token_hit_ratio"] > 0
+
+
+def test_the_twin_command_names_what_is_wrong(tmp_path):
+    from app.cli import main
+    trace = _write(tmp_path, _small_trace()).path
+    cost = str(tmp_path / "cost.json")
+    COST.save(cost)
+    with pytest.raises(SystemExit, match="cannot read the step-cost file .*nowhere.json"):
+        main(["replay", trace, "--twin", "--cost", str(tmp_path / "nowhere.json")])
+    with pytest.raises(SystemExit, match="one --replicas N and one --router"):
+        main(["replay", trace, "--twin", "--cost", cost, "--replicas", "1,2"])
+    with pytest.raises(SystemExit):
+        main(["replay", trace, "--twin", "--cost", cost, "--slo-ttft", "-1"])
+
+
+def test_the_twin_command_prints_percentiles_and_goodput(tmp_path, capsys):
+    from app.cli import main
+    trace = _write(tmp_path, _small_trace()).path
+    cost, out = str(tmp_path / "cost.json"), str(tmp_path / "per.jsonl")
+    COST.save(cost)
+    assert main(["replay", trace, "--twin", "--cost", cost, "--page-rows", "4", "--chunk-tokens", "16",
+                 "--max-streams", "2", "--slo-ttft", "4", "--per-request", out, "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "TTFT s   p50 3.000" in text
+    assert "goodput under TTFT <= 4 s: 3 of 4 requests" in text     # C's TTFT is 5 s
+    rows = [json.loads(line) for line in open(out, encoding="utf-8")]
+    assert sorted(r["index"] for r in rows) == [0, 1, 2, 3] and rows[0]["ttft_s"] == 3.0
