@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 DOCS = os.path.join(ROOT, "docs")
 # the tasks the README's table must send a newcomer to, one guide each
-TASK_GUIDES = {"desktop.md", "serve-and-proxy.md", "replay-and-clusters.md", "watch.md", "advisor.md",
-               "bench.md"}
+TASK_GUIDES = {"desktop.md", "serve-and-proxy.md", "replay-and-clusters.md", "twin.md", "watch.md",
+               "advisor.md", "bench.md"}
 README_MAX_LINES = 200
 BLOCK_TIMEOUT_S = 120
 
