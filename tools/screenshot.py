@@ -1,7 +1,8 @@
-"""Screenshots for the docs: run the hardware-store scenario and grab the window, light and dark.
+"""Screenshots for the docs, at 1280x800: W8 running (eight cards, light), the page map of the
+default KV budget's pool with a page hovered (dark), the Advisor tab after "Try the example".
 
-    python tools/screenshot.py [--out docs] [--scenario "Hardware store"] [--max-new-tokens N]
-    python tools/screenshot.py --tour [--out docs]   # the first start's tour, at 1280x800
+    python tools/screenshot.py [--out docs] [--scenario W8] [--max-new-tokens N]
+    python tools/screenshot.py --tour [--out docs]   # the first start's tour
 
 Runs offscreen unless DISPLAY is set (then under X, e.g. Xvfb). Uses a throw-away
 QSettings folder, so your own settings and session are left alone. Also prints how
@@ -31,7 +32,7 @@ from PySide6.QtCore import QElapsedTimer, QSettings, QTimer  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "docs"))
-    parser.add_argument("--scenario", default="Hardware store")
+    parser.add_argument("--scenario", default="W8")
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the scenario's own")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--tour", action="store_true", help="grab the guided tour's steps instead")
@@ -67,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     ticker.timeout.connect(tick)
     ticker.start()
     n = desktop.run_all()
+    os.makedirs(args.out, exist_ok=True)
+    running = os.path.join(args.out, "screenshot-light.png")  # mid-run: eight cards streaming
+    wait(lambda: sum(1 for r in control.finished_records) >= n // 2 or not control.running, "half the run")
+    settle(app)
+    window.charts.refresh()
+    shot(window, running)
     secs = wait(lambda: len(control.finished_records) >= n and not control.running, "the run")
     ticker.stop()
     tokens = sum(r.n_gen for r in control.finished_records)
@@ -82,18 +89,28 @@ def main(argv: list[str] | None = None) -> int:
     settle(app)
 
     window.streams.setFocus()
-    os.makedirs(args.out, exist_ok=True)
-    window.tabs.setCurrentIndex(0)
-    settle(app)
-    light = os.path.join(args.out, "screenshot-light.png")
-    window.charts.refresh()  # every chart drawn, not mid-way through a staggered refresh
-    window.grab().save(light)
     window.set_theme("dark")
-    window.tabs.setCurrentIndex(1)
+    window.tabs.setCurrentWidget(window.cache_panel)
     settle(app)
+    page_map = window.cache_panel.page_map
+    used = [p for p in page_map.shown_pages() if page_map.tooltip_for(p) and "free" not in
+            page_map.tooltip_for(p).split("state")[1][:40]]
+    if used:  # hover a page in use: its tooltip, as a person pointing at it sees it
+        from PySide6.QtCore import QEvent
+        from PySide6.QtGui import QHelpEvent
+        pos = page_map.cell_rect(used[0]).center()
+        app.sendEvent(page_map, QHelpEvent(QEvent.Type.ToolTip, pos, page_map.mapToGlobal(pos)))
+        settle(app)
     dark = os.path.join(args.out, "screenshot-dark.png")
-    window.grab().save(dark)
-    print(f"wrote {light} and {dark}")
+    shot(window, dark)
+    window.set_theme("light")
+    window.tabs.setCurrentWidget(window.advisor)
+    window.advisor.example_button.click()
+    wait(lambda: desktop.advisor.advice is not None and not desktop.advisor.busy, "the advice")
+    settle(app)
+    advisor = os.path.join(args.out, "screenshot-advisor.png")
+    shot(window, advisor)
+    print(f"wrote {running}, {dark} and {advisor}")
     window.close()
     return 0 if control.last_error is None else 1
 
@@ -116,13 +133,26 @@ def tour_shots(out: str, timeout: float) -> int:
             settle(app)
             desktop.window.charts.refresh()
             path = os.path.join(out, files[shown[-1]])
-            desktop.window.grab().save(path)
+            shot(desktop.window, path)
             print(f"wrote {path}: {tour.panel.caption.text()}")
     desktop.window.close()
     return 0 if desktop.controller.last_error is None else 1
 
 
-def open_desktop(size: tuple[int, int] = (1400, 900)):
+def shot(window, path: str) -> None:
+    """The window as a person sees it: under X (Xvfb) the screen itself, tooltips included, with
+    ImageMagick's `import`; offscreen, the window's own drawing."""
+    import shutil
+    import subprocess
+    if os.environ.get("DISPLAY") and shutil.which("import"):
+        g = window.frameGeometry()
+        subprocess.run(["import", "-window", "root", "-crop", f"{g.width()}x{g.height()}+{g.x()}+{g.y()}",
+                        path], check=True, timeout=60)
+    else:
+        window.grab().save(path)
+
+
+def open_desktop(size: tuple[int, int] = (1280, 800)):
     """The app on throw-away settings, light theme, its window shown at `size`: (app, desktop)."""
     QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, tempfile.mkdtemp())
     from app.desktop.gui import make_app

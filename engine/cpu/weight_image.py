@@ -24,8 +24,9 @@ import numpy as np
 from ..atomic import atomic_dir, atomic_write
 from . import shared_matmul
 
-IMAGE_VERSION = 8  # 2: index checksum; 3: head [d, vocab]; 5: architectures, one head copy; 6: blocks;
-#                   7: matrices on huge-page boundaries; 8: transposed blocks too
+IMAGE_VERSION = 9  # 2: index checksum; 3: head [d, vocab]; 5: architectures, one head copy; 6: blocks;
+#                   7: matrices on huge-page boundaries; 8: transposed blocks too; 9: the model's name
+#                   from its file when general.name is a build string (engine/gguf_loader.py)
 ALIGN = 64
 # Decode reads every weight once a step, so TLB misses on 4 KiB pages cost it dearly: measured on
 # a 2-core EPYC, the matrices of one step read in 25 ms through 4 KiB pages and 18.5 ms through
