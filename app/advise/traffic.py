@@ -8,6 +8,7 @@ runaway line is refused by number instead of filling memory.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ class Message:
     role: str
     content: str
     marks: list[int] = field(default_factory=list)
+    long: list[bool] = field(default_factory=list)   # per mark: its "ttl" asks for the long lifetime ("1h")
+    blocks: list[int] = field(default_factory=list)  # character ends of the content's blocks
 
 
 @dataclass
@@ -37,6 +40,9 @@ class Request:
     messages: list[Message] | None = None
     tools: list | None = None
     tools_marked: bool = False           # a cache_control mark on a tool (Anthropic)
+    tools_long: bool = False             # ... whose "ttl" is "1h"
+    auto_mark: str | None = None         # a top-level cache_control (Anthropic): "5m" or "1h"
+    long_retention: bool = False         # OpenAI's prompt_cache_retention asks for 24 h
     prompt_text: str | None = None       # completions
     tokens: list[int] | None = None      # a prefixlab token trace's prompt (no text to map back to)
     output_tokens: int = 0
@@ -93,20 +99,54 @@ def read_lines(path: str) -> Iterator[tuple[int, dict]]:
             yield lineno, obj
 
 
-def _parts(content, where: str) -> tuple[str, list[int]]:
-    """A message content as text and the character ends of its parts marked with cache_control."""
+_MEDIA = {"image", "document", "image_url", "input_audio", "file", "search_result", "container_upload"}
+
+
+def _ttl(mark, where: str) -> bool:
+    """Whether a cache_control mark asks for the long lifetime; a TraceError for a ttl it cannot be."""
+    ttl = mark.get("ttl", "5m") if isinstance(mark, dict) else "5m"
+    if ttl not in ("5m", "1h"):
+        raise TraceError(f"{where}: cache_control 'ttl' must be \"5m\" or \"1h\", got {ttl!r}")
+    return ttl == "1h"
+
+
+def _block_text(part: dict) -> str:
+    """One content block as the text it stands for in the prompt: its text, a tool call's or tool
+    result's content, a media block as a digest of its source (the same image is the same tokens;
+    what an image costs in tokens is not modelled)."""
+    kind = part.get("type")
+    if isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in ("thinking", "redacted_thinking"):
+        return str(part.get("thinking", part.get("data", "")))
+    if kind == "tool_result":
+        inner = part.get("content")
+        return inner if isinstance(inner, str) else _parts(inner, "")[0] if isinstance(inner, list) else ""
+    rest = {k: v for k, v in part.items() if k != "cache_control"}
+    if kind in _MEDIA:
+        digest = hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:16]
+        return f"[{kind} {digest}]"
+    return json.dumps(rest, ensure_ascii=False)  # tool_use and any other block: its JSON
+
+
+def _parts(content, where: str) -> tuple[str, list[int], list[bool], list[int]]:
+    """A message content as text, the character ends of its blocks marked with cache_control
+    (and whether each mark asks for the long lifetime), and the character ends of all its blocks."""
     if content is None or isinstance(content, str):
-        return content or "", []
+        return content or "", [], [], [len(content or "")]
     if not isinstance(content, list):
         raise TraceError(f"{where}: content must be a string or a list of parts, "
                          f"got {type(content).__name__}")
-    text, marks = "", []
+    text, marks, long, blocks = "", [], [], []
     for part in content:
-        if isinstance(part, dict) and isinstance(part.get("text"), str):
-            text += part["text"]
-            if part.get("cache_control"):
-                marks.append(len(text))
-    return text, marks
+        if not isinstance(part, dict):
+            continue
+        text += _block_text(part)
+        blocks.append(len(text))
+        if part.get("cache_control"):
+            marks.append(len(text))
+            long.append(_ttl(part["cache_control"], where))
+    return text, marks, long, blocks
 
 
 def _messages(body: dict, where: str) -> list[Message]:
@@ -115,13 +155,11 @@ def _messages(body: dict, where: str) -> list[Message]:
         raise TraceError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     out = []
     if "system" in body:  # Anthropic's Messages body keeps the system prompt apart
-        text, marks = _parts(body["system"], f"{where}, system")
-        out.append(Message("system", text, marks))
+        out.append(Message("system", *_parts(body["system"], f"{where}, system")))
     for i, m in enumerate(raw):
         if not isinstance(m.get("role"), str):
             raise TraceError(f"{where}, message {i}: 'role' must be a string")
-        text, marks = _parts(m.get("content"), f"{where}, message {i}")
-        out.append(Message(m["role"], text, marks))
+        out.append(Message(m["role"], *_parts(m.get("content"), f"{where}, message {i}")))
     return out
 
 
@@ -152,7 +190,12 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
         if tools is not None and not isinstance(tools, list):
             raise TraceError(f"{where}: 'tools' must be a list")
         r.tools = tools or None
-        r.tools_marked = any(isinstance(t, dict) and t.get("cache_control") for t in tools or [])
+        marked = [t["cache_control"] for t in tools or [] if isinstance(t, dict) and t.get("cache_control")]
+        r.tools_marked = bool(marked)
+        r.tools_long = any(_ttl(m, f"{where}, tools") for m in marked)
+        if body.get("cache_control"):  # automatic caching: a mark on the last cacheable block
+            r.auto_mark = "1h" if _ttl(body["cache_control"], where) else "5m"
+        r.long_retention = body.get("prompt_cache_retention") == "24h"
     elif isinstance(body.get("prompt"), str):
         r.prompt_text = body["prompt"]
     elif _token_ids(body.get("prompt")):

@@ -1,0 +1,45 @@
+"""DeepSeek's cache prefix units, as its context-caching guide documents them (sources in
+resources/providers/deepseek.toml): a hit needs a WHOLE stored unit. Each request stores a unit at
+the end of its input (the whole prompt; the end of the model's output is the next turn's prompt
+and is not known here), at the common prefix the system detects with an earlier request, and
+every `unit_interval_tokens` of a long input. A request reads the longest stored unit its prompt
+starts with that is still alive; a read refreshes it."""
+
+from __future__ import annotations
+
+import math
+
+from .core import PrefixCache, Step, prefix_digests, split
+
+
+class Units(PrefixCache):
+    """Stored units per scope by the digest of their tokens, with their expiry."""
+
+    def __init__(self, rules):
+        super().__init__(rules)
+        self.units: dict[str, dict[bytes, float]] = {}
+        self.lengths: dict[str, set[int]] = {}
+
+    def step(self, i: int, req, prompt) -> Step:
+        r, tokens, now = self.rules, prompt.tokens, req.arrival_s
+        n, ttl, minimum = len(tokens), self.ttl(req), r.min_for(req.model)
+        trie, _ = self.scope(i, req, prompt)
+        longest = trie.match(tokens, now, ttl)[0]
+        ever = trie.match(tokens, now, math.inf)[0]
+        trie.add(i, tokens, now)
+        units, lengths = self.units.setdefault(req.key, {}), self.lengths.setdefault(req.key, set())
+        step = r.unit_interval_tokens
+        new = {n, longest} | (set(range(step, n + 1, step)) if step else set())
+        new = {b for b in new if b >= max(1, minimum)}
+        digests = prefix_digests(tokens, sorted({b for b in lengths if b <= longest} | new))
+        read = 0
+        for b in sorted((b for b in lengths if b <= longest), reverse=True):
+            if now <= units.get(digests[b], -math.inf):
+                read = b
+                units[digests[b]] = now + ttl
+                break
+        for b in new:
+            units[digests[b]] = max(units.get(digests[b], -math.inf), now + ttl)
+            lengths.add(b)
+        parts = split(n, read, longest, ever, minimum, lost="rounding")
+        return Step(longest, read, 0, 0, parts, "")
