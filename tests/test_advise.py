@@ -115,8 +115,8 @@ def test_breakpoints_cache_only_up_to_a_cache_control_mark(real_model, tmp_path)
     for b in bodies[1:]:
         b["messages"][0]["content"] = system
     bodies[0]["messages"][0]["content"] = system
-    advice = _advice(real_model, _write(tmp_path / "marks.jsonl", bodies), "anthropic,openai")
-    anthropic_rows, openai_rows = (rs["requests"] for rs in advice["rule_sets"])
+    advice = _advice(real_model, _write(tmp_path / "marks.jsonl", bodies), "anthropic,prefixlab")
+    anthropic_rows, openai_rows = (rs["requests"] for rs in advice["rule_sets"])  # the same tokens
     assert anthropic_rows[0]["written_tokens"] > 1024 and anthropic_rows[0]["cached_tokens"] == 0
     mark = anthropic_rows[1]["cached_tokens"]
     assert mark > 1024 and mark == anthropic_rows[2]["cached_tokens"]
@@ -270,12 +270,12 @@ def test_a_difference_is_classified_with_its_whole_value(a, b, kind, value):
 
 def test_a_rule_set_may_name_its_own_tokenizer(real_model, tmp_path, tiny_gguf_path):
     mine = tmp_path / "mine.toml"
-    text = open(os.path.join(PROVIDER_DIR, "openai.toml")).read()
-    mine.write_text(text.replace('name = "openai"', 'name = "mine"')
+    text = open(os.path.join(PROVIDER_DIR, "prefixlab.toml")).read()
+    mine.write_text(text.replace('name = "prefixlab"', 'name = "mine"')
                     .replace('tokenizer = "model"', f'tokenizer = "{tiny_gguf_path}"'))
     out = tmp_path / "a.json"
     log = timestamp_log(tmp_path, n=3)
-    assert main(["advise", log, "--rules", f"openai,{mine}", "--json", str(out)]) == 0
+    assert main(["advise", log, "--rules", f"prefixlab,{mine}", "--json", str(out)]) == 0
     ours, theirs = (rs["totals"]["prompt_tokens"] for rs in json.loads(out.read_text())["rule_sets"])
     import engine
     tok = {"model": real_model.tokenizer, "mine": engine.load_model(tiny_gguf_path).tokenizer}

@@ -206,3 +206,30 @@ def test_every_rule_file_is_of_this_year_with_a_source_per_rule():
     gemini, mistral = resolve_rules("gemini,mistral")
     assert gemini.min_prefix_tokens == 2048 and gemini.prices.cached_input == pytest.approx(0.1 * 0.30)
     assert (mistral.granularity_tokens, mistral.prices.cached_input) == (64, pytest.approx(0.1 * 0.40))
+
+
+def test_openai_counts_in_o200k_base(real_model, tmp_path):
+    """A completion's text is counted exactly as o200k_base counts it ("hello world" is [24912, 2375])."""
+    from app.advise.tokens import EncodingTokenizer
+    enc = EncodingTokenizer("o200k_base")
+    assert enc.encode("hello world") == [24912, 2375]
+    assert EncodingTokenizer("cl100k_base").encode("hello world") == [15339, 1917]
+    text = f"Current time: 2026-11-29T10:15:03Z. {SYSTEM}"
+    rs = _rows(real_model, tmp_path, [{"model": "gpt-4o", "prompt": text}], rules="openai")
+    ours = rs["requests"][0]["prompt_tokens"]
+    assert ours == len(enc.encode(text)) != len(real_model.tokenizer.encode(text))
+    assert rs["tokens"] == {"tokenizer": "o200k_base", "scaled_to_usage": None}
+
+
+def test_a_provider_without_a_tokenizer_is_scaled_to_the_recordings_usage(real_model, tmp_path):
+    ask = [{"role": "user", "content": "Which glue for oak?"}]
+    bodies = [_body(0, ask, MARK), _body(10, ask, MARK)]
+    plain = _rows(real_model, tmp_path, bodies, name="plain.jsonl")
+    local = plain["requests"][0]["prompt_tokens"]
+    for b in bodies:
+        b["usage"] = {"input_tokens": 2 * local}  # the provider counted twice as many tokens
+    rs = _rows(real_model, tmp_path, bodies, name="usage.jsonl")
+    assert rs["tokens"]["scaled_to_usage"] == 2.0
+    assert [r["prompt_tokens"] for r in rs["requests"]] == [2 * local, 2 * local]
+    assert rs["requests"][1]["cache_read_tokens"] == 2 * plain["requests"][1]["cache_read_tokens"]
+    assert plain["tokens"]["scaled_to_usage"] is None

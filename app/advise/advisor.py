@@ -10,7 +10,8 @@ from collections.abc import Callable
 from .divergence import find_divergences, group
 from .prompts import build_prompt, build_prompts
 from .rules import RuleSet
-from .simulate import simulate, totals
+from .simulate import scaled, simulate, totals, usage_scale
+from .tokens import ENCODINGS, EncodingTokenizer
 from .traffic import Request
 from .whatif import describe, fixed_traffic
 
@@ -25,6 +26,8 @@ class Tokenizers:
         self._load = load
 
     def get(self, name: str):
+        if name not in self._toks and name in ENCODINGS:  # a provider's own, shipped
+            self._toks[name] = EncodingTokenizer(name)
         if name not in self._toks:
             if self._load is None:
                 raise ValueError(f"no tokenizer {name!r} (only the loaded model's)")
@@ -47,6 +50,11 @@ class Tokenizers:
 
 def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:
     outcomes = simulate(rules, requests, prompts)
+    tokens = {"tokenizer": rules.tokenizer, "scaled_to_usage": None}
+    factor = usage_scale(requests, outcomes) if rules.scale_to_usage else None
+    if factor is not None:
+        outcomes = scaled(outcomes, factor, rules)
+        tokens["scaled_to_usage"] = round(factor, 6)
     rows = []
     for req, o in zip(requests, outcomes):
         row = {"line": req.line, "arrival_s": req.arrival_s, "prompt_tokens": o.prompt_tokens,
@@ -62,7 +70,7 @@ def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:
         if req.upstream_cached_tokens is not None:
             row["upstream_cached_tokens"] = req.upstream_cached_tokens
         rows.append(row)
-    out = {"rules": rules.to_json(), "totals": totals(outcomes), "requests": rows}
+    out = {"rules": rules.to_json(), "tokens": tokens, "totals": totals(outcomes), "requests": rows}
     error = upstream_error(rows)
     if error is not None:
         out["error"] = error

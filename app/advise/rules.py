@@ -24,7 +24,8 @@ BEHAVIOURS = ("prefix", "anthropic-breakpoints", "openai-routing", "deepseek-uni
 _FIELDS = {"name", "as_of", "source", "model", "note", "min_prefix_tokens", "granularity_tokens",
            "ttl_seconds", "breakpoints", "tokenizer", "price_per_million", "behaviour", "sources",
            "unmodelled", "min_prefix_by_model", "long_ttl_seconds", "lookback_blocks", "max_marks",
-           "overflow_per_minute", "overflow_machines", "routing_prefix_tokens", "unit_interval_tokens"}
+           "overflow_per_minute", "overflow_machines", "routing_prefix_tokens", "unit_interval_tokens",
+           "scale_to_usage"}
 
 
 class RulesError(ValueError):
@@ -73,6 +74,7 @@ class RuleSet:
     overflow_machines: int = 0       # openai-routing: the other machines the overflow is spread over
     routing_prefix_tokens: int = 256  # openai-routing: the tokens hashed to pick the machine
     unit_interval_tokens: int = 0    # deepseek-units: a stored unit every this many tokens (0: none)
+    scale_to_usage: bool = False     # no public tokenizer: local counts scaled to a recording's usage
 
     def __post_init__(self):
         if self.breakpoints and self.behaviour == "prefix":  # an older file's `breakpoints = true`
@@ -103,7 +105,7 @@ class RuleSet:
                 "max_marks": self.max_marks, "overflow_per_minute": self.overflow_per_minute,
                 "overflow_machines": self.overflow_machines,
                 "routing_prefix_tokens": self.routing_prefix_tokens,
-                "unit_interval_tokens": self.unit_interval_tokens}
+                "unit_interval_tokens": self.unit_interval_tokens, "scale_to_usage": self.scale_to_usage}
 
 
 class _Checker:
@@ -190,8 +192,11 @@ def parse_rules(path: str, data: dict) -> RuleSet:
                                          "overflow_machines", "routing_prefix_tokens",
                                          "unit_interval_tokens") if k in data}
     long_ttl = c.number("long_ttl_seconds") if "long_ttl_seconds" in data else 0.0
+    if not isinstance(data.get("scale_to_usage", False), bool):
+        raise c.error("scale_to_usage", f"must be true or false, got {data['scale_to_usage']!r}")
     return RuleSet(behaviour=behaviour, sources=dict(sources), unmodelled=tuple(unmodelled),
                    min_prefix_by_model=by_model, long_ttl_seconds=long_ttl, **ints,
+                   scale_to_usage=data.get("scale_to_usage", False),
                    name=c.text("name"), as_of=c.date("as_of"), source=c.text("source"),
                    min_prefix_tokens=c.integer("min_prefix_tokens", 0),
                    granularity_tokens=c.integer("granularity_tokens", 1),
