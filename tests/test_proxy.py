@@ -240,3 +240,76 @@ def test_a_compressed_answer_passes_as_it_is_and_its_usage_is_read(tmp_path):
     finally:
         proxy.stop()
         upstream.stop()
+
+
+def _messages_upstream(seen: list) -> HttpThread:
+    """A real HTTP server speaking Anthropic's Messages API: the usage split into cache reads,
+    cache writes and plain input, streamed in message_start / message_delta events when asked."""
+    app = FastAPI()
+    usage = {"input_tokens": 12, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 2000,
+             "output_tokens": 1}
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = await request.json()
+        seen.append(request.headers.get("x-api-key"))
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": body["model"],
+                   "content": [{"type": "text", "text": "PVA glue."}], "stop_reason": "end_turn",
+                   "usage": usage}
+        if not body.get("stream"):
+            return JSONResponse(message)
+
+        def event(kind: str, data: dict) -> bytes:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+        async def events():
+            yield event("message_start", {"message": {**message, "content": [],
+                                                      "usage": {**usage, "output_tokens": 1}}})
+            yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "PVA"}})
+            yield event("content_block_stop", {"index": 0})
+            yield event("message_delta", {"delta": {"stop_reason": "end_turn"},
+                                          "usage": {"output_tokens": 7}})
+            yield event("message_stop", {})
+        return StreamingResponse(events(), media_type="text/event-stream")
+    return HttpThread(app, "127.0.0.1", 0).start()
+
+
+def test_the_proxy_records_anthropics_messages_api(real_model, tmp_path):
+    seen: list = []
+    upstream = _messages_upstream(seen)
+    proxy = Proxy(upstream.url, port=0, record=str(tmp_path / "t.jsonl")).start()
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 20,
+            "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What glue works on wood?"}]}]}
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    try:
+        with httpx.Client(base_url=proxy.url, headers=headers, timeout=30) as client:
+            plain = client.post("/v1/messages", json=body)
+            assert plain.json()["content"][0]["text"] == "PVA glue."
+            with client.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
+                streamed = b"".join(r.iter_bytes())
+        assert b"event: message_stop" in streamed
+    finally:
+        proxy.stop()
+        upstream.stop()
+    assert seen == [KEY, KEY]  # the key went upstream
+    raw = (tmp_path / "t.jsonl").read_text()
+    assert KEY not in raw  # and was never written
+    lines = [json.loads(line) for line in raw.splitlines()]
+    assert [rec["endpoint"] for rec in lines] == ["/v1/messages"] * 2
+    for rec in lines:
+        assert rec["usage"]["cache_read_input_tokens"] == 2000
+        assert rec["usage"]["cache_creation_input_tokens"] == 0 and rec["usage"]["input_tokens"] == 12
+    assert lines[1]["usage"]["output_tokens"] == 7  # message_delta's count added to message_start's
+    assert lines[0]["key"] and lines[0]["body"]["system"][0]["cache_control"]["ttl"] == "1h"
+
+    requests = read_traffic(str(tmp_path / "t.jsonl"))
+    assert [(r.upstream_prompt_tokens, r.upstream_cached_tokens, r.upstream_cache_write_tokens)
+            for r in requests] == [(2012, 2000, 0)] * 2
+    assert requests[0].messages[0].long == [True]  # the 1-hour mark is read
+    advice = advise(str(tmp_path / "t.jsonl"), requests, resolve_rules("anthropic"),
+                    Tokenizers(real_model.tokenizer))
+    rs = advice["rule_sets"][0]
+    assert [r["upstream_cached_tokens"] for r in rs["requests"]] == [2000, 2000]
+    assert rs["error"]["requests"] == 2 and "mean_abs_error_tokens" in rs["error"]

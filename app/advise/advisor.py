@@ -69,6 +69,8 @@ def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:
             row["why"] = o.why
         if req.upstream_cached_tokens is not None:
             row["upstream_cached_tokens"] = req.upstream_cached_tokens
+        if req.upstream_cache_write_tokens is not None:
+            row["upstream_cache_write_tokens"] = req.upstream_cache_write_tokens
         rows.append(row)
     out = {"rules": rules.to_json(), "tokens": tokens, "totals": totals(outcomes), "requests": rows}
     error = upstream_error(rows)

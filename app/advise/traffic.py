@@ -48,6 +48,7 @@ class Request:
     output_tokens: int = 0
     upstream_cached_tokens: int | None = None
     upstream_prompt_tokens: int | None = None
+    upstream_cache_write_tokens: int | None = None  # Anthropic's cache_creation_input_tokens
     model: str = ""
 
 
@@ -62,6 +63,9 @@ def reported_usage(obj: dict | None) -> tuple[int | None, int | None]:
     details = details if isinstance(details, dict) else {}
     cached = details.get("cached_tokens", usage.get("cache_read_input_tokens", timings.get("cache_n")))
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    if "prompt_tokens" not in usage and isinstance(prompt, int):  # Anthropic: input_tokens is only the
+        prompt += sum(v for k in ("cache_read_input_tokens", "cache_creation_input_tokens")  # uncached
+                      if isinstance(v := usage.get(k), int) and v >= 0)
     if prompt is None and "prompt_n" in timings and "cache_n" in timings:
         prompt = timings["prompt_n"] + timings["cache_n"]
     def whole(v):
@@ -181,6 +185,9 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
                 key=str(key), output_tokens=out if isinstance(out, int) and out > 0 else 0,
                 upstream_cached_tokens=cached, upstream_prompt_tokens=prompt_tokens,
                 model=str(body.get("model") or ""))
+    wrote = usage.get("cache_creation_input_tokens")
+    if isinstance(wrote, int) and not isinstance(wrote, bool) and wrote >= 0:
+        r.upstream_cache_write_tokens = wrote
     if "hash_ids" in obj:
         raise TraceError(f"{where}: a Mooncake hash-id trace has block hashes, not prompts: the advisor "
                          f"needs prompts (chat logs, proxy recordings or token traces)")

@@ -152,7 +152,10 @@ class UsageReader:
         except (ValueError, RecursionError):
             return
         if isinstance(obj, dict):
-            self.usage = obj["usage"] if isinstance(obj.get("usage"), dict) else self.usage
+            if isinstance(obj.get("message"), dict) and isinstance(obj["message"].get("usage"), dict):
+                obj = obj["message"]  # Anthropic's message_start event carries the input's usage
+            if isinstance(obj.get("usage"), dict):  # a later event's (message_delta's) fields add to it
+                self.usage = {**(self.usage or {}), **obj["usage"]}
             self.timings = obj["timings"] if isinstance(obj.get("timings"), dict) else self.timings
 
 

@@ -32,7 +32,7 @@ from .record import (
 
 HOP_BY_HOP = {"host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "transfer-encoding", "upgrade", "content-length"}
-RECORDED = ("/chat/completions", "/completions")
+RECORDED = ("/chat/completions", "/completions", "/messages")  # /messages: Anthropic's Messages API
 SEND_SLICE = 1 << 20  # a held answer goes out this much at a time: no second copy of it
 ERROR_OBJECT_BYTES = 1 << 20  # a 5xx body past this is not parsed to see whether it is an error object
 PATH_SAFE = "/!$&'()*+,;=:@"  # kept as they are when the resolved path is quoted again
