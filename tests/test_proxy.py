@@ -313,3 +313,32 @@ def test_the_proxy_records_anthropics_messages_api(real_model, tmp_path):
     rs = advice["rule_sets"][0]
     assert [r["upstream_cached_tokens"] for r in rs["requests"]] == [2000, 2000]
     assert rs["error"]["requests"] == 2 and "mean_abs_error_tokens" in rs["error"]
+
+
+def test_the_prediction_under_this_engines_rules_equals_what_serve_reported(served, real_model):
+    """Every request through the proxy, none around it: the advice's prediction under the
+    `prefixlab` rules is exactly the upstream's cached_tokens, request by request."""
+    server, proxy, record = served
+    via = openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, max_retries=0)
+    asks = ["What glue works on wood?", "What glue works on wood?", "Which paint for a fence?",
+            "Do you sell lumber?", "Which paint for a fence?"]
+    for k, q in enumerate(asks):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        if k == 3:  # a longer conversation: an earlier turn kept, a new one added
+            messages += [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Pine?"}]
+        via.chat.completions.create(**{**ASK, "messages": messages})
+    advice = advise(str(record), read_traffic(str(record)), resolve_rules("prefixlab"),
+                    Tokenizers(real_model.tokenizer))
+    rs = advice["rule_sets"][0]
+    rows = rs["requests"]
+    assert [r["cached_tokens"] for r in rows] == [r["upstream_cached_tokens"] for r in rows]
+    assert sum(r["cached_tokens"] for r in rows) > 0
+    assert rs["error"] == {"requests": 5, "exact": 5, "mean_abs_error_tokens": 0.0}
+    from app.advise.cli import summary
+    from app.advise.html import render_html, view_data
+    assert "prefixlab: against the upstream: 5 of 5 requests exact, mean error 0.0 tokens" in summary(advice)
+    page = render_html(advice)
+    assert "Prediction against the upstream" in page and "5 of 5 requests exact" in page
+    data = view_data(advice)  # the Advisor tab's and the session report's rows
+    assert data["totals_head"][-1] == "against the upstream"
+    assert data["totals_rows"][0][-1].startswith("5 of 5")

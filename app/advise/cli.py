@@ -66,12 +66,26 @@ def run(args) -> int:
 
 def summary(advice: dict) -> str:
     """The text the command prints: totals per rule set, the largest groups, the what-if."""
-    from .html import TOTALS_HEAD, WHATIF_HEAD, totals_rows, whatif_rows
+    from .html import (
+        ERROR_HEAD,
+        TOTALS_HEAD,
+        WHATIF_HEAD,
+        error_rows,
+        provider_notes,
+        totals_rows,
+        whatif_rows,
+    )
     lines = [f"skipped line {k['line']}: {k['why']}" for k in advice["skipped"][:5]]
     if len(advice["skipped"]) > 5:
         lines.append(f"... and {len(advice['skipped']) - 5} more skipped lines")
     lines.append(_table(TOTALS_HEAD, totals_rows(advice)))
-    lines += [f"{rs['rules']['name']}: {rs['note']}" for rs in advice["rule_sets"] if rs.get("note")] + [""]
+    lines += [f"{rs['rules']['name']}: {line}" for rs in advice["rule_sets"] for line in provider_notes(rs)
+              if not line.startswith("not modelled")]
+    measured = error_rows(advice, limit=10)
+    if measured:
+        lines += ["", "Predicted against the upstream's cached tokens (first requests):",
+                  _table(ERROR_HEAD, measured)]
+    lines.append("")
     groups = advice["groups"]
     lines += [g["summary"] + f" (e.g. {g['example']['text']!r})" for g in groups[:5]] or \
         ["No request departs from an earlier one."]
