@@ -233,3 +233,32 @@ def test_a_provider_without_a_tokenizer_is_scaled_to_the_recordings_usage(real_m
     assert [r["prompt_tokens"] for r in rs["requests"]] == [2 * local, 2 * local]
     assert rs["requests"][1]["cache_read_tokens"] == 2 * plain["requests"][1]["cache_read_tokens"]
     assert plain["tokens"]["scaled_to_usage"] is None
+
+
+def _hints(real_model, tmp_path, bodies, rules, name="h.jsonl") -> dict:
+    from app.advise.hints import hints
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    requests, sets, toks = read_traffic(str(path)), resolve_rules(rules), Tokenizers(real_model.tokenizer)
+    advice = advise(str(path), requests, sets, toks)
+    return hints(advice, sets, requests, toks.prompts)
+
+
+def test_the_advice_names_the_change_that_pays_most(real_model, tmp_path):
+    ask = [{"role": "user", "content": "Which glue for oak?"}]
+    gaps = [_body(k * 600, ask, MARK) for k in range(4)]  # every 10 minutes: past 5, within an hour
+    line = _hints(real_model, tmp_path, gaps, "anthropic")["anthropic"]
+    assert line.startswith("prompts expire between uses: the 1-hour lifetime") and '"ttl": "1h"' in line
+    assert "0% -> " in line and "saved" in line
+    system = {"role": "system", "content": f"You are a store assistant. {SYSTEM}"}
+    busy = [{"model": "gpt-4o", "timestamp": _ms(0.6 * k), "prompt_cache_key": "app",
+             "messages": [system, {"role": "user", "content": f"Question {k}: which glue for oak?"}]}
+            for k in range(100)]
+    line = _hints(real_model, tmp_path, busy, "openai", name="busy.jsonl")["openai"]
+    assert "set prompt_cache_key per user or app (7 keys" in line and "saved" in line
+    long_system = {"role": "system", "content": f"You are a store assistant. {SYSTEM} {SYSTEM}"}
+    hourly = [{"model": "gemini-2.5-flash", "timestamp": _ms(k * 900),
+               "messages": [long_system, {"role": "user", "content": f"Question {k}: which glue for oak?"}]}
+              for k in range(12)]
+    line = _hints(real_model, tmp_path, hourly, "gemini", name="g.jsonl")["gemini"]
+    assert line.startswith("an explicit cache of the first") and "storage" in line

@@ -46,9 +46,11 @@ def run(args) -> int:
     except (RulesError, TraceError) as e:
         raise SystemExit(f"prefixlab advise: {e}") from None
     model = load_model_or_exit(getattr(args, "model", None))
+    from .hints import hints
     try:
-        advice = advise(args.trace, requests, rule_sets, Tokenizers(model.tokenizer, _tokenizer_loader),
-                        skipped)
+        toks = Tokenizers(model.tokenizer, _tokenizer_loader)
+        advice = advise(args.trace, requests, rule_sets, toks, skipped)
+        advice["hints"] = hints(advice, rule_sets, requests, toks.prompts)
     except ValueError as e:
         raise SystemExit(f"prefixlab advise: {args.trace}, {e}") from None
     print(summary(advice))
@@ -81,6 +83,9 @@ def summary(advice: dict) -> str:
     lines.append(_table(TOTALS_HEAD, totals_rows(advice)))
     lines += [f"{rs['rules']['name']}: {line}" for rs in advice["rule_sets"] for line in provider_notes(rs)
               if not line.startswith("not modelled")]
+    if advice.get("hints"):
+        lines += ["", "The change that pays most, per provider:"]
+        lines += [f"  {name}: {line}" for name, line in advice["hints"].items()]
     measured = error_rows(advice, limit=10)
     if measured:
         lines += ["", "Predicted against the upstream's cached tokens (first requests):",

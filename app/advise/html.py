@@ -54,7 +54,10 @@ def tokens_text(rs: dict) -> str:
         return ""
     name = "the loaded model's tokenizer" if t["tokenizer"] == "model" else t["tokenizer"]
     scale = t.get("scaled_to_usage")
-    return f"tokens: {name}" + (f", scaled x{scale:.3f} to the recording's usage" if scale else "")
+    if scale:
+        return f"tokens: {name}, scaled x{scale:.3f} to the recording's usage.prompt_tokens"
+    unscaled = " (no public tokenizer, and no recorded usage to scale to)" if rs["rules"].get("scale_to_usage") else ""
+    return f"tokens: {name}{unscaled}"
 
 
 def provider_notes(rs: dict) -> list[str]:

@@ -18,7 +18,8 @@ from ..scenario import REPO_ROOT
 PROVIDER_DIR = os.path.join(REPO_ROOT, "resources", "providers")
 DEFAULT_RULES = ("openai", "anthropic", "gemini", "deepseek", "mistral", "prefixlab")
 PRICE_FIELDS = ("input", "cached_input", "cache_write", "output")
-OPTIONAL_PRICES = ("cache_write_long",)  # a write with the long lifetime (Anthropic's "ttl": "1h": 2x input)
+# a write with the long lifetime (Anthropic's "ttl": "1h": 2x input); an explicit cache's storage per hour
+OPTIONAL_PRICES = ("cache_write_long", "storage_per_million_hour")
 # How the cache behaves beyond the common prefix core (app/advise/providers/): a named model each.
 BEHAVIOURS = ("prefix", "anthropic-breakpoints", "openai-routing", "deepseek-units")
 _FIELDS = {"name", "as_of", "source", "model", "note", "min_prefix_tokens", "granularity_tokens",
@@ -41,6 +42,7 @@ class Prices:
     cache_write: float
     output: float
     cache_write_long: float | None = None  # None: the long lifetime costs what the default one does
+    storage_per_million_hour: float | None = None  # an explicit cache's storage (Gemini); None: none
 
     def write(self, long: bool) -> float:
         """The price of a token written with the long (else the default) lifetime."""
