@@ -56,8 +56,9 @@ def tokens_text(rs: dict) -> str:
     scale = t.get("scaled_to_usage")
     if scale:
         return f"tokens: {name}, scaled x{scale:.3f} to the recording's usage.prompt_tokens"
-    unscaled = " (no public tokenizer, and no recorded usage to scale to)" if rs["rules"].get("scale_to_usage") else ""
-    return f"tokens: {name}{unscaled}"
+    if rs["rules"].get("scale_to_usage"):
+        return f"tokens: {name} (no public tokenizer, and no recorded usage to scale to)"
+    return f"tokens: {name}"
 
 
 def provider_notes(rs: dict) -> list[str]:
