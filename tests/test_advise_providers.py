@@ -262,3 +262,31 @@ def test_the_advice_names_the_change_that_pays_most(real_model, tmp_path):
               for k in range(12)]
     line = _hints(real_model, tmp_path, hourly, "gemini", name="g.jsonl")["gemini"]
     assert line.startswith("an explicit cache of the first") and "storage" in line
+
+
+def test_a_far_moved_breakpoint_is_advised_a_second_one_on_the_system_prompt(real_model, tmp_path):
+    """Each turn adds 25 blocks and marks only its end: past the 20-block lookback nothing is read;
+    a mark on the system prompt as well would read it every turn."""
+    bodies, content = [], []
+    for t in range(3):
+        content = [*content, *(_text(f"Log line {t}.{k}.") for k in range(25))]
+        bodies.append(_body(30 * t, [{"role": "user", "content": [*content[:-1], _text(content[-1]["text"],
+                                                                                        MARK)]}]))
+    rs = _rows(real_model, tmp_path, bodies)
+    assert [r["cache_read_tokens"] for r in rs["requests"]] == [0, 0, 0]
+    line = _hints(real_model, tmp_path, bodies, "anthropic", name="far.jsonl")["anthropic"]
+    assert line.startswith("add a cache_control breakpoint at the end of the system prompt")
+    assert "saved" in line
+
+
+def test_marks_on_images_count_and_only_four_marks_are_read(real_model, tmp_path):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    first = [{"role": "user", "content": [{**image, "cache_control": MARK}]}]
+    second = [{"role": "user", "content": [image, _text("What is on it?", MARK)]}]
+    rows = _rows(real_model, tmp_path, [_body(0, first), _body(10, second)], name="img.jsonl")["requests"]
+    assert rows[1]["cache_read_tokens"] == rows[0]["cache_write_tokens"] > 1024
+    five = [{"role": "user", "content": [_text(f"Part {k}.", MARK) for k in range(5)]}]
+    rows = _rows(real_model, tmp_path, [_body(0, five)], name="five.jsonl")["requests"]
+    four = [{"role": "user", "content": [_text(f"Part {k}.", MARK if k < 4 else None) for k in range(5)]}]
+    same = _rows(real_model, tmp_path, [_body(0, four)], name="four.jsonl")["requests"]
+    assert rows[0]["cache_write_tokens"] == same[0]["cache_write_tokens"]  # the fifth mark writes nothing

@@ -52,6 +52,28 @@ def _bought(before: dict, after: dict) -> str:
             f"{_money(before['cost_with'] - after['cost_with'])} saved")
 
 
+def added_mark_hint(rules: RuleSet, requests, prompts: list[Prompt], before: dict) -> Option:
+    """Marked traffic whose shared prefix is not read (no earlier request wrote where this one
+    looks: a mark too far past the last written one, or none on the system prompt): one more
+    mark at the end of the system prompt, within the 4 allowed, simulated."""
+    if not rules.breakpoints or not before.get("parts", {}).get("no_breakpoint"):
+        return None
+    more = []
+    for p in prompts:
+        end = _system_end(p)
+        if not end or end in p.marks or len(p.marks) >= rules.max_marks:
+            more.append(p)
+            continue
+        marks = sorted([*p.marks, end])
+        long = [p.long[p.marks.index(m)] if m in p.marks and p.marks.index(m) < len(p.long) else False
+                for m in marks]
+        more.append(replace(p, marks=marks, long=long))
+    after = totals(simulate(rules, requests, more))
+    gain = before["cost_with"] - after["cost_with"]
+    return (gain, f"add a cache_control breakpoint at the end of the system prompt (message 0), beside "
+                  f"the ones there: {_bought(before, after)}") if gain > 0 else None
+
+
 def longer_life_hint(rules: RuleSet, requests, prompts: list[Prompt], before: dict) -> Option:
     """Prompts that expired between uses: the long lifetime (Anthropic's "ttl": "1h" at its write
     price, OpenAI's prompt_cache_retention "24h"), simulated on this traffic."""
@@ -125,7 +147,8 @@ def provider_hint(rule_result: dict, rules: RuleSet, requests, prompts: list[Pro
         gain = fix["before"]["cost_with"] - fix["after"]["cost_with"]
         options.append((gain, f"{what_if['fix']}: {fix['before']['token_hit_ratio']:.0%} -> "
                               f"{fix['after']['token_hit_ratio']:.0%} cached, {_money(gain)} saved"))
-    options += [o for o in (longer_life_hint(rules, requests, prompts, t),
+    options += [o for o in (added_mark_hint(rules, requests, prompts, t),
+                            longer_life_hint(rules, requests, prompts, t),
                             spread_keys_hint(rules, requests, prompts, t),
                             explicit_cache_hint(rules, rule_result, requests)) if o is not None]
     if options:  # the one that saves most (the fix first when nothing is priced: a local engine)
