@@ -84,7 +84,7 @@ def test_two_identical_marked_requests_arriving_together_both_write(real_model, 
     rows = rows["requests"]
     assert [r["cache_read_tokens"] for r in rows][:2] == [0, 0]
     assert rows[1]["cache_write_tokens"] == rows[0]["cache_write_tokens"] > 1024
-    assert "same time" in rows[1]["why"]
+    assert "still being written" in rows[1]["why"]
     assert rows[2]["cache_read_tokens"] == rows[0]["cache_write_tokens"]  # later: readable
 
 
@@ -290,3 +290,13 @@ def test_marks_on_images_count_and_only_four_marks_are_read(real_model, tmp_path
     four = [{"role": "user", "content": [_text(f"Part {k}.", MARK if k < 4 else None) for k in range(5)]}]
     same = _rows(real_model, tmp_path, [_body(0, four)], name="four.jsonl")["requests"]
     assert rows[0]["cache_write_tokens"] == same[0]["cache_write_tokens"]  # the fifth mark writes nothing
+
+
+def test_an_entry_is_readable_once_its_writers_answer_began(real_model, tmp_path):
+    """The proxy records when each answer began (first_byte_ms): a request arriving 0.2 s after
+    one whose answer began 0.5 s in reads nothing; after one whose answer began 0.1 s in, all."""
+    ask = [{"role": "user", "content": "Which glue for oak?"}]
+    for began, reads in ((500, False), (100, True)):
+        bodies = [{**_body(0, ask, MARK), "first_byte_ms": began}, _body(0.2, ask, MARK)]
+        rows = _rows(real_model, tmp_path, bodies, name=f"{began}.jsonl")["requests"]
+        assert (rows[1]["cache_read_tokens"] == rows[0]["cache_write_tokens"] > 1024) is reads

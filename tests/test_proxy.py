@@ -302,6 +302,7 @@ def test_the_proxy_records_anthropics_messages_api(real_model, tmp_path):
         assert rec["usage"]["cache_read_input_tokens"] == 2000
         assert rec["usage"]["cache_creation_input_tokens"] == 0 and rec["usage"]["input_tokens"] == 12
     assert lines[1]["usage"]["output_tokens"] == 7  # message_delta's count added to message_start's
+    assert all(0 <= rec["first_byte_ms"] < 30_000 for rec in lines)  # when each answer began
     assert lines[0]["key"] and lines[0]["body"]["system"][0]["cache_control"]["ttl"] == "1h"
 
     requests = read_traffic(str(tmp_path / "t.jsonl"))

@@ -43,6 +43,7 @@ class Request:
     tools_long: bool = False             # ... whose "ttl" is "1h"
     auto_mark: str | None = None         # a top-level cache_control (Anthropic): "5m" or "1h"
     long_retention: bool = False         # OpenAI's prompt_cache_retention asks for 24 h
+    answer_s: float | None = None        # when its answer began (the proxy's first_byte_ms), if recorded
     prompt_text: str | None = None       # completions
     tokens: list[int] | None = None      # a prefixlab token trace's prompt (no text to map back to)
     output_tokens: int = 0
@@ -185,6 +186,9 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
                 key=str(key), output_tokens=out if isinstance(out, int) and out > 0 else 0,
                 upstream_cached_tokens=cached, upstream_prompt_tokens=prompt_tokens,
                 model=str(body.get("model") or ""))
+    began = obj.get("first_byte_ms")
+    if isinstance(began, (int, float)) and not isinstance(began, bool) and 0 <= began < float("inf"):
+        r.answer_s = r.arrival_s + began / 1000.0
     wrote = usage.get("cache_creation_input_tokens")
     if isinstance(wrote, int) and not isinstance(wrote, bool) and wrote >= 0:
         r.upstream_cache_write_tokens = wrote

@@ -95,6 +95,7 @@ class _Exchange:
         self.error = ""
         self.usage: UsageReader | None = None
         self.started = self.streaming = self.done = self.client_gone = False
+        self.first_byte: float | None = None  # when the upstream's answer began (its first body byte)
         self.whole: tuple[int, list, list[bytes]] | None = None  # held, sent once the upstream is done
 
     async def start(self, status: int, headers: list) -> None:
@@ -175,7 +176,7 @@ class ProxyApp:
         if scope["method"] == "POST" and scope["path"].endswith(RECORDED):
             def record(ex: _Exchange) -> None:
                 self.recorder.record(arrival, scope["path"], headers, body, ex.status or 499, ex.usage,
-                                     ex.error)
+                                     ex.error, ex.first_byte)
         ex = _Exchange(send, secrets_in(headers), record)
         try:
             async with anyio.create_task_group() as tasks:
@@ -248,6 +249,8 @@ class ProxyApp:
             held_size = 0
             try:
                 async for raw in resp.aiter_raw():
+                    if ex.first_byte is None:
+                        ex.first_byte = now()
                     if ex.usage is not None:
                         ex.usage.feed(raw)
                     if ex.streaming:

@@ -3,9 +3,10 @@ resources/providers/anthropic.toml): a request's cache_control marks (at most 4;
 cache_control is a mark on the last cacheable block) WRITE the prefix up to each mark; the
 request READS the longest prefix ending at a block boundary, at most `lookback_blocks` boundaries
 before one of its marks, that an EARLIER request wrote and that is still alive and readable (its
-writer's response had begun: here, the writer arrived strictly earlier). A read refreshes the
-entry's lifetime; tokens between the read and the last mark are written, priced by the mark's
-lifetime (5 minutes, or 1 hour for "ttl": "1h"); tokens after the last mark are plain input.
+writer's answer had begun: the proxy's recorded first byte, else any strictly later arrival).
+A read refreshes the entry's lifetime; tokens between the read and the last mark are written,
+priced by the mark's lifetime (5 minutes, or 1 hour for "ttl": "1h"); tokens after the last mark
+are plain input.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _PRUNE_EVERY = 1024  # requests between sweeps of expired entries (memory stays 
 class _Entry:
     tokens: int
     expires: float
-    ready: float       # readable by requests arriving after this (the writer's arrival)
+    ready: float       # readable by requests arriving after this (when the writer's answer began)
     ttl: float
 
 
@@ -58,7 +59,7 @@ class Breakpoints:
                 if e is None or b <= read or b < minimum or now > e.expires:
                     continue
                 if e.ready >= now:
-                    why = "an identical prefix was still being written by a request arriving at the same time"
+                    why = "the prefix was still being written: its writer's answer had not begun"
                     continue
                 read, hit = b, e
         if hit is not None:
@@ -77,8 +78,8 @@ class Breakpoints:
             e = store.get(digests[m])
             if e is not None and now <= e.expires and e.ready < now:
                 e.expires, e.ttl = max(e.expires, now + ttl), max(e.ttl, ttl)
-            elif m > read:
-                store[digests[m]] = _Entry(m, now + ttl, now, ttl)
+            elif m > read:  # readable once this request's answer began (recorded), else by later arrivals
+                store[digests[m]] = _Entry(m, now + ttl, now if req.answer_s is None else req.answer_s, ttl)
 
         trie = self.tries.setdefault(req.key, PromptTrie())
         alive = self._lifetime(any(long))
