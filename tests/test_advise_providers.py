@@ -300,3 +300,16 @@ def test_an_entry_is_readable_once_its_writers_answer_began(real_model, tmp_path
         bodies = [{**_body(0, ask, MARK), "first_byte_ms": began}, _body(0.2, ask, MARK)]
         rows = _rows(real_model, tmp_path, bodies, name=f"{began}.jsonl")["requests"]
         assert (rows[1]["cache_read_tokens"] == rows[0]["cache_write_tokens"] > 1024) is reads
+
+
+def test_an_automatic_cache_is_not_read_before_its_writers_answer_began(real_model, tmp_path):
+    system = {"role": "system", "content": f"You are a store assistant. {SYSTEM}"}
+    def ask(at, **extra):
+        return {"model": "gpt-4o", "timestamp": _ms(at), **extra,
+                "messages": [system, {"role": "user", "content": "Which glue for oak?"}]}
+    for name in ("openai", "deepseek", "mistral"):
+        rows = _rows(real_model, tmp_path, [ask(0), ask(0), ask(1)], rules=name, name=f"{name}.jsonl")
+        assert [r["cache_read_tokens"] > 0 for r in rows["requests"]] == [False, False, True], name
+    rows = _rows(real_model, tmp_path, [ask(0, first_byte_ms=500), ask(0.2), ask(0.6)], rules="openai",
+                 name="began.jsonl")["requests"]
+    assert [r["cache_read_tokens"] > 0 for r in rows] == [False, False, True]

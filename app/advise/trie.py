@@ -4,6 +4,8 @@ still alive (last use at most ttl seconds ago) is one walk."""
 
 from __future__ import annotations
 
+import heapq
+
 
 class _Node:
     """A run of tokens shared by the prompts below it (a radix trie: one node per branch, not per token)."""
@@ -33,6 +35,18 @@ class PromptTrie:
     def __init__(self):
         self.root = _Node([], float("inf"), -1)
         self.prompts: dict[int, list[int]] = {}
+        self.pending: list[tuple] = []  # a heap of (readable after, id, tokens, used at)
+
+    def add_when_ready(self, pid: int, tokens: list[int], used: float, ready: float) -> None:
+        """Prompt `pid` (used at `used`) joins once its answer has begun: for requests arriving
+        after `ready` (docs/design.md §14: an entry is not readable while it is being prefilled)."""
+        heapq.heappush(self.pending, (ready, pid, tokens, used))
+
+    def ready(self, now: float) -> None:
+        """The pending prompts readable by a request arriving at `now` join."""
+        while self.pending and self.pending[0][0] < now:
+            _, pid, tokens, used = heapq.heappop(self.pending)
+            self.add(pid, tokens, used)
 
     def match(self, tokens: list[int], now: float, ttl: float) -> tuple[int, int]:
         """(L, the prompt matched): the longest common prefix with a prompt used at most `ttl`
@@ -58,8 +72,8 @@ class PromptTrie:
         self._walk(tokens, pid, now)
 
     def _walk(self, tokens: list[int], pid: int, now: float) -> None:
-        """Mark every node on `tokens`' path used by `pid` at `now`, splitting edges where it ends
-        or leaves them (arrivals come in time order, so `now` is each node's latest use)."""
+        """Mark every node on `tokens`' path used by `pid` at `now` (unless used later already),
+        splitting edges where it ends or leaves them."""
         node, depth = self.root, 0
         while depth < len(tokens):
             child = node.children.get(tokens[depth])
@@ -72,5 +86,6 @@ class PromptTrie:
                 child.edge = child.edge[k:]
                 mid.children[child.edge[0]] = child
                 node.children[tokens[depth]] = child = mid
-            child.last, child.owner = now, pid
+            if now >= child.last:  # a prompt joining late (once ready) keeps later uses the latest
+                child.last, child.owner = now, pid
             node, depth = child, depth + k

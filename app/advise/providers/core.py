@@ -67,12 +67,13 @@ class PrefixCache:
     def step(self, i: int, req, prompt) -> Step:
         trie, why = self.scope(i, req, prompt)
         tokens, now = prompt.tokens, req.arrival_s
+        trie.ready(now)
         longest, owner = trie.match(tokens, now, self.ttl(req))
         ever = trie.match(tokens, now, math.inf)[0]
         minimum = self.rules.min_for(req.model)
         read = self.rules.cached(longest, minimum)
         if read and owner >= 0:
             trie.touch(owner, now)
-        trie.add(i, tokens, now)
+        trie.add_when_ready(i, tokens, now, now if req.answer_s is None else req.answer_s)
         written = max(0, self.rules.cached(len(tokens), minimum) - read)
         return Step(longest, read, written, 0, split(len(tokens), read, longest, ever, minimum), why)

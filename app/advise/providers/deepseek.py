@@ -17,29 +17,33 @@ class Units(PrefixCache):
 
     def __init__(self, rules):
         super().__init__(rules)
-        self.units: dict[str, dict[bytes, float]] = {}
+        self.units: dict[str, dict[bytes, tuple[float, float]]] = {}  # digest -> (expires, readable after)
         self.lengths: dict[str, set[int]] = {}
 
     def step(self, i: int, req, prompt) -> Step:
         r, tokens, now = self.rules, prompt.tokens, req.arrival_s
         n, ttl, minimum = len(tokens), self.ttl(req), r.min_for(req.model)
         trie, _ = self.scope(i, req, prompt)
+        trie.ready(now)
         longest = trie.match(tokens, now, ttl)[0]
         ever = trie.match(tokens, now, math.inf)[0]
-        trie.add(i, tokens, now)
+        trie.add_when_ready(i, tokens, now, now if req.answer_s is None else req.answer_s)
         units, lengths = self.units.setdefault(req.key, {}), self.lengths.setdefault(req.key, set())
         step = r.unit_interval_tokens
         new = {n, longest} | (set(range(step, n + 1, step)) if step else set())
         new = {b for b in new if b >= max(1, minimum)}
         digests = prefix_digests(tokens, sorted({b for b in lengths if b <= longest} | new))
-        read = 0
+        read, never = 0, (-math.inf, math.inf)
         for b in sorted((b for b in lengths if b <= longest), reverse=True):
-            if now <= units.get(digests[b], -math.inf):
+            expires, ready = units.get(digests[b], never)
+            if now <= expires and ready < now:
                 read = b
-                units[digests[b]] = now + ttl
+                units[digests[b]] = (now + ttl, ready)
                 break
+        began = now if req.answer_s is None else req.answer_s  # a unit is stored once the answer began
         for b in new:
-            units[digests[b]] = max(units.get(digests[b], -math.inf), now + ttl)
+            expires, ready = units.get(digests[b], never)
+            units[digests[b]] = (max(expires, now + ttl), min(ready, began))
             lengths.add(b)
         parts = split(n, read, longest, ever, minimum, lost="rounding")
         return Step(longest, read, 0, 0, parts, "")

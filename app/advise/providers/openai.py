@@ -48,6 +48,7 @@ class Routing(PrefixCache):
             home = self.tries.setdefault((req.key, 0), PromptTrie())
             tokens, now = prompt.tokens, req.arrival_s
             minimum = self.rules.min_for(req.model)
+            home.ready(now)
             longest = home.match(tokens, now, self.ttl(req))[0]
             there = self.rules.cached(longest, minimum)
             if there > s.read:
