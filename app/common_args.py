@@ -3,12 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from engine import ModelLoadError, ModelNotInstalled, SamplingParams, load_model
 from engine.scheduler import SchedulerSettings
 from engine.stream import MAX_NEW_TOKENS
 
-from .settings_table import cli_help
+from .settings_table import SETTINGS, cli_help
+
+
+def parse_count(text: str) -> int | None:
+    """A whole number as a person types it (1000000, 1_000_000, 1,000,000 or 1e6); None if not one."""
+    word = text.strip().replace("_", "").replace(",", "")
+    try:
+        return int(word)
+    except ValueError:
+        pass
+    try:
+        value = float(word)
+    except ValueError:
+        return None
+    return int(value) if math.isfinite(value) and value.is_integer() else None
+
+
+def bounded_int(low: int, high: int, what: str = ""):
+    """An argparse type: an integer from `low` to `high` (`what` says what it counts); argparse's
+    error names the flag, this one the bound."""
+    def parse(text: str) -> int:
+        value = parse_count(text)
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low:,} and at most {high:,}{what}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+def table_int(name: str, low: int | None = None):
+    """`bounded_int` with a setting's own limits from the settings table."""
+    s = SETTINGS[name]
+    return bounded_int(int(s.low) if low is None else low, int(s.high))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -67,7 +100,8 @@ def add_scheduler_args(p: argparse.ArgumentParser):
                        help=cli_help(name) + " (default %(default)s)")
     g.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="requests that may wait (default %(default)s)")
-    g.add_argument("--pool-pages", type=int, default=None, help="bound the KV pool (default: grows)")
+    g.add_argument("--pool-pages", type=table_int("pool_pages", low=1), default=None,
+                   help="bound the KV pool (default: grows)")
     g.add_argument("--cache-pages", type=int, default=d.cache_pages, help=cli_help("cache_pages"))
     g.add_argument("--no-cache", action="store_true", help="turn the prefix cache off")
     g.add_argument("--spec", action=argparse.BooleanOptionalAction, default=d.spec_enabled,
@@ -83,7 +117,7 @@ def add_cache_tier_args(g) -> None:
     g.add_argument("--kv-dtype", choices=["f32", "f16"], default="f32",
                    help="how KV pages store K and V: f16 halves the bytes per page (attention still "
                         "computes in float32; default %(default)s)")
-    g.add_argument("--disk-tier-pages", type=int, default=0, metavar="N",
+    g.add_argument("--disk-tier-pages", type=table_int("disk_tier_pages"), default=0, metavar="N",
                    help="a disk tier of N pages under the pool: a cached page about to be evicted moves "
                         "to a memory-mapped file and comes back on a hit (default 0: none)")
     g.add_argument("--persist-cache", metavar="DIR", default=None,

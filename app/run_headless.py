@@ -7,6 +7,7 @@ import time
 from engine.loop import EngineLoop
 from engine.scheduler import FinishEvent, Scheduler, SubmitRefused
 from engine.stream import MAX_NEW_TOKENS
+from engine.token_parts import add_parts, describe_totals, zero_totals
 
 from .cache_persist import persist_from_args
 from .common_args import (
@@ -50,10 +51,16 @@ def describe(r) -> str:
 
 
 def summary(sch: Scheduler, wall_s: float) -> str:
+    """The session in two lines: hits and savings, then where its prompt tokens went (§15)."""
     st = sch.stats()
+    totals = zero_totals()
+    for r in sch.records():
+        if r.parts is not None:
+            add_parts(totals, r.parts)
     return (f"{len(sch.records())} requests in {wall_s:.2f} s; hit rate {st.get('hit_rate', 0.0):.0%}; "
             f"prefill tokens saved {sch.prefill_saved} (computed {sch.prefill_computed}); "
-            f"seconds saved {sch.seconds_saved():.2f} at {sch.prefill_rate():.0f} prefill tok/s")
+            f"seconds saved {sch.seconds_saved():.2f} at {sch.prefill_rate():.0f} prefill tok/s\n"
+            f"{describe_totals(totals)}")
 
 
 def run(args) -> int:
@@ -68,9 +75,9 @@ def run(args) -> int:
     if max_new < 1:
         raise SystemExit("prefixlab run: --max-new must be >= 1")
     m = load_model_or_exit(getattr(args, "model", None))
-    sch = Scheduler(m, settings)
+    loop = EngineLoop(m, settings)  # the one loop the window and the server drive too
+    sch = loop.scheduler
     persisted = persist_from_args(args, sch)  # --persist-cache: loaded before the first request
-    loop = EngineLoop(sch)  # the one loop the window and the server drive too
     system = scenario.system if scenario else args.system
     common = {"system": system, "sampling": sampling, "max_new_tokens": max_new, "namespace": args.namespace}
 
@@ -85,16 +92,16 @@ def run(args) -> int:
     try:
         if scenario and scenario.conversation:
             for i, turn in enumerate(scenario.conversation):
-                loop.submit_now(user=turn, conversation_id="scenario", **common)
-                loop.run_until_done(on_event, settle=keep or i + 1 < len(scenario.conversation))
+                loop.submit_now(on_event, user=turn, conversation_id="scenario", **common)
+                loop.run_until_done(settle=keep or i + 1 < len(scenario.conversation))
         else:
             for prompt in (scenario.prompts if scenario else args.prompt):
-                loop.submit_now(user=prompt, **common)
-            loop.run_until_done(on_event, settle=keep)
+                loop.submit_now(on_event, user=prompt, **common)
+            loop.run_until_done(settle=keep)
     except SubmitRefused as e:
         raise SystemExit(f"prefixlab run: request refused: {e}") from None
     except KeyboardInterrupt:
-        loop.stop(lambda events: [on_event(ev) for ev in events])
+        loop.stop()
     print(summary(sch, time.perf_counter() - t0))
     if persisted:
         persisted.save()

@@ -25,3 +25,23 @@ class StopOnSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self.old.items():
             signal.signal(sig, handler)
+
+
+class TerminateRaises:
+    """`with TerminateRaises():` SIGTERM raises SystemExit (status 143) in the main thread while the
+    block runs, as Ctrl+C raises KeyboardInterrupt, so `finally` clauses run: a file half written
+    to a temporary name is removed rather than left behind by `kill`."""
+
+    def __enter__(self) -> TerminateRaises:
+        self.old = None
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGTERM, _exit_on_term)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+
+
+def _exit_on_term(signum, frame):
+    raise SystemExit(128 + signum)

@@ -23,6 +23,7 @@ _API = {
     "prefix_records": ("CachedPageInfo", "CacheEvent", "ChainRecord", "ProbeResult"),
     "registry": ("BUILTIN_MODELS", "BuiltinModel", "ModelNotInstalled", "resolve_model"),
     "sampler": ("Sampler", "SamplingParams"),
+    "token_parts": ("PARTS", "Account", "Eviction", "TokenParts"),
 }
 _MODULE_OF = {name: module for module, names in _API.items() for name in names}
 

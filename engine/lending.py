@@ -20,6 +20,7 @@ import numpy as np
 
 from .block_manager import BlockManager, attach_cap
 from .prefix_cache import PrefixCache
+from .token_parts import Account
 
 if TYPE_CHECKING:
     from .stream import Stream
@@ -39,6 +40,7 @@ class InFlightShare(NamedTuple):
 
     owner: Stream
     pages: int
+    cached: int = 0   # of those pages, the ones the cache holds (the owner attached them)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -62,7 +64,7 @@ def in_flight_share(s: Stream, streams: list[Stream], cache: PrefixCache,
         if other.session.n_past < len(target):
             shared = min(common_prefix(s.prompt, target) // page_rows, attach_cap(len(s.prompt), page_rows))
             if shared > cached:
-                return InFlightShare(other, shared)
+                return InFlightShare(other, shared, cached)
     return None
 
 
@@ -80,6 +82,15 @@ def lend(pool: BlockManager, share: InFlightShare, borrower: Stream, page_rows: 
     borrower.loan = Loan(share.owner, share.pages * page_rows)
     pool.lend(share.owner.session, borrower.session, share.pages, borrower.prompt[:borrower.loan.positions])
     borrower.record.n_cached = borrower.loan.positions  # counted as saved once the pages are written
+
+
+def account_loan(cache: PrefixCache, borrower: Stream, share: InFlightShare) -> tuple[Account, Account]:
+    """Where a borrower's prompt tokens went (docs/design.md §15): the cache's pages among those
+    lent are `cached`, the others `lent`, and the lender's prompt competes with every earlier
+    one for where the borrower's departs. (The operator's account, the tenant's.)"""
+    shared = common_prefix(borrower.prompt, share.owner.target())
+    return cache.account(borrower.prompt, borrower.record.namespace, share.cached, 0,
+                         share.pages - share.cached, None, (shared, share.owner.id))
 
 
 def unsettled(s: Stream) -> bool:

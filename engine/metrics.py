@@ -9,6 +9,7 @@ import numpy as np
 
 from .kv_pool import KVPool
 from .prefix_cache import PrefixCache
+from .token_parts import Account, Eviction, TokenParts
 
 # Page states, as the page map colours them.
 PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED, PAGE_CACHED = 0, 1, 2, 3
@@ -94,6 +95,20 @@ class RequestRecord:
     spec_drafted: int = 0               # speculative draft tokens verified for this request
     spec_accepted: int = 0              # of those, the ones its sampler agreed with
     spec_acceptance: float | None = None  # accepted / drafted (None while nothing was drafted)
+    # Where its prompt tokens went (docs/design.md §15), set at admission by the attach itself:
+    # the operator's view (every namespace), and `tenant`, what its own tenant may be told.
+    parts: TokenParts | None = None
+    diverged_at: int | None = None
+    diverged_from: int | None = None
+    diverged_words: str = ""            # the prompt's text from diverged_at on, a few tokens
+    evicted_by: Eviction | None = None
+    tenant: Account | None = None
+
+    def take_account(self, account: Account, tenant: Account) -> None:
+        """Keep the attach's accounting (the operator's view and the tenant's own)."""
+        self.parts, self.diverged_at, self.diverged_from = (account.parts, account.diverged_at,
+                                                            account.diverged_from)
+        self.evicted_by, self.tenant = account.evicted_by, tenant
 
     def count_drafts(self, drafted: int, accepted: int) -> None:
         """Add one verification's drafted and accepted tokens."""

@@ -26,9 +26,13 @@ pool's pages. The tutorial's free functions (`prefix_insert`, ...) are one-line 
 in engine/api.py. Listeners (`add_listener`) hear every change: pages stored, removed,
 or all cleared.
 
-Reading order: keys; the tutorial's operations (insert, attach, probe, release); pins;
-eviction; the tree of cached pages and its sibling index; the disk tier's moves; saved
-pages adopted back.
+Every attach can also say where each prompt token went (`attach_accounted`, docs/design.md §15):
+the same walk goes on past the attached pages through an ever-seen index (engine/token_parts.py)
+that the cache feeds as pages are cached and evicted.
+
+Reading order: keys; the tutorial's operations (insert, attach, probe, release); where every
+token went; pins; eviction; the tree of cached pages and its sibling index; the disk tier's
+moves; saved pages adopted back.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from .prefix_records import (
     Inserted,
     ProbeResult,
 )
+from .token_parts import SEEN_PAGES, Account, Eviction, SeenIndex, TokenParts
 
 HashFn = Callable[[bytes], int]
 log = logging.getLogger("prefixlab.cache")
@@ -91,7 +96,7 @@ class PrefixCache:
 
     def __init__(self, max_pages: int = 0, hash_fn: HashFn | None = None,
                  policy: str | EvictionPolicy = DEFAULT_POLICY, id_keys: bool = False,
-                 tier: DiskTier | None = None):
+                 tier: DiskTier | None = None, seen_pages: int = SEEN_PAGES):
         if not isinstance(max_pages, int) or max_pages < 0:
             raise ValueError(f"max_pages must be an integer >= 0 (0: unbounded), got {max_pages!r}")
         self.max_pages = max_pages
@@ -111,6 +116,12 @@ class PrefixCache:
         self.siblings: dict[tuple[str, int | None], _Trie] = {}  # (namespace, parent) -> children's tokens
         self.listeners: list[Callable[[CacheEvent], None]] = []
         self.tier = tier
+        # Every page ever cached, within reach, so an attach can say where each token went
+        # (docs/design.md §15); `actor` is the request the caller is working for now (None:
+        # none), named by the evictions it causes.
+        self.seen = SeenIndex(seen_pages)
+        self.actor: int | None = None
+        self._cause = "flush"
 
     # listeners --------------------------------------------------------
     def add_listener(self, fn: Callable[[CacheEvent], None]) -> None:
@@ -136,6 +147,11 @@ class PrefixCache:
         else:
             salt = parent.to_bytes(8, "little")
         return self.hash_fn(salt + struct.pack(f"<{len(tokens)}q", *tokens))  # int64 LE
+
+    def free_key(self, parent_free: int | None, tokens) -> int:
+        """A page's key in the default namespace: the ever-seen index's key, the same for every
+        namespace that holds these tokens at this place."""
+        return self.page_key(parent_free, tokens, "")
 
     def verify(self, entry: CachedPage, parent: int | None, tokens, namespace: str) -> bool:
         # An id-keyed page has no tokens: its id is its whole prefix (chained by the trace).
@@ -232,6 +248,9 @@ class PrefixCache:
             pool.retain(page)
             # Positional: half the cost of keywords, once per new page (a replay makes ~10^5).
             entry = CachedPage(key, page, () if self.id_keys else toks, parent, namespace, i, chain.id)
+            parent_free = path[-1].free if path else None
+            entry.free = key if not namespace else self.free_key(parent_free, toks)
+            self.seen.saw(entry.free, parent_free, entry.tokens, namespace, key, self.actor)
             self.pages[key] = entry
             self.by_page[page] = key
             self._link(entry)
@@ -256,12 +275,29 @@ class PrefixCache:
     def attach(self, pool: BlockManager, s: Session, prompt, namespace: str = "") -> int:
         """`prefix_attach` (engine/api.py): attach the cached pages matching the prompt's start,
         loading the next ones back from the disk tier when it holds them."""
+        return len(self._attach(pool, s, prompt, namespace)[0]) * (self.page_rows or 0)
+
+    def attach_accounted(self, pool: BlockManager, s: Session, prompt,
+                         namespace: str = "") -> tuple[int, Account, Account]:
+        """`attach`, and where every prompt token went, decided by the same walk (docs/design.md
+        §15): (tokens attached, the operator's account, the tenant's own account)."""
+        matched, n_disk = self._attach(pool, s, prompt, namespace)
+        if self.pool is None:
+            cold = Account(TokenParts(new=len(prompt)))
+            return 0, cold, cold
+        held = self._held_request(prompt, namespace, matched)
+        return (len(matched) * self.page_rows,
+                *self.account(prompt, namespace, len(matched), n_disk, 0,
+                              matched[-1].free if matched else None, held))
+
+    def _attach(self, pool: BlockManager, s: Session, prompt, namespace: str) -> tuple[list[CachedPage], int]:
+        """Attach; return the matched pages (root to leaf) and how many came from the disk tier."""
         _check_session(pool, s)
         pool.check_fresh(s)
         self._check_pool(pool)
         self.counters.queries += 1
         if self.pool is None:
-            return 0
+            return [], 0
         rows = pool.page_rows
         matched: list[CachedPage] = []
         cap = attach_cap(len(prompt), rows)
@@ -269,15 +305,18 @@ class PrefixCache:
             if not ok:
                 break
             matched.append(entry)
+        n_disk = 0
         if self.tier is not None and len(matched) < cap:
-            matched += self._promote(pool, prompt, namespace, matched, cap)
+            loaded = self._promote(pool, prompt, namespace, matched, cap)
+            matched += loaded
+            n_disk = len(loaded)
         n = len(matched) * rows
         pool.attach(s, [e.page for e in matched], prompt[:n])
         for entry in matched:
             self._touch(entry)
         if matched:
             self.count_hit(matched[-1].chain_id, len(matched), n)
-        return n
+        return matched, n_disk
 
     def count_hit(self, chain_id: int | None, n_pages: int, n_tokens: int) -> None:
         """Count a hit of `n_pages` (`n_tokens`) ending in chain `chain_id`: an attach's, or a
@@ -320,6 +359,87 @@ class PrefixCache:
         diff = None if lcp == len(tail) else matched * rows + lcp
         return _departure(matched, rows, "end", diff, lcp, near, last_chain)
 
+    # where every token went (docs/design.md §15) --------------------------
+    def _held_request(self, prompt, namespace: str,
+                      matched: list[CachedPage]) -> tuple[int, int | None] | None:
+        """When the cache (pool or disk tier) holds the whole prompt and only the attach cap kept
+        the rest back: (the prompt's length, the request that cached its last page); else None."""
+        rows, n = self.page_rows, len(prompt)
+        if not n or len(matched) < attach_cap(n, rows):
+            return None
+        parent_free = matched[-1].free if matched else None
+        rest = prompt[len(matched) * rows:]
+        if len(rest) == rows:   # a whole page: its key says
+            seen = self.seen.get(self.free_key(parent_free, rest), parent_free,
+                                 () if self.id_keys else rest)
+            sighting = seen.of(namespace) if seen is not None else None
+        else:                   # the prompt ends inside a page an earlier prompt filled
+            lcp, sighting = self.seen.nearest(parent_free, rest, namespace)
+            sighting = sighting if lcp == len(rest) else None
+        if sighting is None or not (sighting.key in self.pages
+                                    or (self.tier is not None and self.tier.get(sighting.key))):
+            return None
+        return n, sighting.request
+
+    def account(self, prompt, namespace: str, n_cached: int, n_disk: int = 0, n_lent: int = 0,
+                last_free: int | None = None,
+                held: tuple[int, int | None] | None = None) -> tuple[Account, Account]:
+        """Where the prompt's tokens went, given the pages attached (`n_cached`, `n_disk` of them
+        loaded from the disk tier) and lent (`n_lent`) after them: (the operator's account, the
+        tenant's, which looks only at `namespace`). `last_free` is the free key of the last of
+        those pages (None: hashed here); `held` = (tokens held, request) when something holds the
+        prompt this far and only the attach cap kept it back (`_held_request`, or a lender's)."""
+        rows, n = self.page_rows, len(prompt)
+        pos = min((n_cached + n_lent) * rows, n)
+        base = {"cached": n_cached * rows, "disk": n_disk * rows, "lent": n_lent * rows}
+        if held is not None and held[0] >= n:
+            acc = Account(TokenParts(**base, cap=n - pos), n, held[1])
+            return acc, acc
+        start = pos // rows
+        if last_free is None and start:
+            for i in range(start):
+                last_free = self.free_key(last_free, prompt[i * rows:(i + 1) * rows])
+        # Walk the ever-seen index past the attached pages: this namespace's pages first, then
+        # pages only other namespaces had (chained keys: a namespace that had a page had its parent).
+        frees, own_n, first = [last_free], 0, None
+        for i in range(start, n // rows):
+            toks = prompt[i * rows:(i + 1) * rows]
+            free = self.free_key(frees[-1], toks)
+            seen = self.seen.get(free, frees[-1], () if self.id_keys else toks)
+            if seen is None:
+                break
+            mine = seen.of(namespace)
+            if mine is not None and own_n == len(frees) - 1:
+                own_n += 1
+                first = first or mine
+            frees.append(free)
+        evicted_by = first.evicted if first is not None else None
+
+        def view(n_pages: int, ns: str | None) -> Account:
+            at = start + n_pages
+            piece = () if self.id_keys else prompt[at * rows:(at + 1) * rows]
+            lcp, sighting = self.seen.nearest(frees[n_pages], piece, ns)
+            by = sighting.request if sighting is not None else None
+            if held is not None and n_pages == 0 and held[0] - pos >= lcp:  # a lender's prompt
+                lcp, by = held[0] - pos, held[1]
+            elif not lcp:
+                by = self._request_of(frees[n_pages], namespace, ns is None) if at else None
+            diverged = at * rows + lcp
+            parts = TokenParts(**base, evicted=own_n * rows, isolated=(n_pages - own_n) * rows,
+                               rounding=lcp, new=n - diverged)
+            return Account(parts, diverged or None, by, evicted_by)
+        operator = view(len(frees) - 1, None)
+        return operator, operator if self.seen.only(namespace) else view(own_n, namespace)
+
+    def _request_of(self, free: int | None, namespace: str, any_ns: bool) -> int | None:
+        """The request that first cached a page (by free key) in `namespace`, else (`any_ns`)
+        in any namespace."""
+        seen = self.seen.pages.get(free) if free is not None else None
+        if seen is None:
+            return None
+        sighting = seen.of(namespace) or (seen if any_ns else None)
+        return sighting.request if sighting is not None else None
+
     def chain_list(self) -> list[ChainRecord]:
         """Snapshots (copies) of every chain that still has a live page, oldest first."""
         return [copy.copy(c) for c in self.chains.values() if c.pages_live > 0]
@@ -336,7 +456,9 @@ class PrefixCache:
         """Hand every cached page back to the pool; return how many."""
         self._check_pool(pool)
         n = len(self.pages)
+        gone = Eviction("flush", self.actor, self.max_pages)
         for entry in self.pages.values():
+            self.seen.evicted(entry.free, entry.namespace, gone)
             pool.release(entry.page)
         self.pages.clear()
         self.by_page.clear()
@@ -384,14 +506,18 @@ class PrefixCache:
         # only the cache's own reference, and no pin on its chain
         return self.pool.refcount_of(entry.page) == 1 and not self.chains[entry.chain_id].pinned
 
-    def evict(self, n: int) -> int:
-        """Give back up to n pages no session holds, in the policy's order; return how many."""
+    def evict(self, n: int, cause: str = "flush") -> int:
+        """Give back up to n pages no session holds, in the policy's order; return how many.
+        `cause` ("budget", "pool", "flush") is what the ever-seen index records for them."""
         removed: list[CachedPage] = []
+        budget = self.max_pages if cause == "budget" else (self.pool.max_pages or 0) if cause == "pool" else 0
+        eviction = Eviction(cause, self.actor, budget)
 
         def remove(entry: CachedPage) -> None:
             if self.tier is not None:
                 self._demote(entry)  # its K/V go down to the disk tier before the page is freed
             self._remove(entry)
+            self.seen.evicted(entry.free, entry.namespace, eviction)
             removed.append(entry)
         self.policy.evict(n, self.pages, self._unheld, remove)
         if removed:
@@ -401,7 +527,7 @@ class PrefixCache:
     def give_back(self, n: int) -> int:
         """The pool's evictor (BlockManager.bind_evictor): `n` pages for an allocation that found
         none free, or with n=0, after a session's release, what is over the budget. How many went."""
-        return self.evict(n) if n else self.enforce_budget()
+        return self.evict(n, "pool") if n else self.enforce_budget()
 
     def num_evictable(self) -> int:
         """Cached pages eviction can give back, now or once their children went: pages that
@@ -418,7 +544,7 @@ class PrefixCache:
         """Evict down to the budget as far as pages can be given back (after inserts and releases);
         return how many went."""
         if self.max_pages and len(self.pages) > self.max_pages:
-            return self.evict(len(self.pages) - self.max_pages)
+            return self.evict(len(self.pages) - self.max_pages, "budget")
         return 0
 
     # the tree ---------------------------------------------------------
@@ -438,6 +564,9 @@ class PrefixCache:
         if chain.id not in self.chains:
             self.chains[chain.id] = chain
         entry = CachedPage(key, page, toks, parent, namespace, depth, chain.id)
+        parent_free = self.pages[parent].free if parent is not None else None
+        entry.free = key if not namespace else self.free_key(parent_free, toks)
+        self.seen.saw(entry.free, parent_free, toks, namespace, key, self.actor)
         self.pages[key] = entry
         self.by_page[page] = key
         self._link(entry)

@@ -20,6 +20,7 @@ class CachedPage:
     uses: int = 0               # hits + inserts (LFU)
     born: int = 0               # insertion order (FIFO)
     children: set[int] = field(default_factory=set)
+    free: int = 0               # its key in the default namespace (the ever-seen index's key)
 
 
 @dataclass

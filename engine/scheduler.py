@@ -27,8 +27,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from .admission import can_take, plan_prefill
-from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch, prefix_attach, prefix_insert
-from .lending import can_lend, in_flight_share, lend, settle_borrowers
+from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch, prefix_insert
+from .lending import account_loan, can_lend, in_flight_share, lend, settle_borrowers
 from .loader import Model
 from .metrics import RequestRecord, RequestTokens, Timeline, page_states, timeline_row
 from .sampler import Sampler, SamplingParams
@@ -45,6 +45,7 @@ from .stream import (
     TokenEvent,
     check_fits,
 )
+from .token_parts import Account, TokenParts
 
 __all__ = ["MAX_NEW_TOKENS", "Batch", "FinishEvent", "QueueFull", "Request", "Scheduler",
            "SchedulerSettings", "Stream", "SubmitRefused", "TokenEvent"]
@@ -220,6 +221,12 @@ class Scheduler:
             batch.drafts = plan_drafts(batch.decode, self.settings.spec_k, self.model.config.context_length)
         return batch
 
+    def _words_at(self, prompt: list[int], at: int | None, n: int = 6) -> str:
+        """The prompt's text from token `at` on (n tokens): where it departed, in words."""
+        if at is None or at >= len(prompt):
+            return ""
+        return self.model.tokenizer.decode(prompt[at:at + n])
+
     def _admit(self) -> None:
         self.waiting_for_pages, rows = None, self.settings.page_rows
         for s in list(self._queue):
@@ -236,17 +243,25 @@ class Scheduler:
                 self.waiting_for_pages = s.id  # keep FIFO order under memory pressure
                 return
             self._queue.remove(s)
+            self.cache.actor = s.id   # the request its evictions name (docs/design.md §15)
             s.session = create_session(self.model, self.pool)
             s.admitted_at = time.perf_counter()
             s.record.queue_wait_s = s.admitted_at - s.arrival
             if share:  # joins the pass that writes the shared pages (engine/lending.py)
                 lend(self.pool, share, s, rows)
+                s.record.take_account(*account_loan(self.cache, s, share))
             elif self.settings.cache_enabled:
-                matched = prefix_attach(self.cache, self.pool, s.session, s.prompt, s.record.namespace)
+                matched, account, tenant = self.cache.attach_accounted(self.pool, s.session, s.prompt,
+                                                                       s.record.namespace)
                 if matched:
                     s.record.chain_hit = self.cache.chain_of(s.session.page_table[-1])
                 s.record.n_cached = matched
+                s.record.take_account(account, tenant)
                 self.prefill_saved += matched
+            else:
+                cold = Account(TokenParts(new=len(s.prompt)))
+                s.record.take_account(cold, cold)
+            s.record.diverged_words = self._words_at(s.prompt, s.record.diverged_at)
             # A bounded pool takes every page the request may fill now, so it never runs dry
             # mid-answer; an unbounded one grows as the answer does (eval_batch allocates).
             bounded = self.pool.max_pages is not None
@@ -281,11 +296,13 @@ class Scheduler:
         for s in [s for s in self._active if s.finish_reason is not None]:
             self._active.remove(s)
             events.append(self._finish(s))
+        self.cache.actor = None
         return events
 
     def _publish(self, s: Stream, tokens: list[int]) -> None:
         """Offer the session's full pages of `tokens` to the cache, into this request's chain."""
         chain = s.record.chain_donated if s.record.chain_donated in self.cache.chains else None
+        self.cache.actor = s.id
         prefix_insert(self.cache, self.pool, s.session, tokens, s.record.preview, s.record.namespace,
                       chain_id=chain)
         if s.record.chain_donated is None:
@@ -356,6 +373,7 @@ class Scheduler:
         if self.settings.cache_enabled and s.loan is None:  # a borrower's unwritten pages are no prefix
             self._publish(s, donated)
         s.closing = []
+        self.cache.actor = s.id   # a release may evict down to the budget
         self.pool.free_session(s.session)
         self._ended_request(s, array("i", donated), s.admitted_at - self._t0)
 

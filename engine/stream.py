@@ -114,6 +114,11 @@ class FinishEvent:
     reason: str
     record: RequestRecord
 
+    @property
+    def parts(self):
+        """Where the request's prompt tokens went (engine/token_parts.py; None: never admitted)."""
+        return self.record.parts
+
 
 def reserved_positions(n_prompt: int, max_new_tokens: int, context_length: int) -> int:
     """Positions a request may fill: prompt, answer and the turn's closing tokens, within the context."""

@@ -142,11 +142,11 @@ class EngineRun:
 def engine_run(real_model) -> EngineRun:
     """Three questions on the bundled model, stepped to the end (the charts and cache panel draw it)."""
     from engine.loop import EngineLoop
-    from engine.scheduler import Scheduler, SchedulerSettings
+    from engine.scheduler import SchedulerSettings
     from engine.snapshot import SnapshotMaker
 
-    sched = Scheduler(real_model, SchedulerSettings(page_rows=16))
-    loop = EngineLoop(sched)
+    loop = EngineLoop(real_model, SchedulerSettings(page_rows=16))
+    sched = loop.scheduler
     for q in RUN_QUESTIONS:
         loop.submit_now(system=RUN_SYSTEM, user=q, max_new_tokens=8)
     maker, snaps, seen = SnapshotMaker(), [], 0

@@ -19,7 +19,7 @@ def scenario_files() -> list[str]:
     return sorted(glob.glob(os.path.join(ROOT, "resources", "scenarios", "*.json")))
 
 
-def run_scenario(model, path: str, make_scheduler) -> list[dict]:
+def run_scenario(model, path: str, settings=None) -> list[dict]:
     """Every request of the scenario with the scheduler's default settings, greedy:
     prompt ids, generated ids (the stop token excluded), text and finish reason."""
     from engine.loop import EngineLoop
@@ -27,24 +27,25 @@ def run_scenario(model, path: str, make_scheduler) -> list[dict]:
 
     with open(path, encoding="utf-8") as fh:
         sc = json.load(fh)
-    sch = make_scheduler(model)
-    loop = EngineLoop(sch)
+    loop = EngineLoop(model, settings)
+    sch = loop.scheduler
     out: dict[int, dict] = {}
 
+    def on_event(ev) -> None:
+        if isinstance(ev, TokenEvent):
+            out[ev.request_id]["generated_ids"].append(ev.token_id)
+        elif isinstance(ev, FinishEvent):
+            out[ev.request_id]["text"] = ev.record.text
+            out[ev.request_id]["finish_reason"] = ev.reason
+
     def submit(user: str, **kw) -> None:
-        rid = loop.submit_now(system=sc.get("system", ""), user=user,
+        rid = loop.submit_now(on_event, system=sc.get("system", ""), user=user,
                               max_new_tokens=sc["max_new_tokens"], **kw)
         out[rid] = {"prompt_ids": list(sch.prompt_of(rid)), "generated_ids": [], "text": "",
                     "finish_reason": None}
 
     def drain() -> None:
-        while loop.has_work():
-            for ev in loop.step():
-                if isinstance(ev, TokenEvent):
-                    out[ev.request_id]["generated_ids"].append(ev.token_id)
-                elif isinstance(ev, FinishEvent):
-                    out[ev.request_id]["text"] = ev.record.text
-                    out[ev.request_id]["finish_reason"] = ev.reason
+        loop.run_until_done()
 
     if sc.get("conversation"):
         for turn in sc["conversation"]:
@@ -57,17 +58,15 @@ def run_scenario(model, path: str, make_scheduler) -> list[dict]:
     return [out[rid] for rid in sorted(out)]
 
 
-def record(make_scheduler) -> dict:
+def record() -> dict:
     import engine
 
     model = engine.load_model()
-    return {os.path.basename(p): run_scenario(model, p, make_scheduler) for p in scenario_files()}
+    return {os.path.basename(p): run_scenario(model, p) for p in scenario_files()}
 
 
 if __name__ == "__main__":
-    from engine.scheduler import Scheduler
-
-    data = record(lambda m: Scheduler(m))
+    data = record()
     with open(DATA_FILE, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=1)
     print(f"wrote {DATA_FILE}", file=sys.stderr)

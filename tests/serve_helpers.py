@@ -6,23 +6,23 @@ import httpx
 
 from app.serve.runner import Server
 from engine.metrics import PAGE_PRIVATE, PAGE_SHARED
-from engine.scheduler import Scheduler, SchedulerSettings
+from engine.scheduler import SchedulerSettings
 from tests.wait import wait_until
 
 WAIT_S = 120.0
 
 
-def start_server(factory, **kw) -> Server:
+def start_server(load, **kw) -> Server:
     """Start a server on a free port and wait until /health answers 200."""
-    server = Server(factory, host="127.0.0.1", port=0, **kw).start()
+    server = Server(load, host="127.0.0.1", port=0, **kw).start()
     wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, WAIT_S,
                lambda: f"the server to become ready ({server.engine.load_error})", interval=0.05)
     return server
 
 
 def scheduler_on(model, **settings):
-    """A factory for the engine thread: a Scheduler over an already loaded model."""
-    return lambda: Scheduler(model, SchedulerSettings(**settings))
+    """What the engine thread loads: an already loaded model, and the scheduler's settings."""
+    return lambda: (model, SchedulerSettings(**settings))
 
 
 def wait_idle(server: Server) -> None:

@@ -282,3 +282,79 @@ def test_a_rule_set_may_name_its_own_tokenizer(real_model, tmp_path, tiny_gguf_p
     bodies = [json.loads(line) for line in open(log)]
     want = {k: sum(len(t.encode(t.render_chat(b["messages"]))) for b in bodies) for k, t in tok.items()}
     assert (ours, theirs) == (want["model"], want["mine"]) and ours != theirs
+
+
+# --- round 3: one bad line or request is skipped and counted, rules files are bounded -----------------
+
+
+def test_json_nested_deeply_in_a_line_is_skipped_and_counted(tmp_path):
+    ok = json.dumps(_ask(0, "hello", START))
+    deep = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path = tmp_path / "deep.jsonl"
+    path.write_text(ok + "\n" + deep + "\n" + ok + "\n")
+    skipped: list = []
+    requests = read_traffic(str(path), skipped, strict=False)
+    assert [r.line for r in requests] == [1, 3]
+    assert skipped == [{"line": 2, "why": "not a trace line: JSON nested too deeply"}]
+    with pytest.raises(TraceError, match=r"deep.jsonl, line 2: not a trace line: JSON nested too deeply"):
+        read_traffic(str(path), strict=True)
+
+
+def test_an_infinite_timestamp_is_refused(tmp_path):
+    path = tmp_path / "inf.jsonl"
+    stamp = str(int(START.timestamp() * 1000))
+    path.write_text(json.dumps(_ask(0, "hello", START)) + "\n"
+                    + json.dumps(_ask(1, "hello", START)).replace(stamp, "Infinity") + "\n")
+    with pytest.raises(TraceError, match=r"inf.jsonl, line 2: 'timestamp' must be milliseconds >= 0 and "
+                                         r"finite"):
+        read_traffic(str(path))
+    skipped: list = []
+    assert [r.line for r in read_traffic(str(path), skipped, strict=False)] == [1]
+    assert skipped[0]["line"] == 2 and "finite" in skipped[0]["why"]
+
+
+def test_a_15_mb_request_is_skipped_with_one_line_not_the_whole_run(real_model, tmp_path, capsys):
+    bodies = [_ask(0, f"You are a store assistant. {RULES}", START),
+              {"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * 15_000_000}]},
+              _ask(1, f"You are a store assistant. {RULES}", START + datetime.timedelta(seconds=5))]
+    path = _write(tmp_path / "rec.jsonl", bodies)
+    out = tmp_path / "advice.json"
+    assert main(["advise", path, "--rules", "openai", "--json", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "skipped line 2: the request's text is 15,000,0" in said and "1 line(s) skipped" in said
+    advice = json.loads(out.read_text())
+    assert advice["requests"] == 2 and [k["line"] for k in advice["skipped"]] == [2]
+    with pytest.raises(SystemExit, match=r"rec.jsonl, line 2: the request's text is 15,000,0\d\d characters"):
+        main(["advise", path, "--rules", "openai", "--strict"])
+
+
+def test_a_price_past_the_limit_is_refused_by_field(tmp_path):
+    good = open(os.path.join(PROVIDER_DIR, "openai.toml")).read()
+    bad = tmp_path / "dear.toml"
+    bad.write_text(good.replace("input = 2.50", "input = 1e308"))
+    with pytest.raises(RulesError, match=r"dear.toml: field 'price_per_million.input' is 1e\+308, over the "
+                                         r"limit of 100,000 USD per million tokens"):
+        load_rules(str(bad))
+
+
+def _advice_citing(source: str) -> dict:
+    totals = {"requests": 1, "prompt_tokens": 10, "cached_tokens": 0, "token_hit_ratio": 0.0,
+              "cost_without": 0.1, "cost_with": 0.1, "saved": 0.0}
+    return {"trace": "t.jsonl", "requests": 1, "skipped": [], "groups": [], "what_if": None,
+            "rule_sets": [{"rules": {"name": "mine", "as_of": "2026-01-01", "source": source},
+                           "totals": totals}]}
+
+
+@pytest.mark.parametrize("source", ["javascript:alert(document.cookie)", " JavaScript:alert(1)",
+                                    "data:text/html,<script>alert(1)</script>", "java\tscript:alert(1)"])
+def test_a_rules_source_that_is_no_web_address_is_plain_text_in_the_report(source):
+    from app.advise.html import render_html
+    page = render_html(_advice_citing(source))
+    assert "<a " not in page and "<script>" not in page
+    assert "alert(" in page  # shown, escaped, as text
+
+
+def test_a_web_address_source_stays_a_link():
+    from app.advise.html import render_html
+    page = render_html(_advice_citing("https://example.com/docs?a=1&b='2'"))
+    assert "<a href='https://example.com/docs?a=1&amp;b=&#x27;2&#x27;'>" in page

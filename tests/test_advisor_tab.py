@@ -112,11 +112,10 @@ def test_the_session_report_carries_the_advice(real_model, tmp_path, qtbot):
     from app.report import load_report
     from app.report.render import export_report
     from engine.loop import EngineLoop
-    from engine.scheduler import Scheduler
     from tests.test_report import SYSTEM, TITLE, build_report
 
-    sch = Scheduler(real_model)
-    loop = EngineLoop(sch)
+    loop = EngineLoop(real_model)
+    sch = loop.scheduler
     loop.submit_now(system=SYSTEM, user="Do you sell rakes?", max_new_tokens=2)
     loop.run_until_done()
     report = build_report(sch, real_model, SYSTEM, None, title=TITLE)
@@ -164,18 +163,24 @@ def test_the_apps_server_traffic_is_advised_live(open_desktop, qtbot, tiny_gguf_
 def test_served_requests_reach_the_advisor_as_their_chat_messages(tiny_model):
     """The app's own server traffic is advised per message, as a proxy's recording would be."""
     from app.desktop.advisor_controller import served_record
+    from app.serve.server import Backend
     from engine.loop import EngineLoop, Job
-    from engine.scheduler import FinishEvent, Scheduler
+    from engine.scheduler import FinishEvent
 
-    loop = EngineLoop(Scheduler(tiny_model))
+    loop = EngineLoop(tiny_model)
+    backend = Backend(loop, model=lambda: tiny_model, stats=dict)
     seen: list = []
-    loop.observers.append(lambda job, finish: seen.append(served_record(job, finish)))
+    backend.watchers.append(
+        lambda job, ev: isinstance(ev, FinishEvent) and seen.append(served_record(job, ev)))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     done: list = []
-    loop.submit(Job({"messages": messages, "max_new_tokens": 2}, done.append, client="http 127.0.0.1"))
-    loop.submit(Job({"user": "typed", "max_new_tokens": 2}, done.append))  # typed: not served
+    backend.submit(Job({"messages": messages, "max_new_tokens": 2}, client="http 127.0.0.1"), done.append)
+    typed_job = Job({"user": "typed", "max_new_tokens": 2}, done.append)  # typed: not served
+    loop.submit(typed_job)
     loop.run_until_done()
-    assert sum(isinstance(e, FinishEvent) for e in done) == 2
-    (line, typed) = seen
+    finishes = [e for e in done if isinstance(e, FinishEvent)]
+    assert len(finishes) == 2
+    (line,) = seen  # only the served job reached the server's watchers
+    typed = served_record(typed_job, next(f for f in finishes if f.request_id == typed_job.request_id))
     assert line["body"] == {"messages": messages} and typed is None
     assert line["usage"]["prompt_tokens"] > 0

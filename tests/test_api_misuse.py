@@ -7,7 +7,7 @@ import pytest
 
 import engine as dl
 from engine.loop import EngineLoop
-from engine.scheduler import Scheduler, SchedulerSettings
+from engine.scheduler import SchedulerSettings
 
 
 @pytest.fixture
@@ -108,8 +108,7 @@ def test_settings_out_of_range(tiny_model):
         dl.create_kv_pool(tiny_model, max_pages=0)
     with pytest.raises(ValueError, match="max_pages"):
         dl.create_prefix_cache(max_pages=-1)
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, pool_pages=2))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4, pool_pages=2))
     with pytest.raises(ValueError, match="pool has only 2"):
         loop.submit_now(prompt=list(range(3, 30)), max_new_tokens=4)
 

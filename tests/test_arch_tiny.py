@@ -189,11 +189,11 @@ def test_sentencepiece_round_trip(arch_models, text):
 
 def test_page_map_says_which_layers_still_read_a_page(arch_models):
     from engine.loop import EngineLoop
-    from engine.scheduler import Scheduler, SchedulerSettings
+    from engine.scheduler import SchedulerSettings
     from engine.snapshot import SnapshotMaker
     m = arch_models["gemma3"]
-    sch = Scheduler(m, SchedulerSettings(page_rows=4, chunk_tokens=64))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(m, SchedulerSettings(page_rows=4, chunk_tokens=64))
+    sch = loop.scheduler
     ids = [int(t) for t in np.random.default_rng(9).integers(10, m.config.vocab_size, 30)]
     rid = loop.submit_now(prompt=ids, sampling=dl.SamplingParams(temperature=0.0), max_new_tokens=4)
     loop.step()                                                  # the whole prompt, one step
@@ -208,8 +208,8 @@ def test_page_map_says_which_layers_still_read_a_page(arch_models):
 
 def test_served_text_completions_start_with_the_models_bos(arch_models):
     from app.serve.protocol import ParsedRequest
-    from app.serve.server import _submit_kwargs
+    from app.serve.server import _chat_args
     for arch, bos in (("llama-spm", [1]), ("gemma3", [2]), ("qwen2", [])):
         m = arch_models[arch]
-        kw = _submit_kwargs(ParsedRequest(chat=False, prompt_text="the hill"), m, "", 8)
+        kw = _chat_args(ParsedRequest(chat=False, prompt_text="the hill"), m, "", 8)
         assert kw["prompt"] == bos + dl.encode(m, "the hill"), arch

@@ -26,10 +26,10 @@ QUESTION = "Name a colour."
 
 def answered(model, tmp_path, settings=None, persist=True, out=None):
     """A scheduler (its cache kept in tmp_path when `persist`) that answered one question."""
-    sch = Scheduler(model, settings or SchedulerSettings(page_rows=4))
+    loop = EngineLoop(model, settings or SchedulerSettings(page_rows=4))
+    sch = loop.scheduler
     kept = PersistedCache(str(tmp_path), sch, out or io.StringIO()) if persist else None
     loaded = kept.load() if kept else 0
-    loop = EngineLoop(sch)
     rid = loop.submit_now(system=SYSTEM, user=QUESTION, max_new_tokens=6)
     loop.run_until_done()
     return sch, kept, loaded, sch.record(rid)
@@ -103,8 +103,8 @@ from engine import load_model
 from engine.loop import EngineLoop
 from engine.scheduler import Scheduler, SchedulerSettings
 from app.cache_persist import PersistedCache
-sch = Scheduler(load_model(sys.argv[1]), SchedulerSettings(page_rows=4, max_queue=64))
-loop = EngineLoop(sch)
+loop = EngineLoop(load_model(sys.argv[1]), SchedulerSettings(page_rows=4, max_queue=64))
+sch = loop.scheduler
 for i in range(40):
     loop.submit_now(system="persist " * 30, user=f"question {i} " * 20, max_new_tokens=1)
 loop.run_until_done()

@@ -95,8 +95,8 @@ def test_a_page_back_from_disk_gives_the_logits_of_never_evicting_it(tiny_model)
 
 def test_the_scheduler_hits_through_its_disk_tier(tiny_model):
     system = "You answer questions about paint. " * 4
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, cache_pages=2, disk_tier_pages=256))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4, cache_pages=2, disk_tier_pages=256))
+    sch = loop.scheduler
     first = ask(loop, system=system, user="Red?", max_new_tokens=2)
     second = ask(loop, system=system, user="Blue?", max_new_tokens=2)
     assert sch.record(first).n_cached == 0
@@ -109,8 +109,8 @@ def test_the_cache_panel_shows_the_disk_tier_and_its_load_time(tiny_model, qtbot
     from ui.cache_panel import CachePanel
     from ui.disk_tier_strip import TIER_COLOR
     system = "You answer questions about paint. " * 4
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, cache_pages=2, disk_tier_pages=256))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4, cache_pages=2, disk_tier_pages=256))
+    sch = loop.scheduler
     for user in ("Red?", "Blue?"):
         ask(loop, system=system, user=user, max_new_tokens=2)
     snap = SnapshotMaker().take(sch)
@@ -170,8 +170,8 @@ def test_a_watcher_sees_both_tiers_in_the_kv_events(tiny_model):
     watcher = Watcher([pub.endpoint])
     try:
         assert pub.wait_for_subscriber(10)
-        sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, cache_pages=3, disk_tier_pages=256))
-        loop = EngineLoop(sch)
+        loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4, cache_pages=3, disk_tier_pages=256))
+        sch = loop.scheduler
         pub.attach(sch.cache)
         for user in ("Red?", "Blue?", "Green?"):
             ask(loop, system="You answer questions about paint. " * 4, user=user, max_new_tokens=2)

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.advise.traffic import read_traffic
 from app.kv_wire import BadFrame, decode_batch
 from app.replay.trace import TraceError, open_trace
 from app.report import load_report, report_to_dict, snapshot_from_report
@@ -115,6 +116,34 @@ def test_fuzz_trace_lines_read_or_name_the_line(tmp_path_factory, rows, fmt):
             assert request.input_length >= 0 and request.arrival_s == request.arrival_s
     except TraceError as e:
         assert str(path) in str(e)
+
+
+# --- advise lines ---------------------------------------------------------------------------------
+
+ADVISE_FIELDS = ["messages", "prompt", "timestamp", "body", "endpoint", "status", "usage", "key", "tools",
+                 "system", "hash_ids", "format"]
+advise_rows = st.dictionaries(st.sampled_from(ADVISE_FIELDS), json_values | chat_messages, max_size=5)
+nested = st.integers(1, 3000).map(lambda depth: b'{"messages": ' + b"[" * depth + b"]" * depth + b"}")
+advise_lines = (advise_rows.map(encoded) | json_values.map(encoded) | st.binary(max_size=80) | nested
+                | st.just(b'{"messages": [{"role": "user", "content": "hi"}], "timestamp": Infinity}'))
+
+
+@FAST
+@given(lines=st.lists(advise_lines, min_size=1, max_size=5), strict=st.booleans())
+def test_fuzz_advise_lines_parse_or_are_skipped_and_counted(tmp_path_factory, lines, strict):
+    """Any line of a recording is a request or one counted skip; never a traceback."""
+    path = tmp_path_factory.mktemp("advise") / "rec.jsonl"
+    data = b"\n".join(lines) + b"\n"
+    path.write_bytes(data)
+    skipped: list = []
+    try:
+        requests = read_traffic(str(path), skipped, strict=strict)
+    except TraceError as e:
+        assert str(path) in str(e)
+        return
+    if not strict and not data.startswith(b'{"format": "prefixlab.trace/1"'):
+        assert len(requests) + len(skipped) == sum(1 for line in data.split(b"\n") if line.strip())
+    assert all(r.arrival_s == r.arrival_s and r.arrival_s != float("inf") for r in requests)
 
 
 # --- report files ---------------------------------------------------------------------------------

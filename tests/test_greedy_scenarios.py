@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import engine as dl
-from engine.scheduler import Scheduler
 
 from .greedy_scenarios import DATA_FILE, run_scenario, scenario_files
 
@@ -59,7 +58,7 @@ def tokens_at(r: dict, j: int, eos: set[int]) -> set[int]:
 @pytest.mark.parametrize("path", scenario_files(), ids=os.path.basename)
 def test_greedy_answers_match_the_recording(real_model, recorded, path):
     want_all = recorded[os.path.basename(path)]
-    got_all = run_scenario(real_model, path, lambda m: Scheduler(m))
+    got_all = run_scenario(real_model, path)
     assert len(got_all) == len(want_all)
     with open(path, encoding="utf-8") as fh:
         conversation = bool(json.load(fh).get("conversation"))

@@ -61,7 +61,7 @@ def test_the_dialog_offers_the_dtype_as_a_choice(qtbot):
 def test_a_kept_cache_survives_a_restart_and_a_damaged_file_is_one_line(qapp, tiny_gguf_path, tmp_path):
     root = str(tmp_path / "kv-cache")
     w = _worker(tiny_gguf_path, root, keep_cache=True)
-    w.submit([job("a", QUESTIONS[0])])
+    w.submit(job("a", QUESTIONS[0]))
     run(w)
     cold = w.rec.request_finished[-1]
     assert cold.n_cached == 0
@@ -74,7 +74,7 @@ def test_a_kept_cache_survives_a_restart_and_a_damaged_file_is_one_line(qapp, ti
 
     again = _worker(tiny_gguf_path, root, keep_cache=True)  # "after a restart"
     assert again.notes and again.notes[-1].endswith(f"loaded {pages} page(s)"), again.notes
-    again.submit([job("b", QUESTIONS[0])])
+    again.submit(job("b", QUESTIONS[0]))
     run(again)
     hit = again.rec.request_finished[-1]
     assert hit.n_cached > 0 and hit.text == cold.text  # the first question after the restart hits
@@ -87,7 +87,7 @@ def test_a_kept_cache_survives_a_restart_and_a_damaged_file_is_one_line(qapp, ti
     assert len(damaged.notes) == 1 and "not loaded" in damaged.notes[0] and "corrupt" in damaged.notes[0]
     assert not damaged.rec.failed and not damaged.scheduler.cache.pages
     assert not os.path.exists(path)  # moved aside
-    damaged.submit([job("c", QUESTIONS[0])])
+    damaged.submit(job("c", QUESTIONS[0]))
     run(damaged)
     assert damaged.rec.request_finished[-1].n_cached == 0
     damaged._timer.stop()
@@ -146,7 +146,7 @@ def test_a_new_pool_waits_for_a_job_typed_just_before_it(qapp, tiny_gguf_path, t
     # worker sees the settings with the job not yet drained. It must run, not be refused.
     w = _worker(tiny_gguf_path, str(tmp_path))
     first = w.scheduler
-    w.submit([job("a", QUESTIONS[0])])
+    w.submit(job("a", QUESTIONS[0]))
     w.apply_settings(AppSettings(page_rows=4, max_streams=2, chunk_tokens=32, kv_dtype="float16").to_dict())
     assert w.scheduler is first
     run(w)

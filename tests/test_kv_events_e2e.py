@@ -6,7 +6,7 @@ from app.serve.kv_events_publisher import KVEventPublisher
 from app.watch.subscriber import Watcher
 from engine import SamplingParams, prefix_held_groups, prefix_release
 from engine.loop import EngineLoop
-from engine.scheduler import Scheduler, SchedulerSettings
+from engine.scheduler import SchedulerSettings
 from tests.wait import wait_until
 
 SYSTEM = ("You are the assistant of Bolt & Board, a neighbourhood hardware store. We sell power drills, "
@@ -24,8 +24,8 @@ def _caught_up(pub: KVEventPublisher, watcher: Watcher) -> None:
 
 def test_watcher_rebuilds_the_schedulers_cache_exactly(real_model):
     # A small cache budget: the four answers make the cache evict, so removals are exercised too.
-    sched = Scheduler(real_model, SchedulerSettings(max_streams=4, page_rows=16, cache_pages=6))
-    loop = EngineLoop(sched)
+    loop = EngineLoop(real_model, SchedulerSettings(max_streams=4, page_rows=16, cache_pages=6))
+    sched = loop.scheduler
     pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*").attach(sched.cache)
     watcher = Watcher([pub.endpoint], [pub.replay_endpoint])
     try:

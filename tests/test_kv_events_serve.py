@@ -13,7 +13,7 @@ import threading
 import httpx
 import openai
 
-from app.serve.cli import scheduler_factory
+from app.serve.cli import model_loader
 from app.serve.kv_events_publisher import KVEventPublisher
 from app.watch.subscriber import Watcher
 from engine import prefix_held_groups
@@ -59,10 +59,10 @@ class Watch:
 
 def test_serve_publishes_and_prefixlab_watch_rebuilds_the_cache(real_model, tmp_path):
     pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
-    # serve's own factory and hook, as `prefixlab serve --kv-events` wires them (the model
+    # serve's own loader and hook, as `prefixlab serve --kv-events` wires them (the model
     # loads again from the weight image real_model wrote: memory-mapped, quick)
     settings = SchedulerSettings(max_streams=4, page_rows=16)
-    server = start_server(scheduler_factory(real_model.path, settings, lambda s: pub.attach(s.cache)))
+    server = start_server(model_loader(real_model.path, settings), prepare=lambda s: pub.attach(s.cache))
     try:
         watch = Watch(pub, tmp_path / "during.json")
         assert pub.wait_for_subscriber(30)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from engine.loop import EngineLoop
-from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, TokenEvent
+from engine.scheduler import FinishEvent, SchedulerSettings, TokenEvent
+from tests.loop_helpers import Heard
 
 SHARED = list(range(1000, 1064))            # 4 pages of 16, uncached at the start
 OWNER = SHARED + [5, 6, 7, 8]
@@ -14,11 +15,12 @@ MAX_NEW = 6
 def answers(loop: EngineLoop, prompts: list[list[int]], between=None) -> tuple[list, list, list[int]]:
     """Submit together, step to the end (checking the pool), return each greedy answer, each
     step's events and the request ids; `between(step_no, ids)` runs after every step."""
-    ids = [loop.submit_now(prompt=p, max_new_tokens=MAX_NEW, stop_ids=[]) for p in prompts]
+    heard = Heard(loop)
+    ids = [heard.submit(prompt=p, max_new_tokens=MAX_NEW, stop_ids=[]) for p in prompts]
     tokens = {i: [] for i in ids}
     steps = []
     while loop.has_work():
-        events = loop.step()
+        events = heard.step()
         steps.append(events)
         loop.scheduler.pool.check()
         for ev in events:
@@ -30,13 +32,14 @@ def answers(loop: EngineLoop, prompts: list[list[int]], between=None) -> tuple[l
 
 
 def alone(model, prompt: list[int]) -> list[int]:
-    loop = EngineLoop(Scheduler(model, SchedulerSettings(page_rows=16, cache_enabled=False)))
+    loop = EngineLoop(model, SchedulerSettings(page_rows=16, cache_enabled=False))
     return answers(loop, [prompt])[0][0]
 
 
 def test_hits_join_the_owners_prefill_pass_and_answer_as_if_alone(real_model):
-    sch = Scheduler(real_model, SchedulerSettings(page_rows=16))
-    got, steps, ids = answers(EngineLoop(sch), [OWNER, *HITS])
+    loop = EngineLoop(real_model, SchedulerSettings(page_rows=16))
+    sch = loop.scheduler
+    got, steps, ids = answers(loop, [OWNER, *HITS])
     # one pass computed the owner's prompt and only the hits' own tails, and all three got a first token
     first = sch.timeline.rows[0]
     assert first.prefill_computed == len(OWNER) + sum(len(h) - len(SHARED) for h in HITS)
@@ -54,14 +57,14 @@ def test_a_borrower_whose_owner_leaves_first_starts_over(real_model):
     """A short prompt takes most of a 64-token chunk, so the owner's piece stops short of the
     lent pages; the owner is then cancelled: its borrower starts over and still answers right,
     and no unwritten page ever reaches the cache."""
-    sch = Scheduler(real_model, SchedulerSettings(page_rows=16, chunk_tokens=64))
+    loop = EngineLoop(real_model, SchedulerSettings(page_rows=16, chunk_tokens=64))
+    sch = loop.scheduler
     other = list(range(2000, 2040))
-    loop = EngineLoop(sch)
 
     def cancel_owner(step_no, ids):
         if step_no == 1:
             assert sch.record(ids[2]).n_cached == len(SHARED)  # borrowed, not yet written
-            loop.cancel_request(ids[1])
+            sch.cancel(ids[1])  # between steps, on the owner thread: as the loop's cancel does
 
     got, steps, ids = answers(loop, [other, OWNER, HITS[0]], between=cancel_owner)
     finished = {ev.request_id: ev.record for s in steps for ev in s if isinstance(ev, FinishEvent)}

@@ -29,7 +29,7 @@ from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler, SchedulerSettings
 
 sc = load_scenario(os.path.join(SCENARIO_DIR, "eight_questions.json"))
-loop = EngineLoop(Scheduler(engine.load_model(), SchedulerSettings(pool_pages=3428, cache_pages=3428)))
+loop = EngineLoop(engine.load_model(), SchedulerSettings(pool_pages=3428, cache_pages=3428))
 
 def burst():  # empty cache, the eight questions' prefill, a few decode steps; page faults
     loop.scheduler.flush_cache()

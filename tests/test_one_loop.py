@@ -55,7 +55,8 @@ def test_window_http_and_run_go_through_the_one_loop(doors, open_desktop, qtbot,
     d.window.act_run_all.trigger()
     qtbot.waitUntil(lambda: len(c.finished_records) == 1, timeout=60_000)
     typed = doors["jobs"][-1]
-    assert typed.tag is not None and typed.client == "" and c.finished_records[0].finish_reason
+    assert typed.client == "" and typed.request_id == c.finished_records[0].id
+    assert c.finished_records[0].finish_reason
 
     # 2. an HTTP request
     server = start_server(scheduler_on(tiny_model))
@@ -72,7 +73,7 @@ def test_window_http_and_run_go_through_the_one_loop(doors, open_desktop, qtbot,
     assert cli.main(["run", "--model", tiny_gguf_path, "--prompt", "hello run", "--max-new", "3"]) == 0
     assert "1 requests in" in capsys.readouterr().out
     scripted = doors["jobs"][-1]
-    assert scripted.tag is None and scripted.client == "" and scripted.request_id is not None
+    assert scripted.client == "" and scripted.request_id is not None
 
     # One door: each front end's job entered an EngineLoop, and the scheduler saw no other request.
     assert {type(j) for j in (typed, served, scripted)} == {type(typed)}
@@ -113,7 +114,7 @@ def test_a_job_that_breaks_its_own_submit_fails_alone_and_the_loop_goes_on(tiny_
     from engine.loop import Accepted, Job, Refused
     from engine.scheduler import FinishEvent
 
-    loop = EngineLoop(Scheduler(tiny_model))
+    loop = EngineLoop(tiny_model)
     answers: dict[str, list] = {"bad": [], "good": []}
     # A lone surrogate cannot be encoded: the tokenizer raises inside this job's submit.
     loop.submit(Job({"messages": [{"role": "user", "content": "x\ud800y"}]}, answers["bad"].append))

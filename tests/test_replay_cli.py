@@ -79,7 +79,7 @@ def test_cli_bad_trace_and_bad_options(tmp_path):
     bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n'
                    '{"timestamp": 0, "input_length": 600, "output_length": 1}\n')
     with pytest.raises(SystemExit, match=r"line 2: missing field 'hash_ids'"):
-        main(["replay", str(bad), "--quiet"])
+        main(["replay", str(bad), "--quiet", "--strict"])
     with pytest.raises(SystemExit):
         main(["replay", str(bad), "--budget", "-3"])
     with pytest.raises(SystemExit, match="--page-rows applies to token traces"):

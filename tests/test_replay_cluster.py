@@ -164,7 +164,7 @@ def test_cli_bad_cluster_input(synthetic, tmp_path, capsys):
     lines = open(synthetic, encoding="utf-8").read().splitlines()[:5]
     bad.write_text("\n".join(lines[:3] + ["{not json"] + lines[3:]) + "\n")
     with pytest.raises(SystemExit, match=r"bad\.jsonl, line 4: not valid JSON"):
-        main(["replay", str(bad), "--replicas", "2", *RATES, "--quiet", "--workers", "1"])
+        main(["replay", str(bad), "--replicas", "2", *RATES, "--quiet", "--workers", "1", "--strict"])
 
 
 def test_default_rates_are_measured_once_and_printed(synthetic, tiny_gguf_path, capsys):

@@ -26,13 +26,19 @@ def lines(path, rows) -> str:
     ('{"messages": %s, "timestamp": 1e400}', ["'timestamp' must be a number >= 0 and finite"]),
     ('{"messages": %s, "extra": ' + "[" * 5000 + "]" * 5000 + "}", ["nested too deeply"]),
 ])
-def test_a_bad_openai_log_line_names_the_users_file_and_line(tiny_gguf_path, tmp_path, raw, words):
+def test_a_bad_openai_log_line_names_the_users_file_and_line(tiny_gguf_path, tmp_path, raw, words, capsys):
     log = lines(tmp_path / "requests.jsonl", [{"messages": HELLO}, raw % json.dumps(HELLO)])
     with pytest.raises(SystemExit) as e:
-        main(["replay", log, "--model", tiny_gguf_path, "--page-rows", "4", "--quiet"])
+        main(["replay", log, "--model", tiny_gguf_path, "--page-rows", "4", "--quiet", "--strict"])
     message = str(e.value)
     assert f"{log}, line 2:" in message and "prefixlab-replay-" not in message, message
     assert all(w in message for w in words), message
+    # without --strict the line is skipped, and the same words say why on one line
+    assert main(["replay", log, "--model", tiny_gguf_path, "--page-rows", "4", "--quiet"]) == 0
+    out = capsys.readouterr()
+    said = [line for line in out.err.splitlines() if "skipped 1 bad line" in line]
+    assert len(said) == 1 and "line 2:" in said[0] and all(w in said[0] for w in words), out.err
+    assert " 1  " in out.out.splitlines()[1]  # the good request replayed
 
 
 GOOD = {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}

@@ -23,8 +23,8 @@ QUESTIONS = ["Do you sell hammers?", "Where are the nails?", "Do you cut keys?",
 def session(model, settings: SchedulerSettings) -> Scheduler:
     """Six questions sharing a system prompt (three streams at a time), a cancelled one, then a
     three-turn conversation: hits on the system prompt and on each turn's history."""
-    sch = Scheduler(model, settings)
-    loop = EngineLoop(sch)
+    loop = EngineLoop(model, settings)
+    sch = loop.scheduler
     greedy = SamplingParams(temperature=0.0)
     for q in QUESTIONS:
         loop.submit_now(system=SYSTEM, user=q, sampling=greedy, max_new_tokens=6)

@@ -74,9 +74,9 @@ def test_panel_asks_for_a_run_and_draws_the_rows(qtbot, trace):
 
 def test_this_sessions_trace(tiny_model, tmp_path):
     from engine.loop import EngineLoop
-    from engine.scheduler import Scheduler, SchedulerSettings
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4))
-    loop = EngineLoop(sch)
+    from engine.scheduler import SchedulerSettings
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4))
+    sch = loop.scheduler
     with pytest.raises(ValueError, match="no finished request yet"):
         whatif.session_trace(sch, str(tmp_path / "none.jsonl"))
     for q in ("Do you sell hammers?", "Where are the nails?"):

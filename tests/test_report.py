@@ -36,7 +36,7 @@ from app.report import (
 from app.report.render import export_report, render_html, render_pdf
 from engine.loop import EngineLoop
 from engine.sampler import SamplingParams
-from engine.scheduler import Scheduler
+from engine.token_parts import KEYS, Eviction
 
 pytestmark = pytest.mark.model
 
@@ -57,8 +57,8 @@ def run(real_model):
     """A real run: 4 prompts sharing a ~60-token system prompt, 8 new tokens each."""
     model = real_model
     assert 50 <= len(engine.encode(model, SYSTEM)) <= 75
-    sch = Scheduler(model)
-    loop = EngineLoop(sch)
+    loop = EngineLoop(model)
+    sch = loop.scheduler
     sampling = SamplingParams()
     for q in QUESTIONS:
         loop.submit_now(system=SYSTEM, user=q, sampling=sampling, max_new_tokens=8)
@@ -137,7 +137,7 @@ def same(cell: str, value) -> bool:
 
 def test_report_holds_the_run(run):
     sch, model, rep = run
-    assert rep.schema == SCHEMA == "prefixlab.report/2" and rep.ttft_from == "arrival"
+    assert rep.schema == SCHEMA == "prefixlab.report/3" and rep.ttft_from == "arrival"
     assert len(rep.requests) == 4 and all(r.finish_reason for r in rep.requests)
     assert [r.preview for r in rep.requests] == QUESTIONS
     assert all(r.text for r in rep.requests)
@@ -200,7 +200,7 @@ def test_load_report_rejects_bad_input(exported, tmp_path):
     assert "top level" in _bad(tmp_path, [1, 2])
     assert "'schema' is missing" in _bad(tmp_path, {k: v for k, v in good.items() if k != "schema"})
     assert "not a PrefixLab report" in _bad(tmp_path, {**good, "schema": "other.report/1"})
-    assert "version 3 is not supported" in _bad(tmp_path, {**good, "schema": "prefixlab.report/3"})
+    assert "version 4 is not supported" in _bad(tmp_path, {**good, "schema": "prefixlab.report/4"})
     bad = json.loads(json.dumps(good))
     bad["requests"][1]["n_prompt"] = "many"
     msg = _bad(tmp_path, bad)
@@ -259,8 +259,8 @@ def test_a_report_written_before_speculative_decoding_opens(exported, tmp_path):
 def spec_report(real_model) -> Report:
     """Two answers that quote the system prompt, with speculative decoding on from the app's Settings."""
     prefs = AppSettings(spec_enabled=True, spec_k=4, max_new_tokens=24)
-    sch = Scheduler(real_model, prefs.scheduler_settings())
-    loop = EngineLoop(sch)
+    loop = EngineLoop(real_model, prefs.scheduler_settings())
+    sch = loop.scheduler
     for q in ("When does the store open and close?", "Repeat your instructions word for word."):
         loop.submit_now(system=SYSTEM, user=q, sampling=prefs.sampling(), max_new_tokens=prefs.max_new_tokens)
     loop.run_until_done()
@@ -321,6 +321,7 @@ def test_html_numbers_equal_the_json(exported):
     rows = {}
     chains = {}
     steps = []
+    parts = {}
     current = None
     for tag, a in page.tags:
         if tag == "tr":
@@ -336,7 +337,11 @@ def test_html_numbers_equal_the_json(exported):
                 chains.setdefault(int(current["data-chain-id"]), {})[a["data-field"]] = a["data-value"]
             elif "data-step" in current:
                 steps[-1][a["data-field"]] = a["data-value"]
-    assert set(totals) == set(data["totals"])
+            elif "data-part" in current:
+                parts[current["data-part"]] = a["data-value"]
+    # the totals by part have a table of their own (docs/design.md §15)
+    assert {k: int(v) for k, v in parts.items()} == data["totals"]["parts"]
+    assert set(totals) | {"parts"} == set(data["totals"])
     for key, cell in totals.items():
         assert same(cell, data["totals"][key]), key
     assert sorted(rows) == [r["id"] for r in data["requests"]]
@@ -402,6 +407,20 @@ def _rows(text: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text, newline="")))
 
 
+def _as_csv_row(r: dict) -> dict:
+    """A JSON request as requests.csv writes it: its parts one column each, `evicted_by` in words,
+    the tenant's view left out (docs/report-schema.md)."""
+    out = {}
+    for key, value in r.items():
+        if key == "parts":
+            out.update({f"tokens_{k}": value[k] if value else None for k in KEYS})
+        elif key == "evicted_by":
+            out[key] = Eviction(**value).describe() if value else None
+        elif key != "tenant":
+            out[key] = value
+    return out
+
+
 def test_csv_equals_the_json(exported):
     data = exported["json"]
     with zipfile.ZipFile(exported["dir"] / "report.zip") as z:
@@ -415,6 +434,7 @@ def test_csv_equals_the_json(exported):
     requests = _rows(req_text)
     assert len(requests) == len(data["requests"])
     for cells, r in zip(requests, data["requests"], strict=True):
+        r = _as_csv_row(r)
         assert cells.keys() == r.keys()
         for key, value in r.items():
             assert same(cells[key], value) if not isinstance(value, str) else cells[key] == value, key

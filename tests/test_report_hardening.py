@@ -14,7 +14,6 @@ import pytest
 from app.report import build_report, load_report, report_to_dict
 from app.report.render import TABLE_HEAD_ROWS, TABLE_TAIL_ROWS, export_report
 from engine.loop import EngineLoop
-from engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.model
 N_BIG = 100_000
@@ -23,8 +22,8 @@ N_BIG = 100_000
 def small_report(model):
     """The report of a real two-request run."""
     system = "You answer for a hardware store. Be brief."
-    sch = Scheduler(model)
-    loop = EngineLoop(sch)
+    loop = EngineLoop(model)
+    sch = loop.scheduler
     for q in ("What is a torx screw?", "Do you sell rakes?"):
         loop.submit_now(system=system, user=q, max_new_tokens=4)
     loop.run_until_done()

@@ -7,6 +7,7 @@ import pytest
 from engine.loop import EngineLoop
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
 from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused, TokenEvent
+from tests.loop_helpers import Heard
 
 SYSTEM = ("You are the assistant of Bolt & Board, a neighbourhood hardware store. We sell drills, saws, "
           "screws, paint and garden tools. We are open from 8am to 8pm. Answer briefly.")
@@ -14,12 +15,13 @@ QUESTIONS = ["Do you sell drills?", "When do you open?", "Do you have green pain
 MAX_NEW = 12
 
 
-def run_all(loop: EngineLoop, check_pool: bool = True) -> tuple[dict, list]:
+def run_all(heard: Heard, check_pool: bool = True) -> tuple[dict, list]:
     """Step the engine loop to the end; return finish records by id and every event."""
+    loop = heard.loop
     sch = loop.scheduler
     done, events = {}, []
     while loop.has_work():
-        for ev in loop.step():
+        for ev in heard.step():
             events.append(ev)
             if isinstance(ev, FinishEvent):
                 done[ev.request_id] = ev.record
@@ -28,16 +30,17 @@ def run_all(loop: EngineLoop, check_pool: bool = True) -> tuple[dict, list]:
     return done, events
 
 
-def submit_questions(loop: EngineLoop, questions=QUESTIONS, **kw) -> list[int]:
-    return [loop.submit_now(system=SYSTEM, user=q, max_new_tokens=MAX_NEW, **kw) for q in questions]
+def submit_questions(heard: Heard, questions=QUESTIONS, **kw) -> list[int]:
+    return [heard.submit(system=SYSTEM, user=q, max_new_tokens=MAX_NEW, **kw) for q in questions]
 
 
 @pytest.fixture(scope="module")
 def cached_run(real_model):
-    sch = Scheduler(real_model, SchedulerSettings(page_rows=16))
-    loop = EngineLoop(sch)
-    ids = submit_questions(loop)
-    done, events = run_all(loop)
+    loop = EngineLoop(real_model, SchedulerSettings(page_rows=16))
+    heard = Heard(loop)
+    sch = loop.scheduler
+    ids = submit_questions(heard)
+    done, events = run_all(heard)
     return sch, ids, done, events
 
 
@@ -84,17 +87,17 @@ def test_tokens_stream_before_the_finish(cached_run):
 def test_greedy_answers_equal_with_cache_off_and_alone(real_model, cached_run):
     _, ids, done, _ = cached_run
     with_cache = [done[i].text for i in ids]
-    off = Scheduler(real_model, SchedulerSettings(cache_enabled=False))
-    loop = EngineLoop(off)
-    off_ids = submit_questions(loop)
-    off_done, _ = run_all(loop)
+    loop = EngineLoop(real_model, SchedulerSettings(cache_enabled=False))
+    heard = Heard(loop)
+    off_ids = submit_questions(heard)
+    off_done, _ = run_all(heard)
     assert [off_done[i].text for i in off_ids] == with_cache
     assert all(off_done[i].n_cached == 0 for i in off_ids)
     for q, expected in zip(QUESTIONS, with_cache):
-        alone = Scheduler(real_model, SchedulerSettings(max_streams=1))
-        loop = EngineLoop(alone)
-        rid = loop.submit_now(system=SYSTEM, user=q, max_new_tokens=MAX_NEW)
-        alone_done, _ = run_all(loop, check_pool=False)
+        loop = EngineLoop(real_model, SchedulerSettings(max_streams=1))
+        heard = Heard(loop)
+        rid = heard.submit(system=SYSTEM, user=q, max_new_tokens=MAX_NEW)
+        alone_done, _ = run_all(heard, check_pool=False)
         assert alone_done[rid].text == expected
 
 
@@ -117,15 +120,15 @@ def test_timeline_final_row_agrees_with_cache_and_pool(cached_run):
 
 
 def test_conversation_turn_two_hits_turn_one_with_its_answer(real_model):
-    sch = Scheduler(real_model)
-    loop = EngineLoop(sch)
-    first = loop.submit_now(system=SYSTEM, user="I want to hang a shelf. What do I need?",
+    loop = EngineLoop(real_model)
+    heard = Heard(loop)
+    first = heard.submit(system=SYSTEM, user="I want to hang a shelf. What do I need?",
                             conversation_id="c",
                        max_new_tokens=20)
-    done, _ = run_all(loop)
+    done, _ = run_all(heard)
     t1 = done[first]
-    second = loop.submit_now(user="Which drill?", conversation_id="c", max_new_tokens=8)
-    done, _ = run_all(loop)
+    second = heard.submit(user="Which drill?", conversation_id="c", max_new_tokens=8)
+    done, _ = run_all(heard)
     t2 = done[second]
     turn_one_tokens = t1.n_prompt + t1.n_gen
     assert t2.n_cached > t1.n_prompt // 16 * 16, "turn 2 must reuse pages holding turn 1's answer"
@@ -136,15 +139,16 @@ def test_conversation_turn_two_hits_turn_one_with_its_answer(real_model):
 
 
 def test_cancel_mid_stream_frees_its_pages_and_keeps_its_text(real_model):
-    sch = Scheduler(real_model)
-    loop = EngineLoop(sch)
-    keep = loop.submit_now(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=40)
-    stop = loop.submit_now(system=SYSTEM, user=QUESTIONS[1], max_new_tokens=40)
+    loop = EngineLoop(real_model)
+    heard = Heard(loop)
+    sch = loop.scheduler
+    keep = heard.submit(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=40)
+    stop = heard.submit(system=SYSTEM, user=QUESTIONS[1], max_new_tokens=40)
     seen = 0
     while seen < 3:
-        seen += sum(isinstance(e, TokenEvent) and e.request_id == stop for e in loop.step())
+        seen += sum(isinstance(e, TokenEvent) and e.request_id == stop for e in heard.step())
     assert sch.cancel(stop)
-    events = loop.step()
+    events = heard.step()
     fin = [e for e in events if isinstance(e, FinishEvent) and e.request_id == stop]
     assert fin and fin[0].reason == "cancelled"
     assert fin[0].record.n_gen >= 3 and fin[0].record.text
@@ -154,43 +158,45 @@ def test_cancel_mid_stream_frees_its_pages_and_keeps_its_text(real_model):
     held_by_sessions = {p for s in sch.streams() for p in s.session.page_table}
     private = set((sch.page_states() == PAGE_PRIVATE).nonzero()[0].tolist())
     assert private <= held_by_sessions
-    done, _ = run_all(loop)
+    done, _ = run_all(heard)
     assert done[keep].finish_reason == "length"
     assert sch.pool.num_used_pages == len(sch.cache.pages)
 
 
 def test_cancel_a_queued_request(real_model):
-    sch = Scheduler(real_model, SchedulerSettings(max_streams=1))
-    loop = EngineLoop(sch)
-    a, b = submit_questions(loop, QUESTIONS[:2])
+    loop = EngineLoop(real_model, SchedulerSettings(max_streams=1))
+    heard = Heard(loop)
+    sch = loop.scheduler
+    a, b = submit_questions(heard, QUESTIONS[:2])
     sch.cancel(b)
-    done, _ = run_all(loop)
+    done, _ = run_all(heard)
     assert done[b].finish_reason == "cancelled" and done[b].n_gen == 0
     assert done[a].finish_reason in ("stop", "length")
 
 
 def test_full_queue_is_refused_with_a_reason(real_model):
-    sch = Scheduler(real_model, SchedulerSettings(max_queue=2))
-    loop = EngineLoop(sch)
-    submit_questions(loop, QUESTIONS[:2])
+    loop = EngineLoop(real_model, SchedulerSettings(max_queue=2))
+    heard = Heard(loop)
+    submit_questions(heard, QUESTIONS[:2])
     with pytest.raises(SubmitRefused, match="queue is full"):
-        loop.submit_now(system=SYSTEM, user="one more", max_new_tokens=4)
+        heard.submit(system=SYSTEM, user="one more", max_new_tokens=4)
 
 
 def test_request_larger_than_the_pool_is_refused_at_submit(real_model):
-    sch = Scheduler(real_model, SchedulerSettings(page_rows=16, pool_pages=4))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(real_model, SchedulerSettings(page_rows=16, pool_pages=4))
+    heard = Heard(loop)
     with pytest.raises(SubmitRefused, match="pool has only 4"):
-        loop.submit_now(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=64)
+        heard.submit(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=64)
 
 
 @pytest.mark.parametrize("cache_enabled", [False, True])
 def test_bounded_pool_makes_admission_wait(real_model, cache_enabled):
     # Each request needs 5 pages of its own without the cache: a 14-page pool runs two at a time.
-    sch = Scheduler(real_model, SchedulerSettings(page_rows=16, pool_pages=14, max_streams=4,
+    loop = EngineLoop(real_model, SchedulerSettings(page_rows=16, pool_pages=14, max_streams=4,
                                                   cache_enabled=cache_enabled, cache_pages=6))
-    loop = EngineLoop(sch)
-    ids = submit_questions(loop)
+    heard = Heard(loop)
+    sch = loop.scheduler
+    ids = submit_questions(heard)
     most_active = 0
     while loop.has_work():
         loop.step()
@@ -211,27 +217,29 @@ def test_bad_settings_are_refused(real_model):
 
 
 def test_namespaces_do_not_share(real_model):
-    sch = Scheduler(real_model)
-    loop = EngineLoop(sch)
-    a = loop.submit_now(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=4, namespace="alice")
-    run_all(loop)
-    b = loop.submit_now(system=SYSTEM, user=QUESTIONS[1], max_new_tokens=4, namespace="bob")
-    c = loop.submit_now(system=SYSTEM, user=QUESTIONS[2], max_new_tokens=4, namespace="alice")
-    done, _ = run_all(loop)
+    loop = EngineLoop(real_model)
+    heard = Heard(loop)
+    sch = loop.scheduler
+    a = heard.submit(system=SYSTEM, user=QUESTIONS[0], max_new_tokens=4, namespace="alice")
+    run_all(heard)
+    b = heard.submit(system=SYSTEM, user=QUESTIONS[1], max_new_tokens=4, namespace="bob")
+    c = heard.submit(system=SYSTEM, user=QUESTIONS[2], max_new_tokens=4, namespace="alice")
+    done, _ = run_all(heard)
     assert done[b].n_cached == 0
     assert done[c].n_cached > 0
     assert sch.record(a).chain_donated == done[c].chain_hit
 
 
 def test_a_refused_turn_leaves_the_conversation_as_it_was(real_model):
-    sch = Scheduler(real_model, SchedulerSettings(page_rows=16, pool_pages=12))
-    loop = EngineLoop(sch)
-    first = loop.submit_now(system=SYSTEM, user=QUESTIONS[0], conversation_id="c", max_new_tokens=8)
-    done, _ = run_all(loop)
+    loop = EngineLoop(real_model, SchedulerSettings(page_rows=16, pool_pages=12))
+    heard = Heard(loop)
+    sch = loop.scheduler
+    first = heard.submit(system=SYSTEM, user=QUESTIONS[0], conversation_id="c", max_new_tokens=8)
+    done, _ = run_all(heard)
     messages = loop.chat.conversation("c").messages
     with pytest.raises(SubmitRefused, match="pool has only 12"):
-        loop.submit_now(user="tell me everything " * 40, conversation_id="c", max_new_tokens=8)
+        heard.submit(user="tell me everything " * 40, conversation_id="c", max_new_tokens=8)
     assert loop.chat.conversation("c").messages == messages
-    second = loop.submit_now(user=QUESTIONS[1], conversation_id="c", max_new_tokens=4)
-    done, _ = run_all(loop)
+    second = heard.submit(user=QUESTIONS[1], conversation_id="c", max_new_tokens=4)
+    done, _ = run_all(heard)
     assert done[second].n_cached > 0 and sch.record(first).finish_reason in ("stop", "length")

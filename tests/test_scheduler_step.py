@@ -11,7 +11,8 @@ import engine.scheduler as es
 from engine.block_manager import pages_for
 from engine.chat import CLOSING_SLACK
 from engine.loop import EngineLoop
-from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused
+from engine.scheduler import FinishEvent, SchedulerSettings, SubmitRefused
+from tests.loop_helpers import Heard
 
 PROMPT = list(range(10, 50))  # 40 tokens
 
@@ -31,15 +32,16 @@ def counting_forward(monkeypatch) -> list[list[int]]:
 
 def test_a_finished_turn_closes_in_the_next_steps_batch_and_the_next_turn_hits_all_of_it(
         tiny_model, monkeypatch):
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4))
+    sch = loop.scheduler
     passes = counting_forward(monkeypatch)
-    first = loop.submit_now(system="You are tiny.", user="hello there", conversation_id="c", max_new_tokens=6,
-                       stop_ids=[])
+    heard = Heard(loop)
+    first = heard.submit(system="You are tiny.", user="hello there", conversation_id="c", max_new_tokens=6,
+                         stop_ids=[])
     steps = 0
     finished_at = None
     while loop.has_work():
-        events = loop.step()
+        events = heard.step()
         steps += 1
         if any(isinstance(e, FinishEvent) for e in events):
             finished_at = steps
@@ -60,14 +62,18 @@ def test_a_finished_turn_closes_in_the_next_steps_batch_and_the_next_turn_hits_a
 def test_a_run_that_keeps_no_cache_ends_with_its_answers_not_its_closing_pass(tiny_model, monkeypatch):
     """`prefixlab run` without a saved cache, report or trace exits after the last answer: the
     closing tokens (computed only for later requests) are not run; settling runs them."""
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4))
+    sch = loop.scheduler
     passes = counting_forward(monkeypatch)
-    ids = [loop.submit_now(system="You are tiny.", user=u, max_new_tokens=5, stop_ids=[])
-           for u in ("hi", "yo")]
     finished: list[int] = []
-    loop.run_until_done(lambda ev: finished.append(ev.request_id) if isinstance(ev, FinishEvent) else None,
-                        settle=False)
+
+    def on_event(ev) -> None:
+        if isinstance(ev, FinishEvent):
+            finished.append(ev.request_id)
+
+    ids = [loop.submit_now(on_event, system="You are tiny.", user=u, max_new_tokens=5, stop_ids=[])
+           for u in ("hi", "yo")]
+    loop.run_until_done(settle=False)
     assert sorted(finished) == ids and all(sch.record(i).n_gen == 5 for i in ids)
     answered = len(passes)
     assert sch.n_running() == 2 and not loop.has_work(closing=False)  # both turns await closing
@@ -76,8 +82,8 @@ def test_a_run_that_keeps_no_cache_ends_with_its_answers_not_its_closing_pass(ti
 
 
 def test_pages_are_taken_at_admission_and_forward_never_allocates(tiny_model):
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, pool_pages=40, cache_enabled=False))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4, pool_pages=40, cache_enabled=False))
+    sch = loop.scheduler
     rid = loop.submit_now(prompt=PROMPT, max_new_tokens=8, stop_ids=[])
     loop.step()
     [s] = sch._active
@@ -94,9 +100,9 @@ def test_pages_are_taken_at_admission_and_forward_never_allocates(tiny_model):
 def test_a_request_waits_visibly_for_pages(tiny_model):
     rows = 4
     per_request = pages_for(len(PROMPT) + 8 + CLOSING_SLACK, rows)
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=rows, pool_pages=per_request + 3,
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=rows, pool_pages=per_request + 3,
                                                   cache_enabled=False))
-    loop = EngineLoop(sch)
+    sch = loop.scheduler
     a = loop.submit_now(prompt=PROMPT, max_new_tokens=8, stop_ids=[])
     b = loop.submit_now(prompt=PROMPT[::-1], max_new_tokens=8, stop_ids=[])
     loop.step()
@@ -107,8 +113,8 @@ def test_a_request_waits_visibly_for_pages(tiny_model):
 
 
 def test_ttft_and_queue_wait_count_from_arrival(tiny_model):
-    sch = Scheduler(tiny_model)
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model)
+    sch = loop.scheduler
     arrival = time.perf_counter() - 5.0               # received 5 s ago, e.g. by an HTTP server
     rid = loop.submit_now(prompt=PROMPT, max_new_tokens=2, arrival=arrival, client="http 127.0.0.1 user=bob")
     loop.run_until_done()
@@ -121,8 +127,8 @@ def test_ttft_and_queue_wait_count_from_arrival(tiny_model):
 
 
 def test_settings_change_live_and_pool_settings_are_refused(tiny_model):
-    sch = Scheduler(tiny_model, SchedulerSettings(max_streams=1, cache_pages=0))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model, SchedulerSettings(max_streams=1, cache_pages=0))
+    sch = loop.scheduler
     for i in range(3):
         loop.submit_now(prompt=PROMPT[i:], max_new_tokens=2)
     sch.update_settings(SchedulerSettings(max_streams=3, cache_pages=1))
@@ -137,8 +143,8 @@ def test_settings_change_live_and_pool_settings_are_refused(tiny_model):
 
 
 def test_a_refused_or_cancelled_turn_leaves_the_conversation_unchanged(tiny_model):
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4, pool_pages=30))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4, pool_pages=30))
+    sch = loop.scheduler
     loop.submit_now(system="s", user="first", conversation_id="c", max_new_tokens=2)
     loop.run_until_done()
     before = loop.chat.conversation("c")

@@ -203,3 +203,102 @@ def test_a_client_that_hangs_up_is_one_log_line(server, caplog):
     lines = [m for m in caplog.messages if "disconnected" in m]
     assert len(lines) == 1 and "\n" not in lines[0]
     assert pages_held_by_sessions(server) == 0
+
+
+# --- round 3: parameters named, connections bounded -------------------------------------------------
+
+def chat(server, **fields) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 3, **fields}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_an_empty_stop_list_is_no_stop(server):
+    r = chat(server, stop=[], temperature=0)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_negative_seed_is_a_400_naming_seed(server):
+    r = chat(server, seed=-1)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "seed" and "'seed'" in error["message"] and "-1" in error["message"]
+
+
+def test_logit_bias_names_a_token_the_model_does_not_have_and_applies_the_others(server, real_model):
+    vocab = real_model.config.vocab_size
+    r = chat(server, logit_bias={"5": 1, str(vocab + 7): -100})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "logit_bias"
+    assert str(vocab + 7) in error["message"] and str(vocab) in error["message"], error
+    forced = real_model.tokenizer.encode(" banana")[0]
+    r = chat(server, temperature=0, max_tokens=2, logit_bias={str(forced): 100})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == real_model.tokenizer.decode([forced]) * 2
+
+
+@pytest.fixture
+def limited_server(real_model):
+    srv = start_server(scheduler_on(real_model, max_streams=2), max_connections=50, idle_timeout_s=30)
+    yield srv
+    srv.stop()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(0)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_idle_connections_over_the_limit_leave_health_answering_and_log_one_line(limited_server, caplog):
+    """200 sockets that never send a request against a limit of 50 (the mechanism behind 20,000
+    exhausting the descriptors): the oldest idle ones make room, /health answers at once, and
+    the burst is one log line, not one per connection."""
+    with caplog.at_level("WARNING", logger="prefixlab.serve"):
+        socks = [socket.create_connection(("127.0.0.1", limited_server.http.port), timeout=10)
+                 for _ in range(200)]
+        try:
+            t0 = time.perf_counter()
+            assert httpx.get(limited_server.url + "/health", timeout=10).status_code == 200
+            assert time.perf_counter() - t0 < 1.0
+            still_serves(limited_server)
+            deadline = time.monotonic() + 10
+            while not any("connection limit" in m for m in caplog.messages) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            open_ = [s for s in socks if not _closed_by_server(s)]
+        finally:
+            for s in socks:
+                s.close()
+    lines = [m for m in caplog.messages if "connection limit" in m]
+    assert len(lines) == 1, lines
+    assert "--max-connections" in lines[0] and "50" in lines[0]
+    assert len(open_) <= 50  # the newest held on; the rest were closed to stay under the limit
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout(real_model):
+    srv = start_server(scheduler_on(real_model, max_streams=1), idle_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.http.port), timeout=10) as idle:
+            idle.settimeout(5)
+            t0 = time.perf_counter()
+            assert idle.recv(1) == b""  # the server closed it
+            assert 0.4 < time.perf_counter() - t0 < 3.0
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_serve_refuses_connection_options_out_of_range(capsys):
+    from app.cli import main
+    from app.serve.guard import descriptor_limit
+    with pytest.raises(SystemExit, match=r"--max-connections must be from 1 to \d+"):
+        main(["serve", "--port", "0", "--max-connections", str(descriptor_limit() * 2)])
+    with pytest.raises(SystemExit, match=r"--max-connections must be from 1 to \d+ .*got 0"):
+        main(["serve", "--port", "0", "--max-connections", "0"])
+    with pytest.raises(SystemExit, match=r"--idle-timeout must be in \(0, 3600\]"):
+        main(["serve", "--port", "0", "--idle-timeout", "0"])

@@ -81,7 +81,8 @@ def test_friendliness_keeps_a_bounded_number_of_clients_per_tenant():
     f = Friendliness()
     for i in range(MAX_CLIENTS + 50):
         record = RequestRecord(id=i, preview="", conversation_id=None, namespace="", n_prompt=4)
-        f.observe(Job({}, client=f"http 127.0.0.1 user=u{i}", tag="key-a"), FinishEvent(i, "stop", record))
+        job = Job({}, client=f"http 127.0.0.1 user=u{i}", tenant="key-a")
+        f.observe(job, FinishEvent(i, "stop", record), None)
     clients = f.to_dict("key-a")["clients"]
     assert len(clients) == MAX_CLIENTS + 1 and clients[0] == {**clients[0], "client": OTHERS, "requests": 50}
     assert f.to_dict("key-b")["clients"] == []

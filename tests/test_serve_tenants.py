@@ -17,7 +17,7 @@ from app.cli import main
 from app.scenario import REPO_ROOT
 from app.serve.runner import ServeError, Server, bind
 from engine.prefix_cache import blake2b_64
-from engine.scheduler import Scheduler, SchedulerSettings
+from engine.scheduler import SchedulerSettings
 from tests.serve_helpers import pages_held_by_sessions, wait_idle
 from tests.wait import wait_until
 
@@ -38,13 +38,14 @@ def served(real_model):
     """A server whose model 'loads' until the gate opens; what it answered meanwhile."""
     gate = threading.Event()
 
-    def factory():
+    def load():
         gate.wait(60)
-        sch = Scheduler(real_model, SchedulerSettings(max_streams=1, max_queue=1))
-        sch.cache.hash_fn = namespace_blind
-        return sch
+        return real_model, SchedulerSettings(max_streams=1, max_queue=1)
 
-    srv = Server(factory, port=0, api_keys=KEYS, default_max_tokens=3).start()
+    def prepare(sch) -> None:
+        sch.cache.hash_fn = namespace_blind
+
+    srv = Server(load, port=0, api_keys=KEYS, default_max_tokens=3, prepare=prepare).start()
     headers = {"authorization": f"Bearer {KEYS[0]}"}
     while_loading = {
         "health": httpx.get(srv.url + "/health"),

@@ -8,7 +8,8 @@ import numpy as np
 
 from engine.loop import EngineLoop
 from engine.sampler import SamplingParams
-from engine.scheduler import FinishEvent, Scheduler, SchedulerSettings, SubmitRefused
+from engine.scheduler import FinishEvent, SchedulerSettings, SubmitRefused
+from tests.loop_helpers import Heard
 
 N_REQUESTS = 1000
 
@@ -22,9 +23,9 @@ def test_soak_thousand_requests(tiny_model):
     rng = np.random.default_rng(7)
     vocab = tiny_model.config.vocab_size
     prefixes = [rng.integers(0, vocab, n).tolist() for n in (8, 24, 40, 70)]
-    sch = Scheduler(tiny_model, SchedulerSettings(max_streams=6, max_queue=16, chunk_tokens=32, page_rows=4,
+    loop = EngineLoop(tiny_model, SchedulerSettings(max_streams=6, max_queue=16, chunk_tokens=32, page_rows=4,
                                                   pool_pages=96, cache_pages=40))
-    loop = EngineLoop(sch)
+    sch, heard = loop.scheduler, Heard(loop)
     sampling = SamplingParams(temperature=0.8, top_k=20, seed=3)
     submitted = finished = refused = 0
     reasons: dict[str, int] = {}
@@ -37,14 +38,14 @@ def test_soak_thousand_requests(tiny_model):
                 if rng.random() < 0.15:
                     # Conversations of up to four turns, several open at once.
                     cid = f"conv{rng.integers(0, 3)}-{submitted // 120}"
-                    rid = loop.submit_now(system="You are a tiny test model.",
+                    rid = heard.submit(system="You are a tiny test model.",
                                           user="q" * int(rng.integers(1, 30)), conversation_id=cid,
                                           max_new_tokens=int(rng.integers(1, 12)), sampling=sampling)
                     conversations[cid] = conversations.get(cid, 0) + 1
                 else:
                     prompt = prefixes[rng.integers(0, len(prefixes))] + \
                         rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
-                    rid = loop.submit_now(prompt=prompt, max_new_tokens=int(rng.integers(1, 24)),
+                    rid = heard.submit(prompt=prompt, max_new_tokens=int(rng.integers(1, 24)),
                                           sampling=sampling, stop_ids=[], namespace=str(rng.integers(0, 2)))
                 open_ids.append(rid)
                 submitted += 1
@@ -54,8 +55,8 @@ def test_soak_thousand_requests(tiny_model):
                 refused += 1
                 break
         if open_ids and rng.random() < 0.05:
-            loop.cancel_request(open_ids[int(rng.integers(0, len(open_ids)))])
-        for ev in loop.step():
+            sch.cancel(open_ids[int(rng.integers(0, len(open_ids)))])  # between steps, as the loop would
+        for ev in heard.step():
             if isinstance(ev, FinishEvent):
                 open_ids.remove(ev.request_id)
                 finished += 1

@@ -56,14 +56,15 @@ def test_n_logits_rows_equal_all_positions(tiny_model):
 
 def run_scheduler(m, prompts, spec: bool, k: int = 4, max_new: int = 24):
     from engine.loop import EngineLoop
-    from engine.scheduler import Scheduler, SchedulerSettings
-    sch = Scheduler(m, SchedulerSettings(max_streams=4, spec_enabled=spec, spec_k=k))
-    loop = EngineLoop(sch)
-    ids = [loop.submit_now(prompt=p, max_new_tokens=max_new, stop_ids=[]) for p in prompts]
+    from engine.scheduler import SchedulerSettings
+    from tests.loop_helpers import Heard
+    loop = EngineLoop(m, SchedulerSettings(max_streams=4, spec_enabled=spec, spec_k=k))
+    sch, heard = loop.scheduler, Heard(loop)
+    ids = [heard.submit(prompt=p, max_new_tokens=max_new, stop_ids=[]) for p in prompts]
     texts: dict[int, list[int]] = {i: [] for i in ids}
     steps = 0
     while loop.has_work():
-        for ev in loop.step():
+        for ev in heard.step():
             if hasattr(ev, "token_id"):
                 texts[ev.request_id].append(ev.token_id)
         steps += 1

@@ -144,7 +144,7 @@ def test_step_changes_keeps_the_picture():
 def test_render_images_offscreen(run, panel):
     panel.set_data(run.rows, run.records)
     images = panel.render_images(width=640, height=240)
-    assert set(images) == set(panel.plot_widgets()) == {"pool", "cache", "hits", "prefill", "ttft"}
+    assert set(images) == set(panel.plot_widgets()) == {"pool", "cache", "hits", "prefill", "ttft", "parts"}
     from PySide6.QtGui import QImage
     for name, png in images.items():
         assert png.startswith(PNG), name

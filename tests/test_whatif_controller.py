@@ -12,7 +12,7 @@ from app.replay import whatif
 from app.replay.record import save_session_trace
 from app.replay.trace import open_trace
 from engine.loop import EngineLoop
-from engine.scheduler import Scheduler, SchedulerSettings
+from engine.scheduler import SchedulerSettings
 from ui.whatif_panel import WhatIfPanel
 
 
@@ -103,8 +103,8 @@ def test_bad_trace_and_bad_knobs_show_errors(qtbot, tab, tmp_path):
 
 def test_this_session(qtbot, tab, tiny_model, tmp_path):
     panel, make = tab
-    sch = Scheduler(tiny_model, SchedulerSettings(page_rows=4))
-    loop = EngineLoop(sch)
+    loop = EngineLoop(tiny_model, SchedulerSettings(page_rows=4))
+    sch = loop.scheduler
     for q in ("Do you sell hammers?", "Where are the nails?", "Do you cut keys?"):
         loop.submit_now(system="You are a terse hardware store assistant.", user=q, max_new_tokens=3)
     loop.run_until_done()

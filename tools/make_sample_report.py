@@ -26,7 +26,7 @@ from app.report.render import export_report  # noqa: E402
 from app.scenario import SCENARIO_DIR, load_scenario  # noqa: E402
 from engine.loop import EngineLoop  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
-from engine.scheduler import FinishEvent, Scheduler  # noqa: E402
+from engine.scheduler import FinishEvent  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,19 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     scenario = load_scenario(args.scenario)
     max_new = args.max_new or scenario.max_new_tokens
     model = engine.load_model()
-    sch = Scheduler(model)
-    loop = EngineLoop(sch)
+    loop = EngineLoop(model)
+    sch = loop.scheduler
     sampling = SamplingParams()  # greedy: the sample is reproducible up to timings
-    for q in scenario.prompts:
-        loop.submit_now(system=scenario.system, user=q, sampling=sampling, max_new_tokens=max_new)
-    t0 = time.perf_counter()
 
     def progress(ev) -> None:
         if isinstance(ev, FinishEvent):
             r = ev.record
             print(f"#{r.id} cached {r.n_cached}/{r.n_prompt}, {r.n_gen} tokens: {r.preview}", flush=True)
 
-    loop.run_until_done(progress)
+    for q in scenario.prompts:
+        loop.submit_now(progress, system=scenario.system, user=q, sampling=sampling, max_new_tokens=max_new)
+    t0 = time.perf_counter()
+    loop.run_until_done()
     print(f"ran {len(scenario.prompts)} prompts in {time.perf_counter() - t0:.1f} s")
     report = build_report(sch, model, scenario.system, sampling,
                           title=f"PrefixLab sample report: {scenario.name}")

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.watch.gui import WatchWindow
     from engine import SamplingParams, load_model
     from engine.loop import EngineLoop
-    from engine.scheduler import Scheduler, SchedulerSettings
+    from engine.scheduler import SchedulerSettings
     from ui.theme import apply_theme
 
     app = make_app([sys.argv[0]])
@@ -52,16 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model()
     engines = []
     for _ in QUESTIONS:
-        sched = Scheduler(model, SchedulerSettings(max_streams=4, page_rows=16))
-        engines.append((sched, KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*").attach(sched.cache)))
+        loop = EngineLoop(model, SchedulerSettings(max_streams=4, page_rows=16))
+        publisher = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        engines.append((loop, publisher.attach(loop.scheduler.cache)))
     window = WatchWindow()
     window.resize(1500, 900)
     window.show()
     window.start_watching([pub.endpoint for _, pub in engines],
                           [pub.replay_endpoint for _, pub in engines], "")
-    for (sched, pub), questions in zip(engines, QUESTIONS):
+    for (loop, pub), questions in zip(engines, QUESTIONS):
         pub.wait_for_subscriber(10)
-        loop = EngineLoop(sched)
         for q in questions:
             loop.submit_now(system=SYSTEM, user=q, sampling=SamplingParams(temperature=0.0),
                             max_new_tokens=12)

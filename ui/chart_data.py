@@ -16,8 +16,12 @@ REQUEST_SERIES = ("ttft_hit", "ttft_no_cache", "ttft_miss")
 # Where each TTFT bar sits around its request id, and how wide: a hit and its estimate without
 # the cache side by side, a miss alone in the middle.
 BAR_SLOTS = {"ttft_hit": (-0.19, 0.36), "ttft_no_cache": (0.19, 0.36), "ttft_miss": (0.0, 0.7)}
-SERIES = TIMELINE_SERIES + REQUEST_SERIES
-CHARTS = ("pool", "cache", "hits", "prefill", "ttft")
+# Where the prompt tokens went (docs/design.md §15), cumulative over the requests admitted, one
+# band a part, bottom to top in a card's bar's order (`disk` is its own band under `cached`).
+PART_BANDS = ("disk", "cached", "lent", "cap", "rounding", "evicted", "isolated", "new")
+PART_SERIES = tuple(f"part_{p}" for p in PART_BANDS)
+SERIES = TIMELINE_SERIES + REQUEST_SERIES + PART_SERIES
+CHARTS = ("pool", "cache", "hits", "prefill", "ttft", "parts")
 # A row holds from its step's end until the next row: draw steps, not slopes between rows.
 STEP = "right"
 STACK = ("pages_private", "pages_shared", "pages_cached", "pages_free")  # bottom to top
@@ -28,9 +32,11 @@ LABELS = {
     "prefill_computed": "computed",
     "prefill_saved": "saved by the cache", "ttft_hit": "cache hit", "ttft_miss": "miss",
     "ttft_no_cache": "hit without the cache (estimate)",
+    **{f"part_{p}": p for p in PART_BANDS},
 }
 TITLES = {"pool": "KV pool pages", "cache": "Prefix cache", "hits": "Cache hits",
-          "prefill": "Prefill tokens (cumulative)", "ttft": "Time to first token per request"}
+          "prefill": "Prefill tokens (cumulative)", "ttft": "Time to first token per request",
+          "parts": "Where the prompt tokens went"}
 
 
 class TimelineBuffer:

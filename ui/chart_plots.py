@@ -14,6 +14,7 @@ from .chart_data import (
     BAR_SLOTS,
     CHARTS,
     LABELS,
+    PART_SERIES,
     REQUEST_SERIES,
     STACK,
     STEP,
@@ -21,7 +22,7 @@ from .chart_data import (
     TimelineBuffer,
     step_changes,
 )
-from .colors import Theme, series_color, with_alpha
+from .colors import PART_COLORS, Theme, series_color, with_alpha
 
 pg.setConfigOptions(antialias=True)
 # A transparent pen, not None: a PlotDataItem without a pen hides its curve and path.
@@ -134,9 +135,10 @@ class ChartSet:
         self.areas: dict[str, pg.PlotDataItem] = {}    # fill-only twins of some curves
         self.legends: dict[str, pg.LegendItem] = {}
         for name in CHARTS:
-            axis = {"bottom": _IntAxis("bottom")} if name == "ttft" else \
+            axis = {"bottom": _IntAxis("bottom")} if name in ("ttft", "parts") else \
                 {"left": _IntAxis("left")} if name in ("pool", "cache", "hits") else None  # counts
-            pw = _PlotWidget(parent, axisItems=axis, viewBox=_ViewBox() if name in EXTENT_SERIES else None)
+            fitted = name in EXTENT_SERIES or name == "parts"  # ranges set from the data we plot
+            pw = _PlotWidget(parent, axisItems=axis, viewBox=_ViewBox() if fitted else None)
             pw.setMinimumSize(280, 170)
             pw.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
             pw.setMenuEnabled(False)
@@ -155,6 +157,7 @@ class ChartSet:
         self._build_hits()
         self._build_prefill()
         self._build_ttft()
+        self._build_parts()
         for pw in self.widgets.values():
             cache_static_items(pw)
 
@@ -283,6 +286,21 @@ class ChartSet:
         # Room for a dozen bars even with one request: a lone bar should not fill the plot.
         item.getViewBox().setLimits(xMin=0, minXRange=12)
 
+    def _build_parts(self) -> None:
+        item = self.widgets["parts"].getPlotItem()
+        self.legends["parts"].setColumnCount(4)  # eight parts in two rows
+        for i, name in enumerate(PART_SERIES):  # each band filled from 0: the top ones drawn behind
+            color = QColor(PART_COLORS[name[len("part_"):]])
+            band = self._lean(pg.PlotDataItem(pen=pg.mkPen(color, width=1), fillLevel=0, fillBrush=color,
+                                              stepMode=STEP))
+            band.setZValue(-i)
+            item.addItem(band)
+            self.legends["parts"].addItem(band, LABELS[name])
+            self.curves[name] = band
+        item.setLabel("left", "prompt tokens")
+        item.setLabel("bottom", "request id")
+        item.getViewBox().setLimits(xMin=0, minXRange=12)
+
     # theme ------------------------------------------------------------
     def apply_theme(self, theme: Theme) -> None:
         tick_font = QFont()
@@ -321,7 +339,8 @@ class ChartSet:
             pw.update()
 
     # data -------------------------------------------------------------
-    def refresh(self, buf: TimelineBuffer, ttft: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    def refresh(self, buf: TimelineBuffer, ttft: dict[str, tuple[np.ndarray, np.ndarray]],
+                parts: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
         x = buf.column("wall_s")
         level = np.zeros(buf.n)
         tops = {}  # the values that size each timeline chart (the free band does not)
@@ -336,6 +355,14 @@ class ChartSet:
         for name, (ids, secs) in ttft.items():
             offset, width = BAR_SLOTS[name]
             self.bars[name].setOpts(x=ids + offset, height=secs, width=width)
+        top_band = None
+        for name, (ids, tops_) in (parts or {}).items():  # stacked: each band's top, per request id
+            self.curves[name].setData(ids, tops_)
+            top_band = (ids, tops_)
+        if top_band is not None:
+            ids, tops_ = top_band
+            self.widgets["parts"].getPlotItem().vb.extent = \
+                [[float(ids[0]), float(ids[-1])], [0.0, float(tops_.max())]] if len(ids) else None
         if buf.n:
             cap = float(buf.column("capacity").max())
             item = self.widgets["pool"].getPlotItem()

@@ -20,7 +20,7 @@ from PySide6.QtWidgets import QApplication, QGridLayout, QLabel, QVBoxLayout, QW
 from engine.estimates import ttft_without_cache
 from engine.metrics import RequestRecord, TimelineRow
 
-from .chart_data import SERIES, TIMELINE_SERIES, TITLES, TimelineBuffer
+from .chart_data import PART_SERIES, SERIES, TIMELINE_SERIES, TITLES, TimelineBuffer
 from .chart_plots import ChartSet
 from .colors import Theme, theme_for
 from .page_map import png_bytes
@@ -45,6 +45,7 @@ class ChartsPanel(QWidget):
         self._records: list[RequestRecord] = []
         self._prefill_tok_s = 0.0  # the session's measured prefill rate (TTFT-without-cache estimates)
         self._ttft = self._split_ttft([], 0.0)
+        self._parts = self._stack_parts([])
         self._dirty = False
         self.frames = 0  # refreshes drawn (many appends in one event-loop turn make one)
         self._frame_s = 0.0  # the UI thread's time in refreshes since the timer last looked
@@ -61,7 +62,8 @@ class ChartsPanel(QWidget):
         grid.addWidget(w["cache"], 0, 1)
         grid.addWidget(w["hits"], 1, 0)
         grid.addWidget(w["prefill"], 1, 1)
-        grid.addWidget(w["ttft"], 2, 0, 1, 2)
+        grid.addWidget(w["ttft"], 2, 0)
+        grid.addWidget(w["parts"], 2, 1)
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
         outer.setSpacing(4)
@@ -115,6 +117,9 @@ class ChartsPanel(QWidget):
         if name in self._ttft:
             ids, secs = self._ttft[name]
             return ids.copy(), secs.copy()
+        if name in self._parts:  # cumulative tokens of that part alone, per request id
+            ids, _top = self._parts[name]
+            return ids.copy(), self._part_totals[name].copy()
         if name not in TIMELINE_SERIES:
             raise KeyError(f"unknown series {name!r}; expected one of {', '.join(SERIES)}")
         return self._buf.column("wall_s").copy(), self._buf.column(name).copy()
@@ -138,7 +143,7 @@ class ChartsPanel(QWidget):
                 pw.resize(int(width), int(height))
                 pw.show()
             charts.apply_theme(theme_for(theme) if theme else self._current_theme())
-            charts.refresh(self._buf, self._ttft)
+            charts.refresh(self._buf, self._ttft, self._parts)
             # Only layout requests: posted queued signals must not run inside an export.
             QApplication.sendPostedEvents(None, QEvent.Type.LayoutRequest)
             out = {}
@@ -159,7 +164,7 @@ class ChartsPanel(QWidget):
     def _draw(self) -> None:
         t0 = time.perf_counter()
         self._dirty = False
-        self._charts.refresh(self._buf, self._ttft)
+        self._charts.refresh(self._buf, self._ttft, self._parts)
         self.frames += 1
         self._update_summary()
         self._frame_s += time.perf_counter() - t0
@@ -188,6 +193,7 @@ class ChartsPanel(QWidget):
         self._records = list(records)
         self._prefill_tok_s = float(prefill_tok_s or 0.0)
         self._ttft = self._split_ttft(self._records, self._prefill_tok_s)
+        self._parts = self._stack_parts(self._records)
 
     @staticmethod
     def _split_ttft(records: list[RequestRecord],
@@ -204,6 +210,28 @@ class ChartsPanel(QWidget):
                     np.array([p[1] for p in pairs], dtype=np.float64))
         return {"ttft_hit": cols([(r.id, r.ttft_s) for r in hits]), "ttft_no_cache": cols(est),
                 "ttft_miss": cols([(r.id, r.ttft_s) for r in misses])}
+
+    def _stack_parts(self, records: list[RequestRecord]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The session's prompt tokens by part, cumulative over the requests admitted so far (by
+        id): each band's top for the stacked chart; each part's own running total is kept too."""
+        done = sorted((r for r in records if r.parts is not None), key=lambda r: r.id)
+        ids = np.array([r.id for r in done], dtype=np.float64)
+        level = np.zeros(len(done))
+        self._part_totals: dict[str, np.ndarray] = {}
+        out = {}
+        for name in PART_SERIES:
+            part = name[len("part_"):]
+            own = np.array([getattr(r.parts, part) - (r.parts.disk if part == "cached" else 0)
+                            for r in done], dtype=np.float64)
+            self._part_totals[name] = np.cumsum(own)
+            level = level + self._part_totals[name]
+            out[name] = (ids, level.copy())
+        return out
+
+    def part_totals(self) -> dict[str, int]:
+        """The session's totals by part as the chart's last point ({part: tokens}; `cached`
+        without its `disk` share, as the bands stack)."""
+        return {name[len("part_"):]: int(v[-1]) if len(v) else 0 for name, v in self._part_totals.items()}
 
     def _mark_dirty(self) -> None:
         self._dirty = True

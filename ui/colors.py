@@ -40,6 +40,27 @@ SERIES_COLORS = {
 }
 
 
+# Where the prompt tokens went (docs/design.md §15), in the order a card's bar and the chart
+# stack them: greens for what the cache gave, amber for near misses, vermillion and purple for
+# what a cause took, grey for what nothing earlier had.
+PART_COLORS = {
+    "cached": "#1fa774",    # pool pages (disk: loaded back from the disk tier, darker)
+    "disk": "#137052",
+    "lent": "#56b4e9",      # borrowed from the pass computing them
+    "cap": "#a6d8c3",       # held back so the model evaluates one token
+    "rounding": "#e69f00",  # shared, but not a whole page
+    "evicted": "#d55e00",
+    "isolated": "#8e6bd8",  # another namespace had them
+    "new": "#8c959f",
+}
+PART_WORDS = {
+    "cached": "cached (pool pages)", "disk": "cached from the disk tier", "lent": "lent (same pass)",
+    "cap": "cap (last token computed)", "rounding": "rounding (part of a page)",
+    "evicted": "evicted before this request", "isolated": "isolated (another namespace had them)",
+    "new": "new (nothing earlier had them)",
+}
+
+
 @dataclass(frozen=True)
 class Theme:
     """Colours of one theme, as '#rrggbb' strings."""

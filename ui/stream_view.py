@@ -18,6 +18,7 @@ from engine.metrics import hit_rate
 
 from .flow_layout import FlowLayout
 from .format import secs
+from .parts_bar import PartsBar, parts_html
 from .theme import card_button, color, repolish
 
 CARD_MIN_WIDTH = 240  # four badges on two lines, the answer wrapped
@@ -87,6 +88,8 @@ class StreamView(QFrame):
         for b in (self.badge_cache, self.badge_ttft, self.badge_tps, self.badge_reason):
             badges.addWidget(b)
         lay.addLayout(badges)
+        self.parts_bar = PartsBar()  # where the prompt's tokens went; the words on hover
+        lay.addWidget(self.parts_bar)
 
         self.view = QTextEdit()
         self.view.setObjectName("transcript")
@@ -169,6 +172,7 @@ class StreamView(QFrame):
         self.badge_ttft.hide()
         self.badge_tps.hide()
         self.badge_cache.hide()
+        self.parts_bar.set_parts(None)
         self._set_state("queued")
 
     def show_accepted(self) -> None:
@@ -197,6 +201,8 @@ class StreamView(QFrame):
             return
         if record.n_cached or record.n_prefilled:
             self._cache_badge(record.n_cached, record.n_prompt)
+        if record.parts is not None:
+            self._show_parts(record.parts.as_dict(), record.diverged_at, record.diverged_words)
         if record.ttft_s is not None:
             _set_badge(self.badge_ttft, f"TTFT {secs(record.ttft_s)}", "", "Time to first token")
 
@@ -296,12 +302,23 @@ class StreamView(QFrame):
         _set_badge(self.badge_cache, f"cached {n_cached}/{n_prompt}", kind,
                    f"{n_cached} of the prompt's {n_prompt} tokens came from the prefix cache ({pct:.0f}%)")
 
+    def _show_parts(self, parts: dict | None, diverged_at: int | None, words: str) -> None:
+        """The thin bar of where the prompt's tokens went; the cache badge's tip says it too."""
+        self.parts_bar.set_parts(parts, diverged_at, words)
+        if parts:
+            self.badge_cache.setToolTip(parts_html(parts, diverged_at, words))
+
+    def parts_shown(self) -> dict[str, int]:
+        """The bar's parts now, {part: tokens} (`cached` without its `disk` share)."""
+        return self.parts_bar.shown()
+
     def _show_record_badges(self, turn) -> None:
         r = turn.record
         if not r:
             _set_badge(self.badge_reason, turn.reason or "?", "error" if turn.reason == "refused" else "")
             return
         self._cache_badge(int(r.get("n_cached") or 0), int(r.get("n_prompt") or 0))
+        self._show_parts(r.get("parts"), r.get("diverged_at"), r.get("diverged_words") or "")
         if r.get("ttft_s") is not None:
             _set_badge(self.badge_ttft, f"TTFT {secs(r['ttft_s'])}", "",
                        f"Time to first token (queue wait {secs(r.get('queue_wait_s') or 0)})")

@@ -18,6 +18,15 @@ from .whatif import describe, fixed_traffic
 SCHEMA = "prefixlab.advice/2"  # /2: read/write/uncached split, parts, upstream error; /1 still reads
 
 
+class RenderError(ValueError):
+    """Requests a tokenizer's chat template cannot render: `failures` is [(request, why)]."""
+
+    def __init__(self, failures: list[tuple[Request, str]]):
+        request, why = failures[0]
+        super().__init__(f"line {request.line}: cannot render the chat messages: {why}")
+        self.failures = failures
+
+
 class Tokenizers:
     """Tokenizers by rule-set name ("model": the loaded one), and each request's prompt under each."""
 
@@ -39,12 +48,15 @@ class Tokenizers:
         tok = self.get(name)
         try:
             return build_prompts(tok, requests)
-        except Exception:  # a template error: find the line it came from
+        except Exception:  # a template error: find the lines it came from
+            failures = []
             for r in requests:
                 try:
                     build_prompt(tok, r)
-                except Exception as e:
-                    raise ValueError(f"line {r.line}: cannot render the chat messages: {e}") from None
+                except Exception as e:  # noqa: BLE001 - a template's own error, whatever its type
+                    failures.append((r, str(e)))
+            if failures:
+                raise RenderError(failures) from None
             raise
 
 
@@ -99,16 +111,37 @@ def upstream_error(rows: list[dict]) -> dict | None:
             "mean_abs_error_tokens": round(sum(abs(p - u) for p, u in pairs) / len(pairs), 3)}
 
 
+def _prompts(toks: Tokenizers, names: set[str], requests: list[Request], skipped: list,
+             strict: bool) -> tuple[list[Request], dict]:
+    """The requests every tokenizer renders and their prompts by tokenizer; a request a template
+    cannot render is skipped with why (strict: a ValueError naming its line)."""
+    while True:
+        try:
+            return requests, {name: toks.prompts(name, requests) for name in names}
+        except RenderError as e:
+            if strict:
+                raise ValueError(str(e)) from None
+            skipped += [{"line": r.line, "why": f"cannot render the chat messages: {why}"}
+                        for r, why in e.failures]
+            gone = {id(r) for r, _ in e.failures}
+            requests = [r for r in requests if id(r) not in gone]
+            if not requests:
+                raise ValueError(f"no request could be rendered ({e})") from None
+
+
 def advise(trace: str, requests: list[Request], rule_sets: list[RuleSet], toks: Tokenizers,
-           skipped: list | None = None) -> dict:
+           skipped: list | None = None, strict: bool = True) -> dict:
     """Everything the advisor says about `requests` (arrival order) under `rule_sets`; `skipped`:
-    the trace's lines left out, as `read_traffic` reported them."""
-    prompts = {name: toks.prompts(name, requests) for name in {"model", *(r.tokenizer for r in rule_sets)}}
+    the trace's lines left out, as `read_traffic` reported them (and, unless `strict`, those of
+    requests a chat template cannot render)."""
+    skipped = [] if skipped is None else skipped
+    requests, prompts = _prompts(toks, {"model", *(r.tokenizer for r in rule_sets)}, requests, skipped,
+                                 strict)
     results = [_per_rules(r, requests, prompts[r.tokenizer]) for r in rule_sets]
     divergences = find_divergences(requests, prompts["model"])
     groups = group(divergences)
     out = {"schema": SCHEMA, "trace": os.path.abspath(trace) if trace else "",
-           "requests": len(requests), "skipped": skipped or [], "rule_sets": results, "groups": groups,
+           "requests": len(requests), "skipped": skipped, "rule_sets": results, "groups": groups,
            "divergences": [{"line": d.line, "matched_line": d.matched_line, "token": d.token,
                             "message": d.message, "role": d.role, "field": d.field, "start": d.start,
                             "end": d.end, "kind": d.kind} for d in divergences if d is not None],

@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
                         "(default: every shipped one)")
     p.add_argument("--json", metavar="OUT.json", help="write the whole advice here")
     p.add_argument("--report", metavar="OUT.html", help="write the advice as an HTML page here")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse the trace at its first bad line or request (default: skip it, count and "
+                        "report it)")
     add_model_arg(p)  # prompts are tokenized with this model's chat template and tokenizer
     p.set_defaults(func=run)
 
@@ -42,26 +45,29 @@ def run(args) -> int:
     try:
         rule_sets = resolve_rules(args.rules)
         skipped: list = []
-        requests = read_traffic(args.trace, skipped)
+        requests = read_traffic(args.trace, skipped, strict=args.strict)
     except (RulesError, TraceError) as e:
         raise SystemExit(f"prefixlab advise: {e}") from None
     model = load_model_or_exit(getattr(args, "model", None))
     from .hints import hints
     try:
         toks = Tokenizers(model.tokenizer, _tokenizer_loader)
-        advice = advise(args.trace, requests, rule_sets, toks, skipped)
-        advice["hints"] = hints(advice, rule_sets, requests, toks.prompts)
+        advice = advise(args.trace, requests, rule_sets, toks, skipped, strict=args.strict)
+        dropped = {k["line"] for k in advice["skipped"]}  # requests a template could not render
+        rendered = [r for r in requests if r.line not in dropped]
+        advice["hints"] = hints(advice, rule_sets, rendered, toks.prompts)
     except ValueError as e:
         raise SystemExit(f"prefixlab advise: {args.trace}, {e}") from None
     print(summary(advice))
     try:
         if args.json:
-            write_bytes(args.json, json.dumps(advice, indent=1, ensure_ascii=False).encode())
+            # strict JSON: a figure that is not finite fails here rather than writing Infinity
+            write_bytes(args.json, json.dumps(advice, indent=1, ensure_ascii=False, allow_nan=False).encode())
             print(f"wrote {args.json}")
         if args.report:
             write_bytes(args.report, render_html(advice).encode())
             print(f"wrote {args.report}")
-    except ReportWriteError as e:
+    except (ReportWriteError, ValueError) as e:
         raise SystemExit(f"prefixlab advise: {e}") from None
     return 0
 
@@ -77,9 +83,12 @@ def summary(advice: dict) -> str:
         totals_rows,
         whatif_rows,
     )
-    lines = [f"skipped line {k['line']}: {k['why']}" for k in advice["skipped"][:5]]
-    if len(advice["skipped"]) > 5:
-        lines.append(f"... and {len(advice['skipped']) - 5} more skipped lines")
+    skipped = advice["skipped"]
+    lines = [f"skipped line {k['line']}: {k['why']}" for k in skipped[:5]]
+    if len(skipped) > 5:
+        lines.append(f"... and {len(skipped) - 5} more skipped lines")
+    if skipped:
+        lines.append(f"{len(skipped):,} line(s) skipped in all; --strict refuses the trace instead")
     lines.append(_table(TOTALS_HEAD, totals_rows(advice)))
     lines += [f"{rs['rules']['name']}: {line}" for rs in advice["rule_sets"] for line in provider_notes(rs)
               if not line.startswith("not modelled")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from html import escape
+from urllib.parse import urlsplit
 
 _STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:70em;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.3em .6em;text-align:right}
@@ -76,7 +77,7 @@ def error_rows(advice: dict, limit: int = 200) -> list[list[str]]:
     """Per request where the upstream reported its cached tokens: rule set, line, predicted, upstream."""
     rows = []
     for rs in advice["rule_sets"]:
-        got = [r for r in rs["requests"] if "upstream_cached_tokens" in r][:limit]
+        got = [r for r in rs.get("requests", []) if "upstream_cached_tokens" in r][:limit]
         for r in got:
             ours, theirs = r["cached_tokens"], r["upstream_cached_tokens"]
             rows.append([rs["rules"]["name"], str(r["line"]), f"{ours:,}", f"{theirs:,}",
@@ -103,6 +104,14 @@ def view_data(advice: dict) -> dict:
             "trace": advice.get("trace", ""), "requests": advice.get("requests", 0)}
 
 
+def link(url: str) -> str:
+    """`url` as a link if it is a web address (http or https), else as plain text: a rules file's
+    `source = "javascript:..."` must not become something a click runs."""
+    if urlsplit(url.strip()).scheme.lower() in ("http", "https"):
+        return f"<a href='{escape(url.strip())}'>{escape(url)}</a>"
+    return escape(url)
+
+
 def _table(head: list[str], rows: list[list[str]]) -> str:
     cells = "".join(f"<th>{escape(h)}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
@@ -119,7 +128,7 @@ def render_html(advice: dict) -> str:
              "<h2>Per provider</h2>", _table(TOTALS_HEAD, totals_rows(advice))]
     parts.append("<p class='note'>" + "<br>".join(
         f"{escape(rs['rules']['name'])}: as of {escape(rs['rules']['as_of'])}, "
-        f"<a href='{escape(rs['rules']['source'])}'>{escape(rs['rules']['source'])}</a>"
+        f"{link(rs['rules']['source'])}"
         + (f" ({escape(rs['note'])})" if rs.get("note") else "")
         for rs in advice["rule_sets"]) + "</p>")
     notes = [(rs["rules"]["name"], line) for rs in advice["rule_sets"] for line in provider_notes(rs)

@@ -22,6 +22,9 @@ PRICE_FIELDS = ("input", "cached_input", "cache_write", "output")
 OPTIONAL_PRICES = ("cache_write_long", "storage_per_million_hour")
 # How the cache behaves beyond the common prefix core (app/advise/providers/): a named model each.
 BEHAVIOURS = ("prefix", "anthropic-breakpoints", "openai-routing", "deepseek-units")
+# USD: 10 cents a token, far past any model's. A guard against typos: 1e308 times a trace's
+# tokens is Infinity, which no JSON reader takes
+MAX_PRICE_PER_MILLION = 100_000.0
 _FIELDS = {"name", "as_of", "source", "model", "note", "min_prefix_tokens", "granularity_tokens",
            "ttl_seconds", "breakpoints", "tokenizer", "price_per_million", "behaviour", "sources",
            "unmodelled", "min_prefix_by_model", "long_ttl_seconds", "lookback_blocks", "max_marks",
@@ -141,13 +144,15 @@ class _Checker:
         return v
 
     def number(self, name: str, table: dict | None = None, prefix: str = "", positive: bool = False,
-               allow_inf: bool = False) -> float:
+               allow_inf: bool = False, high: float = math.inf, unit: str = "") -> float:
         v = self.get(name, table, prefix)
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
         if not ok or (math.isinf(v) and not allow_inf):
             raise self.error(prefix + name, f"must be a number, got {v!r}")
         if v < 0 or (positive and v == 0):
             raise self.error(prefix + name, f"must be {'> 0' if positive else '>= 0'}, got {v!r}")
+        if v > high:
+            raise self.error(prefix + name, f"is {v:g}, over the limit of {high:,g}{unit}")
         return float(v)
 
     def date(self, name: str) -> str:
@@ -175,8 +180,9 @@ def parse_rules(path: str, data: dict) -> RuleSet:
     if extra:
         raise c.error(f"price_per_million.{extra[0]}",
                       f"is unknown (known: {', '.join(PRICE_FIELDS + OPTIONAL_PRICES)})")
-    prices = Prices(**{k: c.number(k, table, "price_per_million.") for k in PRICE_FIELDS},
-                    **{k: c.number(k, table, "price_per_million.") for k in OPTIONAL_PRICES if k in table})
+    prices = Prices(**{k: c.number(k, table, "price_per_million.", high=MAX_PRICE_PER_MILLION,
+                                   unit=" USD per million tokens")
+                       for k in (*PRICE_FIELDS, *(f for f in OPTIONAL_PRICES if f in table))})
     behaviour = data.get("behaviour", "anthropic-breakpoints" if data.get("breakpoints") else "prefix")
     if behaviour not in BEHAVIOURS:
         raise c.error("behaviour", f"must be one of {', '.join(BEHAVIOURS)}, got {behaviour!r}")

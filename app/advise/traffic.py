@@ -11,12 +11,23 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..replay.trace import PREFIXLAB_TAG, TraceError, open_trace
+from engine.chat import MAX_TEMPLATE_CHARS
 
-MAX_LINE_BYTES = 16 << 20  # a trace line is one request: 16 MiB of JSON is far past any context
+from ..replay.trace import (
+    MAX_LINE_BYTES,  # noqa: F401 - the proxy sizes its records by the reader's limit
+    PREFIXLAB_TAG,
+    LineError,
+    TraceError,
+    json_lines,
+    open_trace,
+)
+
+# The text of one request, at most: a chat template renders no more (and no context holds more)
+MAX_REQUEST_CHARS = MAX_TEMPLATE_CHARS
 
 
 @dataclass
@@ -74,34 +85,28 @@ def reported_usage(obj: dict | None) -> tuple[int | None, int | None]:
     return whole(prompt), whole(cached)
 
 
-def read_lines(path: str) -> Iterator[tuple[int, dict]]:
-    """(line number, object) per non-blank line; a TraceError names the line that is bad."""
-    try:
-        fh = open(path, "rb")
-    except OSError as e:
-        raise TraceError(f"cannot open trace {path}: {e.strerror}") from None
-    with fh:
-        lineno = 0
-        while True:
-            raw = fh.readline(MAX_LINE_BYTES + 1)
-            if not raw:
-                return
-            lineno += 1
-            if len(raw) > MAX_LINE_BYTES:
-                raise TraceError(f"{path}, line {lineno}: the line is over {MAX_LINE_BYTES >> 20} MiB "
-                                 f"(one request per line; is this a JSONL trace?)")
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except UnicodeDecodeError:
-                raise TraceError(f"{path}, line {lineno}: not UTF-8 text (traces are JSONL)") from None
-            except ValueError as e:
-                why = e.args[0].split(':')[0]
-                raise TraceError(f"{path}, line {lineno}: not valid JSON ({why})") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
+class _Skips:
+    """A read's bad lines, appended to the advice's `skipped` list as {line, why}."""
+
+    def __init__(self, skipped: list):
+        self.skipped = skipped
+
+    def add(self, line: int, why: str) -> None:
+        self.skipped.append({"line": line, "why": why})
+
+
+def read_lines(path: str, skipped: list | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, object) per non-blank line, each bounded in size; a bad line is a TraceError
+    naming it, or with `skipped` a {line, why} there."""
+    skips = None if skipped is None else _Skips(skipped)
+    for lineno, obj in json_lines(path, skips):
+        if isinstance(obj, dict):
             yield lineno, obj
+            continue
+        error = LineError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+        if skips is None:
+            raise error
+        skips.add(lineno, error.why)
 
 
 _MEDIA = {"image", "document", "image_url", "input_audio", "file", "search_result", "container_upload"}
@@ -174,8 +179,8 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
     body = obj.get("body") if isinstance(obj.get("body"), dict) else obj
     stamp = obj.get("timestamp")
     if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or
-                              stamp != stamp or stamp < 0):
-        raise TraceError(f"{where}: 'timestamp' must be milliseconds >= 0, got {stamp!r}")
+                              not math.isfinite(stamp) or stamp < 0):
+        raise TraceError(f"{where}: 'timestamp' must be milliseconds >= 0 and finite, got {stamp!r}")
     prompt_tokens, cached = reported_usage(obj)
     if cached is None and isinstance(obj.get("response"), dict):
         prompt_tokens, cached = reported_usage(obj["response"])
@@ -214,17 +219,33 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
     else:
         raise TraceError(f"{where}: no 'messages' (a chat request) and no 'prompt' (a completion: a text "
                          f"or token ids)")
+    chars = _chars(r)
+    if chars > MAX_REQUEST_CHARS:
+        raise TraceError(f"{where}: the request's text is {chars:,} characters, over the advisor's limit of "
+                         f"{MAX_REQUEST_CHARS:,} (what a chat template renders)")
     return r
 
 
-def _token_trace(path: str) -> list[Request]:
+def _chars(r: Request) -> int:
+    """Characters of a request's text (token ids count one each)."""
+    if r.messages is not None:
+        return sum(len(m.content) for m in r.messages)
+    return len(r.prompt_text) if r.prompt_text is not None else len(r.tokens or ())
+
+
+def _token_trace(path: str, skipped: list, strict: bool) -> list[Request]:
     """A prefixlab trace (a session's, or `replay --record`'s): prompts as token ids."""
-    source = open_trace(path, "prefixlab")
+    source = open_trace(path, "prefixlab", strict=strict)
     if source.hashed:
         raise TraceError(f"{path}: a hash-id trace has block hashes, not tokens: the advisor needs "
                          f"prompts (chat logs, proxy recordings or token traces)")
-    return [Request(line=i + 2, arrival_s=r.arrival_s, key=r.namespace, tokens=r.prompt,
-                    output_tokens=r.output_length) for i, r in enumerate(source)]
+    out = [Request(line=i + 2, arrival_s=r.arrival_s, key=r.namespace, tokens=r.prompt,
+                   output_tokens=r.output_length) for i, r in enumerate(source)]
+    skipped += source.skipped.examples
+    if source.skipped.count > len(source.skipped.examples):
+        skipped.append({"line": None, "why": f"and {source.skipped.count - len(source.skipped.examples):,} "
+                                             f"more bad lines"})
+    return out
 
 
 def unusable(obj: dict) -> str:
@@ -248,15 +269,17 @@ def _token_ids(value) -> bool:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
-def read_traffic(path: str, skipped: list | None = None) -> list[Request]:
+def read_traffic(path: str, skipped: list | None = None, strict: bool = True) -> list[Request]:
     """Every request of a trace, in arrival order (ties: file order); proxy records that cannot
-    count (refused, or kept without a body) go to `skipped` as {line, why} instead."""
+    count (refused, or kept without a body) go to `skipped` as {line, why} instead, and so do bad
+    lines unless `strict` (then the first one is a TraceError naming it)."""
     skipped = [] if skipped is None else skipped
-    lines = read_lines(path)
+    bad: list = []  # lines that are not requests at all
+    lines = read_lines(path, None if strict else bad)
     first = next(lines, None)
     if first is not None and first[1].get("format") == PREFIXLAB_TAG:
         lines.close()
-        requests = _token_trace(path)
+        requests = _token_trace(path, bad, strict)
     else:
         requests = []
         for line, obj in itertools.chain([first] if first else [], lines):
@@ -264,9 +287,18 @@ def read_traffic(path: str, skipped: list | None = None) -> list[Request]:
             if why:
                 skipped.append({"line": line, "why": why})
                 continue
-            requests.append(parse_request(obj, path, line))
+            try:
+                requests.append(parse_request(obj, path, line))
+            except TraceError as e:
+                if strict:
+                    raise
+                bad.append({"line": line, "why": str(e).removeprefix(f"{path}, line {line}").lstrip(":, ")})
     if not requests:
-        left = f" ({len(skipped)} proxy records skipped: {skipped[0]['why']}, ...)" if skipped else ""
+        what = "proxy records" if not bad else "lines"
+        left = f" ({len(skipped) + len(bad)} {what} skipped: {(skipped + bad)[0]['why']}, ...)" \
+            if skipped or bad else ""
         raise TraceError(f"{path}: the trace has no requests{left}")
+    skipped += bad
+    skipped.sort(key=lambda k: math.inf if k["line"] is None else k["line"])
     requests.sort(key=lambda r: (r.arrival_s, r.line))
     return requests

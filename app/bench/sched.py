@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.chat import chat_prompt, turn_messages
 from engine.loop import EngineLoop
-from engine.scheduler import Scheduler, SchedulerSettings
+from engine.scheduler import SchedulerSettings
 
 from ..scenario import SCENARIO_DIR, load_scenario
 from .common import figure, ratio, target
@@ -39,8 +39,8 @@ def scenario_prompts(m, n_prompts: int | None = None,
 
 def run_scenario(m, prompts: list[list[int]], previews: list[str], new_tokens: int, **settings) -> dict:
     """Submit every prompt at once and step until done; wall time and every request record."""
-    sched = Scheduler(m, SchedulerSettings(**settings))
-    loop = EngineLoop(sched)
+    loop = EngineLoop(m, SchedulerSettings(**settings))
+    sched = loop.scheduler
     t0 = time.perf_counter()
     for p, q in zip(prompts, previews, strict=True):
         loop.submit_now(prompt=p, max_new_tokens=new_tokens, stop_ids=[], preview=q)
@@ -84,8 +84,8 @@ def ttft_alone(m, prompts: list[list[int]], reps: int) -> dict:
     question on the same system prompt once that prefix is cached (hit); `reps` fresh schedulers."""
     miss_s, hit_s, cached = [], [], []
     for _ in range(reps + 1):  # the first pass only warms up (pages, first touch); not counted
-        sched = Scheduler(m, SchedulerSettings())
-        loop = EngineLoop(sched)
+        loop = EngineLoop(m, SchedulerSettings())
+        sched = loop.scheduler
         recs = []
         for p in prompts[:2]:  # one after the other: each arrives to an idle scheduler
             rid = loop.submit_now(prompt=p, max_new_tokens=1, stop_ids=[])

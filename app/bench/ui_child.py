@@ -98,11 +98,10 @@ class _Headless:
     def __init__(self, model_path: str, scenario, settings):
         import engine
         from engine.loop import EngineLoop
-        from engine.scheduler import Scheduler
 
         self.model = engine.load_model(model_path or None)
-        self.sch = Scheduler(self.model, settings.scheduler_settings(self.model))  # the app's KV budget too
-        self.loop = EngineLoop(self.sch)
+        self.loop = EngineLoop(self.model, settings.scheduler_settings(self.model))  # the app's KV budget too
+        self.sch = self.loop.scheduler
         self.sampling = settings.sampling()
         self.scenario = scenario
 

@@ -36,10 +36,9 @@ def decode_steps(timeline_rows, streams: int) -> list[float]:
 
 def _run(m, prompts: list[list[int]], max_new: int) -> list[float]:
     from engine.loop import EngineLoop
-    from engine.scheduler import Scheduler
 
-    sched = Scheduler(m)
-    loop = EngineLoop(sched)
+    loop = EngineLoop(m)
+    sched = loop.scheduler
     for p in prompts:
         loop.submit_now(prompt=p, max_new_tokens=max_new, stop_ids=[])
     loop.run_until_done()

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
 
+from engine.scheduler import FinishEvent
+
 from ..advise.advisor import Tokenizers, advise
 from ..advise.hints import hints
 from ..advise.html import view_data
@@ -32,7 +34,7 @@ def served_record(job, finish) -> dict | None:
     r = finish.record
     arrival = time.time() - (time.perf_counter() - job.arrival)  # the job's clock is perf_counter
     key = job.request.namespace if job.request is not None else ""
-    messages = job.submit_kwargs.get("messages")
+    messages = job.chat_args.get("messages")
     body = {"messages": messages} if messages else {"prompt": list(job.prompt)}
     return {"timestamp": round(arrival * 1000, 3), "key": key, "body": body,
             "usage": {"prompt_tokens": r.n_prompt, "completion_tokens": r.n_gen,
@@ -64,7 +66,7 @@ class AdvisorController(QObject):
         self._recorded.connect(self._on_recorded)
         self._served.connect(self._on_served)
         self.served = None          # the Recorder of the app's server traffic while it serves
-        self._served_loop = None
+        self._backend = None        # the app's server (app.serve.server.Backend) while it serves
 
     def load_trace(self, path: str | None = None) -> None:
         """Advise on a trace file (asking for one when no path is given)."""
@@ -96,29 +98,29 @@ class AdvisorController(QObject):
         self.panel.show_error(None)
         self._show_proxy()
 
-    def set_served(self, loop) -> None:
-        """Advise on the app's own server traffic, live, while it serves through `loop` (the
-        worker's EngineLoop, whose observers see every finished job); None: it stopped."""
+    def set_served(self, backend) -> None:
+        """Advise on the app's own server traffic, live, while `backend` (the app's server, whose
+        watchers see every served job's events) serves; None: it stopped."""
         from ..proxy.record import Recorder
-        if self._served_loop is not None and self._observe in self._served_loop.observers:
-            self._served_loop.observers.remove(self._observe)
-        self._served_loop = loop
-        if loop is None:
+        if self._backend is not None and self._watch in self._backend.watchers:
+            self._backend.watchers.remove(self._watch)
+        self._backend = backend
+        if backend is None:
             return
         path = os.path.join(self._tmp.name, "served.jsonl")
         if os.path.exists(path):
             os.remove(path)  # a new server: its own traffic
         self.served = Recorder(path)
         self.served.observers.append(lambda _rec: self._served.emit())  # the engine's thread
-        loop.observers.append(self._observe)
+        backend.watchers.append(self._watch)
 
     @property
     def following_server(self) -> bool:
         """True while the app's server traffic is advised live."""
-        return self._served_loop is not None
+        return self._backend is not None
 
-    def _observe(self, job, finish) -> None:
-        rec = served_record(job, finish)
+    def _watch(self, job, event) -> None:
+        rec = served_record(job, event) if isinstance(event, FinishEvent) else None
         if rec is not None and self.served is not None:
             self.served.write(rec)
 

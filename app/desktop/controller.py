@@ -1,24 +1,27 @@
 """The main window's controller: every book the window keeps, with no widget in sight.
 
-It owns the engine client, the settings, the transcripts (one per prompt card), which
-request and tag belong to which card, the scripted turns of a scenario, the reports and
-the probe. Widgets never call the engine: `app.desktop` hands user actions to this object
+It owns the engine client, the settings, the transcripts (one per prompt card), which open
+turn (by the engine loop's ticket) belongs to which card, the scripted turns of a scenario,
+the reports and the probe. Widgets never call the engine: `app.desktop` hands user actions to this object
 and draws what its signals say (plain data: uids, dicts, engine records and snapshots).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 
 from PySide6.QtCore import QObject, QSettings, QTimer, Signal, Slot
 
-from engine.scheduler import POOL_FIELDS
+from engine.loop import Accepted, Refused
+from engine.scheduler import POOL_FIELDS, FinishEvent, TokenEvent
 
 from ..report import load_report, snapshot_from_report
 from .engine_client import EngineClient
 from .settings import AppSettings, add_recent_model, kept_cache_root
 from .transcript import Transcript
 from .turns import TurnBook
+from .worker import Served
 
 FLUSH_INTERVAL_MS = 100  # text to the cards 10x a second: UI Python stalls the worker (docs/design.md §7)
 
@@ -65,6 +68,7 @@ class Controller(QObject):
         self.opened_report = None
         self.last_report_paths: list[str] = []
         self.book = TurnBook()
+        self._nonce = secrets.token_hex(3)  # served card ids differ across app runs (sessions keep cards)
         self._rows_seen = 0
         self._showing_report = False
         self.closed = False
@@ -82,10 +86,7 @@ class Controller(QObject):
         w.model_loaded.connect(self._on_model_loaded)
         w.model_load_failed.connect(self._on_model_load_failed)
         w.model_checked.connect(self._on_model_checked)
-        w.requests_submitted.connect(self._on_requests_submitted)
-        w.request_refused.connect(self._on_request_refused)
-        w.token_generated.connect(self._on_tokens)
-        w.request_finished.connect(self._on_request_finished)
+        w.job_events.connect(self._on_job_events)
         w.stats_updated.connect(self._on_stats)
         w.scheduler_reset.connect(self._on_scheduler_reset)
         w.kv_budget.connect(self.kv_budget)  # signal to signal: queued into the UI thread too
@@ -189,14 +190,14 @@ class Controller(QObject):
         """Submit every (uid, text) prompt not running now, each as a new conversation; return how many."""
         if not self._can_run():
             return 0
-        jobs = [self._first_turn(t, text, system) for uid, text in prompts
-                if not (t := self.transcript(uid, text)).running]
-        if not jobs:
+        turns = [(t, text) for uid, text in prompts if not (t := self.transcript(uid, text)).running]
+        if not turns:
             self.status.emit("Add a prompt first (type it under the list and press Enter)", 5000)
             return 0
-        self.client.submit(jobs)
+        for t, text in turns:
+            self._submit(t, self.book.first_turn(t, text, system, self.settings))
         self._changed()
-        return len(jobs)
+        return len(turns)
 
     def run_prompt(self, uid: str, text: str | None, system: str) -> bool:
         """Run one prompt alone, as a new conversation (`text` None: its card's first message)."""
@@ -210,7 +211,7 @@ class Controller(QObject):
         t = self.transcript(uid, text)
         if t.running:
             return False
-        self.client.submit([self._first_turn(t, text, system)])
+        self._submit(t, self.book.first_turn(t, text, system, self.settings))
         self._changed()
         return True
 
@@ -219,7 +220,7 @@ class Controller(QObject):
         t = self.transcripts.get(uid)
         if t is None or t.running or not self._can_run():
             return False
-        self._submit_turn(t, text)
+        self._submit(t, self.book.turn(t, text, self.settings))
         self._changed()
         return True
 
@@ -227,48 +228,62 @@ class Controller(QObject):
         """Stop every stream; what they produced stays."""
         self.book.drop_scripts()
         if self.running:
-            self.client.cancel(self.book.open_tags())
+            self.client.cancel(self.book.open_tickets())
             self.status.emit(f"Stopping {self.running} stream(s)…", 3000)
 
     def stop_stream(self, uid: str) -> None:
+        """Stop a card's running turn (typed or served: its client sees the answer end)."""
         self.book.drop_scripts(uid)
-        self.client.cancel(self.book.open_tags(uid))
+        self.client.cancel(self.book.open_tickets(uid))
 
-    def _first_turn(self, t: Transcript, text: str, system: str) -> dict:
-        job = self.book.first_turn(t, text, system, self.client.new_tag(), self.settings)
-        self.turn_started.emit(t.uid)
-        return job
-
-    def _submit_turn(self, t: Transcript, text: str) -> None:
-        self.client.submit([self.book.turn(t, text, self.client.new_tag(), self.settings)])
+    def _submit(self, t: Transcript, chat_args: dict) -> None:
+        """Hand a card's turn to the engine loop and file it under the ticket the loop gives."""
+        self.book.opened(t, self.client.submit(chat_args))
         self.turn_started.emit(t.uid)
 
     # worker events ----------------------------------------------------------------------
     @Slot(list)
-    def _on_requests_submitted(self, accepted: list) -> None:
-        for tag, rid, n_prompt in accepted:
-            t = self.book.accepted(tag, rid)
-            if t is not None:
-                t.accept(rid, n_prompt)
-                self.turn_accepted.emit(t.uid)
-        self._changed()
+    def _on_job_events(self, events: list) -> None:
+        """One step's events of the jobs, in order, each under its ticket."""
+        changed = False  # a turn opened or ended (tokens alone change no state)
+        for ticket, ev in events:
+            if isinstance(ev, TokenEvent):
+                t = self.book.by_ticket(ticket)
+                if t is not None:
+                    t.add_piece(ev.text)
+                continue
+            changed = True
+            if isinstance(ev, Served):
+                self._served(ticket, ev)
+            elif isinstance(ev, Accepted):
+                t = self.book.by_ticket(ticket)
+                if t is not None:
+                    t.accept(ev.request_id, ev.n_prompt)
+                    self.turn_accepted.emit(t.uid)
+            elif isinstance(ev, Refused) and ev.record is not None:
+                self._finished(ticket, ev.record)  # the engine failed under it: it ends as cancelled
+            elif isinstance(ev, Refused):
+                self._refused(ticket, ev.message)
+            elif isinstance(ev, FinishEvent):
+                self._finished(ticket, ev.record)
+        if changed:
+            self._changed()
 
-    @Slot(str, str)
-    def _on_request_refused(self, tag: str, message: str) -> None:
-        t = self.book.close_tag(tag)
-        if t is not None:
+    def _served(self, ticket: int, ev: Served) -> None:
+        """An HTTP request the app's server took: a card of its own, labelled with its client."""
+        t = self.transcript(f"http-{self._nonce}-{ticket}", f"{ev.client}: {ev.preview}")
+        self.book.served(t, ticket, ev.preview)
+        t.accept(ev.request_id, ev.n_prompt)
+        self.turn_started.emit(t.uid)
+        self.turn_accepted.emit(t.uid)
+
+    def _refused(self, ticket: int, message: str) -> None:
+        t = self.book.close(ticket)
+        if t is not None:  # a served job's refusal is its client's to read
             self._flush(t)
             t.refuse(message)
             self.turn_refused.emit(t.uid, message)
-        self.status.emit(f"Request refused: {message}", 8000)
-        self._changed()
-
-    @Slot(list)
-    def _on_tokens(self, pieces: list) -> None:
-        for rid, text in pieces:
-            t = self.book.by_request(rid)
-            if t is not None:
-                t.add_piece(text)
+            self.status.emit(f"Request refused: {message}", 8000)
 
     def flush_text(self) -> None:
         """Hand the answer text that came in since the last flush to the cards (on a timer)."""
@@ -280,20 +295,18 @@ class Controller(QObject):
         if text:
             self.text_arrived.emit(t.uid, text)
 
-    @Slot(object)
-    def _on_request_finished(self, record) -> None:
-        t = self.book.close_request(record.id)
+    def _finished(self, ticket: int, record) -> None:
+        t = self.book.close(ticket)
         if t is not None:
             self._flush(t)
             t.finish(record)
             self.turn_finished.emit(t.uid)
         self.finished_records.append(record)
         self.request_finished.emit(record)
-        self._changed()
         if t is not None and record.finish_reason != "cancelled":
             text = self.book.next_scripted(t.uid)
             if text is not None:
-                self._submit_turn(t, text)
+                self._submit(t, self.book.turn(t, text, self.settings))
 
     @Slot(object)
     def _on_stats(self, snap) -> None:
@@ -302,8 +315,9 @@ class Controller(QObject):
         self._rows_seen = len(snap.timeline)
         self.stats.emit(snap, rows, self._showing_report)  # after a report: redraw the live data
         self._showing_report = False
+        running = {t.request_id: t for t in self.transcripts.values() if t.request_id is not None}
         for r in snap.records:
-            t = self.book.by_request(r.id) if r.finish_reason is None else None
+            t = running.get(r.id) if r.finish_reason is None else None
             if t is not None:
                 self.turn_live.emit(t.uid, r)
 

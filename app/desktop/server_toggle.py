@@ -2,21 +2,20 @@
 
 HTTP requests run on the worker's scheduler (through app.serve.desktop), so they share
 the pool and the cache with typed prompts and enter the charts, the page map, the chains
-table and reports like them; each one gets a card labelled with its client.
+table and reports like them; each one gets a card labelled with its client (the controller
+makes it from the served job's events, under the job's ticket like a typed turn).
 """
 
 from __future__ import annotations
 
-import secrets
-
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, Signal
 
 from ..serve.desktop import DesktopServer
 from ..serve.runner import ServeError
 
 
 class ServerToggle(QObject):
-    """Starts and stops the server with the controller's settings; makes the served cards."""
+    """Starts and stops the server with the controller's settings."""
 
     changed = Signal(str)  # the base URL clients use (…/v1), "" when off
 
@@ -24,11 +23,7 @@ class ServerToggle(QObject):
         super().__init__(parent)
         self.controller = controller
         self.server = DesktopServer(controller.client.worker)
-        self._nonce = secrets.token_hex(3)  # card ids differ across app runs (sessions keep cards)
-        self._request_of: dict[str, int] = {}  # served card uid -> its request id
         self._address: tuple | None = None     # (host, port, key, KV events) the running server uses
-        # A bound method of this QObject: Qt queues the call into the UI thread.
-        controller.client.worker.served_submitted.connect(self._on_served)
         controller.settings_changed.connect(self._on_settings)
 
     @property
@@ -65,12 +60,6 @@ class ServerToggle(QObject):
             self.set_on(False)
             self.set_on(True)
 
-    def stop_card(self, uid: str) -> None:
-        """A served card's Stop: cancel its request (its client sees the answer end)."""
-        request_id = self._request_of.get(uid)
-        if request_id is not None and self.server.backend is not None:
-            self.server.backend.loop.cancel_request(request_id)
-
     def stop_all(self) -> None:
         """Stop every served request (Stop all)."""
         if self.server.backend is not None:
@@ -80,18 +69,6 @@ class ServerToggle(QObject):
         """The served traffic's cache-friendliness (GET /v1/prefixlab/friendliness's data)."""
         backend = self.server.backend
         return backend.friendliness.to_dict() if backend is not None else {"clients": []}
-
-    @Slot(list)
-    def _on_served(self, items: list) -> None:
-        c = self.controller
-        for request_id, client, preview, n_prompt in items:
-            t = c.transcript(f"http-{self._nonce}-{request_id}", f"{client}: {preview}")
-            c.book.served(t, request_id, preview)
-            t.accept(request_id, n_prompt)
-            self._request_of[t.uid] = request_id
-            c.turn_started.emit(t.uid)
-            c.turn_accepted.emit(t.uid)
-        c.state_changed.emit(c.ready, c.loading, c.running)
 
     def shutdown(self) -> None:
         """Stop serving (the app quits)."""

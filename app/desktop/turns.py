@@ -1,5 +1,6 @@
 """The window's books, with no Qt: a transcript per prompt card, which card each open turn
-belongs to (by tag, then by request id), and a scenario's scripted later turns."""
+belongs to (by the engine loop's ticket, the turn's one id from submit to finish), and a
+scenario's scripted later turns."""
 
 from __future__ import annotations
 
@@ -9,56 +10,57 @@ from .transcript import Transcript
 
 
 class TurnBook:
-    """Transcripts by card uid, open turns by tag and request id, scripted turns by uid."""
+    """Transcripts by card uid, open turns by ticket, scripted turns by uid."""
 
     def __init__(self):
         self.transcripts: dict[str, Transcript] = {}
         self.scripts: dict[str, list[str]] = {}         # uid -> a scenario's later turns
         self._script_queue: dict[str, list[str]] = {}   # uid -> turns still to send in this run
-        self._tag_uid: dict[str, str] = {}              # the open turns: tag -> card uid
-        self._rid_tag: dict[int, str] = {}
+        self._open: dict[int, str] = {}                 # the open turns: ticket -> card uid
         self._nonce = secrets.token_hex(3)              # conversation ids differ across app runs
         self._conversations = 0
 
     @property
     def running(self) -> int:
         """How many turns are submitted and not finished."""
-        return len(self._tag_uid)
+        return len(self._open)
 
-    def open_tags(self, uid: str | None = None) -> list[str]:
-        """Tags of the open turns (of one card when `uid` is given)."""
-        return [tag for tag, u in self._tag_uid.items() if uid is None or u == uid]
+    def open_tickets(self, uid: str | None = None) -> list[int]:
+        """Tickets of the open turns (of one card when `uid` is given)."""
+        return [ticket for ticket, u in self._open.items() if uid is None or u == uid]
 
     def add(self, t: Transcript) -> Transcript:
         self.transcripts[t.uid] = t
         return t
 
     # turns going out ----------------------------------------------------------------------
-    def first_turn(self, t: Transcript, text: str, system: str, tag: str, settings) -> dict:
-        """Start a new conversation on the card and return its first turn's job."""
+    def first_turn(self, t: Transcript, text: str, system: str, settings) -> dict:
+        """Start a new conversation on the card and begin its first turn; return its request."""
         self._conversations += 1
         t.start_conversation(f"{t.uid}-{self._conversations}-{self._nonce}", system)
         self._script_queue[t.uid] = list(self.scripts.get(t.uid, []))
-        return self.turn(t, text, tag, settings, followup=False)
+        return self.turn(t, text, settings, followup=False)
 
-    def turn(self, t: Transcript, text: str, tag: str, settings, followup: bool = True) -> dict:
-        """The job of a turn (its tag and `ChatFrontEnd.request` arguments), now open under `tag`."""
-        job = {"tag": tag, "system": t.system, "user": text, "conversation_id": t.conversation_id,
-               "max_new_tokens": settings.max_new_tokens, "namespace": settings.namespace,
-               "sampling": settings.sampling()}
+    def turn(self, t: Transcript, text: str, settings, followup: bool = True) -> dict:
+        """Begin a turn on the card; return its `ChatFrontEnd.request` arguments (`opened` files
+        it under its ticket once submitted)."""
+        args = {"system": t.system, "user": text, "conversation_id": t.conversation_id,
+                "max_new_tokens": settings.max_new_tokens, "namespace": settings.namespace,
+                "sampling": settings.sampling()}
         if followup:
-            job["history"] = t.history_messages(text)  # used when the engine no longer knows the chat
+            args["history"] = t.history_messages(text)  # used when the engine no longer knows the chat
         t.begin_turn(text)
-        self._tag_uid[tag] = t.uid
-        return job
+        return args
 
-    def served(self, t: Transcript, request_id: int, user: str) -> None:
-        """An HTTP request the server took: its card's turn, open under the request's id."""
-        tag = f"http-{request_id}"
-        t.start_conversation(tag, "")
+    def opened(self, t: Transcript, ticket: int) -> None:
+        """The card's turn went to the engine loop as `ticket`."""
+        self._open[ticket] = t.uid
+
+    def served(self, t: Transcript, ticket: int, user: str) -> None:
+        """An HTTP request the server took: its card's turn, open under the job's ticket."""
+        t.start_conversation(f"http-{ticket}", "")
         t.begin_turn(user)
-        self._tag_uid[tag] = t.uid
-        self._rid_tag[request_id] = tag
+        self._open[ticket] = t.uid
 
     def next_scripted(self, uid: str) -> str | None:
         """The scenario's next turn for this card in this run, if any is left."""
@@ -73,29 +75,15 @@ class TurnBook:
             self._script_queue.pop(uid, None)
 
     # turns coming back --------------------------------------------------------------------
-    def by_tag(self, tag: str | None) -> Transcript | None:
-        uid = self._tag_uid.get(tag) if tag is not None else None
+    def by_ticket(self, ticket: int) -> Transcript | None:
+        uid = self._open.get(ticket)
         return self.transcripts.get(uid) if uid is not None else None
 
-    def by_request(self, request_id: int) -> Transcript | None:
-        return self.by_tag(self._rid_tag.get(request_id))
-
-    def accepted(self, tag: str, request_id: int) -> Transcript | None:
-        """The worker took the turn of `tag` as `request_id`."""
-        t = self.by_tag(tag)
-        if t is not None:
-            self._rid_tag[request_id] = tag
-        return t
-
-    def close_tag(self, tag: str | None) -> Transcript | None:
-        """The turn of `tag` is over (refused); return its transcript."""
-        t = self.by_tag(tag)
-        self._tag_uid.pop(tag, None)
-        return t
-
-    def close_request(self, request_id: int) -> Transcript | None:
-        """The request ended; return its transcript (None: not one of the cards')."""
-        return self.close_tag(self._rid_tag.pop(request_id, None))
+    def close(self, ticket: int) -> Transcript | None:
+        """The turn of `ticket` is over (finished or refused); return its transcript (None: not
+        one of the cards')."""
+        uid = self._open.pop(ticket, None)
+        return self.transcripts.get(uid) if uid is not None else None
 
     # the session file -------------------------------------------------------------------------
     def session_cards(self, order: list[str]) -> list[dict]:

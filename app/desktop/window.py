@@ -53,7 +53,7 @@ class Desktop(QObject):
                                                "Traces (*.jsonl);;All (*)"), self._tokenizer, parent=self)
         c.advice_of = lambda: self.advisor.advice
         self.server.changed.connect(
-            lambda url: self.advisor.set_served(c.client.worker.loop if url else None))
+            lambda url: self.advisor.set_served(self.server.server.backend if url else None))
         self._fill_scenarios()
         w.set_recent_models(recent_models(self.store))
         self._installs = ModelInstalls(self)
@@ -130,7 +130,6 @@ class Desktop(QObject):
     def _add_card(self, transcript) -> None:
         card = self.window.add_card(transcript)
         card.stop_clicked.connect(self.controller.stop_stream)
-        card.stop_clicked.connect(self.server.stop_card)
         card.run_clicked.connect(self.run_prompt)
         card.followup_submitted.connect(self.controller.send_followup)
 

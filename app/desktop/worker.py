@@ -5,25 +5,26 @@ and drives the one engine loop (engine/loop.py) that owns the Scheduler; nothing
 else touches them. Prompts typed in the window and HTTP requests (the Server
 toggle) enter that loop the same way, as `Job`s through its thread-safe `submit`,
 and cancels through its `cancel`; the loop wakes this thread by a queued signal.
-Other requests (load, settings, reports) come by queued signals through
-`EngineClient`, which lives in the UI thread; plain data goes back by signals:
-token pieces batched per step, finished records, and a Snapshot copy at most 4
-times a second.
+Each job's sink (and, while serving, each served job's events) lands in one list per step,
+sent to the UI thread as `job_events` under the job's ticket: the one id a card's turn
+has from its submit to its finish. Other requests (load, settings, reports) come as calls
+queued into this thread by `EngineClient`, which lives in the UI thread; plain data goes
+back by signals: the job events, and a Snapshot copy at most 4 times a second.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 import engine
-from engine.loop import Accepted, EngineLoop, Job, Refused, StepFailed
-from engine.scheduler import POOL_FIELDS, FinishEvent, Scheduler, TokenEvent
+from engine.loop import Accepted, EngineLoop, Job, StepFailed
+from engine.scheduler import POOL_FIELDS, Scheduler
 from engine.snapshot import SnapshotMaker
 
 from ..model_info import model_info
@@ -51,13 +52,18 @@ def guarded(fn):
     return wrapper
 
 
+@dataclass
+class Served(Accepted):
+    """A served (HTTP) job the scheduler took: its card is labelled with the client and preview."""
+
+    client: str = ""
+    preview: str = ""
+
+
 class EngineWorker(QObject):
     """Holds the Model and the Scheduler; steps the scheduler while there is work."""
 
-    token_generated = Signal(list)       # [(request_id, text piece), ...], one list per step
-    requests_submitted = Signal(list)    # [(tag, request_id, n_prompt), ...]
-    request_refused = Signal(str, str)   # tag, why
-    request_finished = Signal(object)    # RequestRecord (a copy)
+    job_events = Signal(list)            # [(ticket, event), ...] in order, one list per step
     stats_updated = Signal(object)       # engine.snapshot.Snapshot (a copy)
     model_loaded = Signal(dict)          # app.model_info.model_info(model)
     model_load_failed = Signal(str)
@@ -70,7 +76,6 @@ class EngineWorker(QObject):
     cache_flushed = Signal(int)
     report_ready = Signal(str, object)   # path, report data (built here, rendered in the UI thread)
     trace_saved = Signal(str, str)       # path, "" when written, else why not
-    served_submitted = Signal(list)      # [(request_id, client, preview, n_prompt), ...] from HTTP clients
     cache_note = Signal(str)             # one line: the kept cache loaded, saved, or refused and why
     _woken = Signal()                    # a job or a cancel reached the loop (emitted on any thread)
 
@@ -79,9 +84,7 @@ class EngineWorker(QObject):
         self.model = None
         self.loop = EngineLoop()
         self.loop.wake = self._woken.emit  # queued into this thread
-        self._accepted: list = []          # this step's typed jobs the scheduler took
-        self._lock = threading.Lock()
-        self._tickets: dict[str, int] = {}  # typed turn's tag -> its ticket in the loop (cancels)
+        self._events: list = []            # this step's (ticket, event)s, for `job_events`
         self._settings = AppSettings()
         self._pending_settings: AppSettings | None = None
         self._maker, self._maker_of = SnapshotMaker(), None
@@ -101,32 +104,29 @@ class EngineWorker(QObject):
         return self.loop.scheduler
 
     # thread-safe (called from the UI thread) --------------------------------
-    def submit(self, jobs: list[dict]) -> None:
-        """Hand typed turns to the engine loop, the door HTTP requests use too. Each dict is
-        its `tag` and `ChatFrontEnd.request` arguments; the answers come back under the tag
-        as `requests_submitted` / `request_refused`, then tokens and `request_finished`."""
-        for fields in jobs:
-            fields = dict(fields)
-            job = Job(fields, tag=fields.pop("tag"))
-            job.sink = functools.partial(self._typed_event, job)
-            ticket = self.loop.submit(job)
-            with self._lock:
-                self._tickets[job.tag] = ticket
+    def submit(self, chat_args: dict) -> int:
+        """Hand a typed turn (`ChatFrontEnd.request` arguments) to the engine loop, the door
+        HTTP requests use too; return its ticket. Its events come back under the ticket in
+        `job_events`: `Accepted` or `Refused`, its tokens, its `FinishEvent`."""
+        job = Job(dict(chat_args))
+        job.sink = functools.partial(self.job_event, job)
+        return self.loop.submit(job)
 
-    def request_cancel(self, tags) -> None:
-        """Stop these typed turns (by tag) at the loop's next step."""
-        for tag in tags:
-            with self._lock:
-                ticket = self._tickets.pop(tag, None)
-            if ticket is not None:
-                self.loop.cancel(ticket)
+    def cancel(self, tickets) -> None:
+        """Stop these jobs (typed or served) at the loop's next step."""
+        for ticket in tickets:
+            self.loop.cancel(ticket)
 
     def request_shutdown(self) -> None:
         """Stop stepping at once; the queued `shutdown` slot then ends the thread."""
         self._quitting = True
 
-    # slots (queued from the UI thread) --------------------------------------
-    @Slot(str)
+    # requests, each queued into this thread by EngineClient -----------------
+    @Slot(object)
+    def run_call(self, call) -> None:
+        """Run one queued request (a `functools.partial` of a method below) in this thread."""
+        call()
+
     @guarded
     def load_model(self, path: str) -> None:
         """Load a GGUF (the bundled model for ""); on failure keep the current model.
@@ -165,7 +165,6 @@ class EngineWorker(QObject):
         if note:  # after "Loaded ...", so the window's status bar ends on it
             self.cache_note.emit(note)
 
-    @Slot(str)
     @guarded
     def check_model(self, path: str) -> None:
         """Whether `path` opens as a model (header, metadata and tensor table only: fast)."""
@@ -181,7 +180,6 @@ class EngineWorker(QObject):
             why = ""
         self.model_checked.emit(path, why)
 
-    @Slot(dict)
     @guarded
     def apply_settings(self, values: dict) -> None:
         """New preferences: live ones now, pool ones (a new Scheduler) when idle."""
@@ -203,7 +201,6 @@ class EngineWorker(QObject):
             self.kv_budget.emit(new.kv_budget(s))
             self._emit_stats(force=True)
 
-    @Slot()
     @guarded
     def flush_cache(self) -> None:
         if self.scheduler is None:
@@ -212,12 +209,10 @@ class EngineWorker(QObject):
         self.cache_flushed.emit(n)
         self._emit_stats(force=True)
 
-    @Slot(str)
     def set_cache_root(self, root: str) -> None:
         """Where kept caches live (one folder per model, page rows and dtype under it)."""
         self.keeper.root = root
 
-    @Slot()
     @guarded
     def save_cache(self) -> None:
         """Save the cache now (Run → Save the cache now), whether or not it is kept at quit."""
@@ -226,14 +221,12 @@ class EngineWorker(QObject):
             return
         self.cache_note.emit(self.keeper.save(self.scheduler))
 
-    @Slot(int, bool)
     @guarded
     def pin_chain(self, chain_id: int, pinned: bool) -> None:
         if self.scheduler is not None and chain_id in self.scheduler.cache.chains:
             self.scheduler.cache.pin(chain_id, pinned)
             self._emit_stats(force=True)
 
-    @Slot(dict)
     @guarded
     def probe(self, request: dict) -> None:
         """How far a prompt (system + user) would match the cache, and where it differs."""
@@ -242,7 +235,6 @@ class EngineWorker(QObject):
         self.probe_ready.emit(probe_prompt(self.scheduler, request.get("system", ""),
                                            request.get("user", ""), request.get("namespace", "")))
 
-    @Slot(dict)
     @guarded
     def make_report(self, request: dict) -> None:
         """Build the session's report data here (it reads the scheduler); the UI thread renders it."""
@@ -254,7 +246,6 @@ class EngineWorker(QObject):
                               kv_budget=self._settings.kv_budget(self.scheduler)["line"])
         self.report_ready.emit(request["path"], report)
 
-    @Slot(str)
     def save_trace(self, path: str) -> None:
         """Write the session's ended requests as a trace (the What-if tab's "This session")."""
         from app.replay.record import save_session_trace
@@ -267,7 +258,6 @@ class EngineWorker(QObject):
             return
         self.trace_saved.emit(path, "")
 
-    @Slot()
     def shutdown(self) -> None:
         """Stop stepping, keep the cache when asked to, and end the thread's event loop (the UI
         thread then waits)."""
@@ -285,15 +275,13 @@ class EngineWorker(QObject):
             self._timer.stop()
             return
         try:
-            served = self.loop.drain()
-            self._emit_submitted(served)  # before the step's tokens: a card drops pieces it cannot place
-            self._emit_events(self.loop.step(drain=False))
-        except StepFailed as e:  # the loop recovered; say so, and end the cards it reaped
+            self.loop.step()
+        except StepFailed as e:  # the loop recovered (its jobs were refused); say so
             self.failed.emit(f"scheduler step: {e}")
-            self._emit_events(e.events)
             self._after_recovery()
         except Exception as e:  # noqa: BLE001 - a broken step must not kill the thread
             self.failed.emit(f"scheduler step: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
+        self._emit_events()
         if not self.loop.has_work():
             self._timer.stop()
             self._run_done()
@@ -307,31 +295,19 @@ class EngineWorker(QObject):
             self.busy = True
             self._timer.start()
 
-    def _typed_event(self, job: Job, event) -> None:
-        """A typed job's answer from the loop (this thread): accepted now, or refused."""
-        if isinstance(event, Accepted):
-            self._accepted.append((job.tag, event.request_id, event.n_prompt))
-        elif isinstance(event, Refused) and job.request_id is None:  # once taken, its finish ends it
-            self.request_refused.emit(job.tag, event.message)
-
-    def _emit_submitted(self, taken: list[Job]) -> None:
-        if self._accepted:
-            accepted, self._accepted = self._accepted, []
-            self.requests_submitted.emit(accepted)
-        served = [j for j in taken if j.client]
-        if served:
+    def job_event(self, job: Job, event) -> None:
+        """A job's event (this thread): a typed job's sink, and the served jobs' watcher while
+        the app serves. A served job's `Accepted` comes as `Served`, which opens its card."""
+        if job.client and isinstance(event, Accepted):
             self.busy = True
-            s = self.scheduler
-            self.served_submitted.emit([(j.request_id, j.client, s.record(j.request_id).preview,
-                                         len(j.prompt)) for j in served])
+            event = Served(event.request_id, event.n_prompt, job.client,
+                           self.scheduler.record(event.request_id).preview)
+        self._events.append((job.ticket, event))
 
-    def _emit_events(self, events: list) -> None:
-        pieces = [(ev.request_id, ev.text) for ev in events if isinstance(ev, TokenEvent)]
-        if pieces:
-            self.token_generated.emit(pieces)
-        for ev in events:
-            if isinstance(ev, FinishEvent):
-                self.request_finished.emit(copy.copy(ev.record))
+    def _emit_events(self) -> None:
+        if self._events:
+            events, self._events = self._events, []
+            self.job_events.emit(events)
 
     def _run_done(self) -> None:
         self._emit_stats(force=True)
@@ -346,7 +322,8 @@ class EngineWorker(QObject):
         """Cancel every request and reap them (finish events go out as `cancelled`)."""
         if not self.loop.has_work():
             return
-        self.loop.stop(self._emit_events)
+        self.loop.stop()
+        self._emit_events()
         self._timer.stop()
         self._run_done()
 
@@ -363,7 +340,7 @@ class EngineWorker(QObject):
         keep, old = self._settings.keep_cache, self.scheduler
         if keep and old is not None:  # a new pool or model: the old cache is kept, not lost
             self._note(self.keeper.save(old))
-        self.loop.reset(Scheduler(self.model, self._settings.scheduler_settings(self.model)))
+        self.loop.reset(self.model, self._settings.scheduler_settings(self.model))
         note = self.keeper.load(self.scheduler) if keep else ""
         self._scheduler_changed()
         return note
@@ -373,6 +350,7 @@ class EngineWorker(QObject):
             self.cache_note.emit(line)
 
     def _scheduler_changed(self) -> None:
+        self._emit_events()  # the jobs the old scheduler refused as it went
         self._maker, self._maker_of = SnapshotMaker(), self.scheduler
         self.kv_budget.emit(self._settings.kv_budget(self.scheduler))
         self.scheduler_reset.emit(self.scheduler.settings.to_dict())

@@ -6,13 +6,17 @@ import argparse
 import json
 import math
 import os
+import sys
 import tempfile
 
 from engine.eviction import POLICIES
 
-from ..common_args import add_model_arg
+from ..common_args import add_model_arg, bounded_int
+from ..settings_table import SETTINGS
 from .results import DEFAULT_POLICY, ReplayResult, parse_budget
-from .trace import FORMATS, TraceError, open_trace
+from .trace import FORMATS, TraceError, open_trace, skipped_summary
+
+MAX_WORKERS = 4 * (os.cpu_count() or 1)  # local processes; a Dask cluster (--dask-scheduler) for more
 
 
 def add_parser(sub) -> None:
@@ -28,14 +32,14 @@ def add_parser(sub) -> None:
                    help="cache capacities in pages: integers or 'inf' (default: inf)")
     p.add_argument("--policy", type=_policy_list, default=[DEFAULT_POLICY], metavar="NAME,...",
                    help=f"eviction policies: {', '.join(POLICIES)} (default: {DEFAULT_POLICY})")
-    p.add_argument("--disk-budget", type=_budget_list, default=[None], metavar="D,...",
+    p.add_argument("--disk-budget", type=_disk_budget_list, default=[None], metavar="D,...",
                    help="a disk tier of D pages under the budget: evicted pages move there and hit "
                         "again (two-tier curves; default: none)")
     p.add_argument("--json", metavar="OUT.json", help="write one row per configuration here")
     p.add_argument("--plot", metavar="OUT.png",
                    help="write hit ratio vs capacity per policy as a PNG here (with --replicas: hit "
                         "ratio and p99 TTFT vs replicas per router)")
-    p.add_argument("--workers", type=_positive, metavar="N",
+    p.add_argument("--workers", type=bounded_int(1, MAX_WORKERS, " processes"), metavar="N",
                    help="parallel processes (default: one per core)")
     p.add_argument("--dask-scheduler", metavar="ADDRESS",
                    help="run the configurations on this Dask cluster (pip install 'prefixlab[dask]')")
@@ -43,25 +47,17 @@ def add_parser(sub) -> None:
                    help="write the trace's Mooncake form (block hashes, no tokens) to OUT and stop")
     add_model_arg(p)  # an OpenAI log is tokenized with this model's chat template
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse the trace at its first bad line (default: skip bad lines, count and "
+                        "report them)")
     from .cluster_cli import add_cluster_args
     add_cluster_args(p)
     p.set_defaults(func=run)
 
 
 def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise _bad(f"expected integers separated by commas, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise _bad(f"page sizes must be >= 1, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise _bad(f"expected an integer >= 1, got {text!r}")
-    return int(text)
+    one = bounded_int(1, int(SETTINGS["page_rows"].high), " rows per page")
+    return [one(v) for v in text.split(",")]
 
 
 def _budget_list(text: str) -> list[int | None]:
@@ -69,6 +65,13 @@ def _budget_list(text: str) -> list[int | None]:
         return [parse_budget(v) for v in text.split(",")]
     except ValueError as e:
         raise _bad(str(e)) from None
+
+
+def _disk_budget_list(text: str) -> list[int | None]:
+    """Disk tiers keep a slot list as long as their budget: bounded as --disk-tier-pages is."""
+    high = int(SETTINGS["disk_tier_pages"].high)
+    one = bounded_int(1, high, " pages")
+    return [None if v.strip().lower() == "inf" else one(v) for v in text.split(",")]
 
 
 def _policy_list(text: str) -> list[str]:
@@ -90,12 +93,15 @@ def run(args) -> int:
     if args.synthesize is not None:
         return synthesize_command(args)
     try:
-        source = open_trace(args.trace, args.format, args.block_size, _tokenizer(args))
+        source = open_trace(args.trace, args.format, args.block_size, _tokenizer(args), strict=args.strict)
         with tempfile.TemporaryDirectory(prefix="prefixlab-replay-") as tmp:
             if source.tokenize is not None:  # tokenize once here; the workers read the result
+                log = source
                 source = convert_to_prefixlab(source, os.path.join(tmp, "trace.jsonl"))
+                _say_skipped(args.trace, log.skipped.count, log.skipped.examples)
             if args.redact:
                 n = redact_trace(source, args.redact, args.block_size)
+                _say_skipped(args.trace, source.skipped.count, source.skipped.examples)
                 print(f"wrote {args.redact}: {n} requests, block hashes of "
                       f"{args.block_size or source.header.page_rows} tokens, no token ids")
                 return 0
@@ -109,7 +115,9 @@ def run(args) -> int:
                                 progress=not args.quiet and len(configs) > 1)
     except (TraceError, ValueError, RuntimeError) as e:
         raise SystemExit(f"prefixlab replay: {e}") from None
+    _say_skipped(args.trace, results[0].skipped_lines, results[0].skipped)
     print(table(results))
+    print(parts_table([config_label(r) for r in results], [r.parts for r in results]))
     rows = [r.to_json() for r in results]
     try:
         if args.json:
@@ -125,13 +133,19 @@ def run(args) -> int:
     return 0
 
 
+def _say_skipped(path: str, count: int, examples: list[dict]) -> None:
+    """One line on stderr for the bad lines a lenient read left out."""
+    if count:
+        print(f"prefixlab replay: {skipped_summary(path, count, examples)}", file=sys.stderr)
+
+
 def _tokenizer(args):
     """For OpenAI logs only: the model's chat template and tokenizer, prompt = template + encode."""
     fmt = args.format
     if fmt is None:
         from .trace import detect_format
         try:
-            fmt = detect_format(args.trace)[0]
+            fmt = detect_format(args.trace, args.strict)[0]
         except TraceError as e:
             raise SystemExit(f"prefixlab replay: {e}") from None
     if fmt != "openai":
@@ -159,6 +173,27 @@ def finite_or_null(value):
     if isinstance(value, (list, tuple)):
         return [finite_or_null(v) for v in value]
     return value
+
+
+def config_label(r) -> str:
+    """A configuration in a few words: "page 512, budget 3,000, leaf-lru" (clusters: replicas, router)."""
+    words = [f"{r.replicas} x {r.router}"] if hasattr(r, "router") else [f"page {r.page_rows}"]
+    words += [f"budget {'inf' if r.budget is None else f'{r.budget:,}'}", r.policy]
+    if getattr(r, "disk_budget", None):
+        words.append(f"disk {r.disk_budget:,}")
+    return ", ".join(words)
+
+
+def parts_table(labels: list[str], parts: list[dict[str, int]]) -> str:
+    """Where the prompt tokens went, one line per configuration (docs/design.md §15): tokens by
+    part, then the prompt tokens they add up to (`disk` is a share of `cached`)."""
+    keys = list(parts[0]) if parts else []
+    head = ("where the prompt tokens went", *keys, "prompt tokens")
+    body = [(label, *(f"{p[k]:,}" for k in keys), f"{sum(v for k, v in p.items() if k != 'disk'):,}")
+            for label, p in zip(labels, parts, strict=True)]
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+                     for cells in [head, *body])
 
 
 def table(results: list[ReplayResult]) -> str:

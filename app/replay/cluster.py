@@ -28,10 +28,33 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from engine.token_parts import KEYS, TokenParts
+
 from .results import DEFAULT_POLICY, ReplayConfig, TokenHits
 from .routers import CACHE_ROUTERS, RouterKnobs, View, make_router
 from .simulate import _Replay
 from .trace import TraceRequest, TraceSource
+
+# Each replica is a whole cache and each slot a heap entry: a cluster of a billion replicas is a
+# typo, not a what-if (one request's routing looks at every replica)
+MAX_REPLICAS = 1024
+MAX_SLOTS = 4096
+
+
+def replica_counts(text: str) -> list[int]:
+    """Replica counts as typed, "1,2,4,8"; ValueError says what is wrong."""
+    from ..common_args import parse_count
+    counts = [parse_count(w) for w in text.replace(" ", "").split(",") if w]
+    if None in counts:
+        raise ValueError(f"replica counts are integers separated by commas, got {text!r}")
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError(f"a cluster needs at least 1 replica, got {text!r}")
+    if max(counts) > MAX_REPLICAS:
+        raise ValueError(f"a cluster has at most {MAX_REPLICAS:,} replicas here, got {text!r}")
+    return counts
+
+# A cluster's parts: the engine's, and `routed` (held by another replica) before `new`
+CLUSTER_PARTS = (*KEYS[:-1], "routed", KEYS[-1])
 
 
 @dataclass(frozen=True)
@@ -47,8 +70,8 @@ class ServiceModel:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be a number of tokens/s > 0, got {v!r}")
-        if not isinstance(self.slots, int) or self.slots < 1:
-            raise ValueError(f"--slots must be an integer >= 1, got {self.slots!r}")
+        if not isinstance(self.slots, int) or not 1 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"--slots must be an integer from 1 to {MAX_SLOTS}, got {self.slots!r}")
 
 
 @dataclass(frozen=True)
@@ -81,8 +104,13 @@ class ClusterResult(TokenHits):
     ttft_p99_s: float = 0.0
     ttft_mean_s: float = 0.0
     per_replica: list[dict] = field(default_factory=list)  # requests, input/saved tokens, hit ratio, work
+    # where the prompt tokens went (docs/design.md §15) on the replica each request was routed to,
+    # with `routed`: tokens another replica held beyond what that replica held (the router's regret)
+    parts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLUSTER_PARTS, 0))
     service: dict = field(default_factory=dict)
     seconds: float = 0.0
+    skipped_lines: int = 0
+    skipped: list[dict] = field(default_factory=list)
 
 
 class _Replica:
@@ -146,11 +174,14 @@ def replay_cluster(source: TraceSource, config: ClusterConfig, progress=None) ->
     `progress(requests done)` is called every PROGRESS_EVERY requests."""
     t0 = time.perf_counter()
     config.service.validate()
+    if not 1 <= config.replicas <= MAX_REPLICAS:
+        raise ValueError(f"--replicas takes 1 to {MAX_REPLICAS} replicas, got {config.replicas:,}")
     rows, hashed = _page_rows(source, config.page_rows)
     reps = [_Replica(config, rows, hashed) for _ in range(config.replicas)]
     route = make_router(config.router, config.replicas, config.knobs)
     needs_cache = config.router in CACHE_ROUTERS
     ttft = array("d")  # 8 bytes a request: a million requests cost 8 MB
+    parts = dict.fromkeys(CLUSTER_PARTS, 0)
     clock = 0.0
     was_enabled = gc.isenabled()
     gc.disable()  # as in simulate.replay: the cached pages hold no cycles
@@ -159,16 +190,38 @@ def replay_cluster(source: TraceSource, config: ClusterConfig, progress=None) ->
             clock = max(clock, r.arrival_s)  # a trace slightly out of order never runs time backwards
             for rep in reps:
                 rep.settle(clock)
+            cached = [rep.cached_blocks(r) for rep in reps]   # also what `routed` weighs
             view = View(index=i, first_key=_first_key(reps[0].sim, r), blocks=_blocks(r, rows),
-                        cached=[rep.cached_blocks(r) for rep in reps] if needs_cache else [],
+                        cached=cached if needs_cache else [],
                         load=[rep.load for rep in reps], decoding=[rep.decoding for rep in reps])
-            ttft.append(reps[route(view)].serve(r, clock, config.service))
+            chosen = route(view)
+            ttft.append(reps[chosen].serve(r, clock, config.service))
+            _count_parts(parts, reps[chosen].sim.last_parts, cached, chosen, rows, r.input_length)
             if progress is not None and (i + 1) % PROGRESS_EVERY == 0:
                 progress(i + 1)
     finally:
         if was_enabled:
             gc.enable()
-    return _result(config, rows, reps, ttft, time.perf_counter() - t0)
+    res = _result(config, rows, reps, ttft, time.perf_counter() - t0)
+    res.parts = parts
+    res.note_skipped(source)
+    return res
+
+
+def _count_parts(totals: dict[str, int], parts: TokenParts, cached: list[int], chosen: int, rows: int,
+                 n_tokens: int) -> None:
+    """Add a request's parts on its replica to `totals`, the tokens another replica held past
+    the chosen one's match carved out as `routed` (from the parts after `cached`, in prompt order)."""
+    best = max((c for j, c in enumerate(cached) if j != chosen), default=0)
+    routed = max(0, min(best * rows, n_tokens) - min(cached[chosen] * rows, n_tokens))
+    d = parts.as_dict()
+    for k in ("evicted", "isolated", "rounding", "new"):
+        take = min(routed, d[k])
+        d[k] -= take
+        d["routed"] = d.get("routed", 0) + take
+        routed -= take
+    for k, v in d.items():
+        totals[k] += v
 
 
 def _page_rows(source: TraceSource, page_rows: int | None) -> tuple[int, bool]:

@@ -7,8 +7,10 @@ import argparse
 import itertools
 import os
 
-from .cluster import ClusterConfig, ClusterResult, ServiceModel, replay_cluster
+from ..common_args import bounded_int
+from .cluster import MAX_SLOTS, ClusterConfig, ClusterResult, ServiceModel, replay_cluster, replica_counts
 from .routers import ROUTERS, RouterKnobs, check_routers
+from .synth import MAX_SYNTHESIZE
 from .trace import TraceError
 
 
@@ -23,7 +25,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="a replica's prefill tokens/s (default: this machine's engine, measured once)")
     g.add_argument("--decode-rate", type=_rate, metavar="TOK/S",
                    help="decode tokens/s of each running request (default: measured, at --slots streams)")
-    g.add_argument("--slots", type=_replica_count, metavar="N",
+    g.add_argument("--slots", type=bounded_int(1, MAX_SLOTS, " slots"), metavar="N",
                    help="requests a replica runs at once (default: the scheduler's streams, 8)")
     g.add_argument("--seed", type=int, default=0, help="the random router's seed (and --synthesize's)")
     g.add_argument("--balance-abs", type=int, default=RouterKnobs.balance_abs, metavar="TOKENS",
@@ -32,28 +34,15 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="... and the busiest replica carries X times the idlest's load")
     g.add_argument("--overlap-weight", type=float, default=RouterKnobs.overlap_weight, metavar="W",
                    help="kv-cost: W x blocks to prefill + blocks being decoded")
-    g.add_argument("--synthesize", type=_replica_count, metavar="N",
+    g.add_argument("--synthesize", type=bounded_int(1, MAX_SYNTHESIZE, " requests"), metavar="N",
                    help="write a seeded N-request Mooncake trace with Zipf-shared prefixes to TRACE and stop")
-
-
-def _replica_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return n
 
 
 def _replica_list(text: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected counts separated by commas, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"a cluster needs at least 1 replica, got {text!r}")
-    return values
+        return replica_counts(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _router_list(text: str) -> list[str]:
@@ -108,7 +97,7 @@ def cluster_configs(replicas, routers, budgets, policies, page_rows, service: Se
 
 def run_cluster(args, source) -> int:
     """Sweep the cluster configurations of `args` over `source`; print, write JSON and PNG."""
-    from .cli import _write_json
+    from .cli import _say_skipped, _write_json, config_label, parts_table
     from .sweep import run_sweep
     service, where = service_from_args(args)
     knobs = RouterKnobs(args.seed, args.balance_abs, args.balance_rel, args.overlap_weight)
@@ -121,7 +110,9 @@ def run_cluster(args, source) -> int:
                             progress=not args.quiet and len(configs) > 1, fn=replay_cluster)
     print(f"service model per replica: prefill {service.prefill_rate:,.1f} tok/s, decode "
           f"{service.decode_rate:,.2f} tok/s per request, {service.slots} slots ({where})")
+    _say_skipped(args.trace, results[0].skipped_lines, results[0].skipped)
     print(cluster_table(results))
+    print(parts_table([config_label(r) for r in results], [r.parts for r in results]))
     rows = [r.to_json() for r in results]
     if args.json:
         _write_json(args.json, {"trace": os.path.abspath(args.trace), "format": source.format,

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from engine.eviction import DEFAULT_POLICY
 from engine.metrics import hit_rate
+from engine.token_parts import zero_totals
 
 OVER_TIME_POINTS = 64  # windows of the hit-ratio-over-time series, at most
 
@@ -25,6 +26,12 @@ class TokenHits:
 
     tokens_saved: int
     input_tokens: int
+    skipped_lines: int   # bad trace lines left out (a lenient read)
+    skipped: list        # the first few of them, {line, why}
+
+    def note_skipped(self, source) -> None:
+        """Record the bad lines `source`'s latest pass left out."""
+        self.skipped_lines, self.skipped = source.skipped.count, list(source.skipped.examples)
 
     @property
     def token_hit_ratio(self) -> float:
@@ -53,6 +60,11 @@ class ReplayResult(TokenHits):
     over_time: list[dict] = field(default_factory=list)  # {t, requests, token_hit_ratio} per window
     disk_budget: int | None = None
     blocks_from_disk: int = 0      # of blocks_hit, those loaded back from the disk tier
+    skipped_lines: int = 0
+    skipped: list[dict] = field(default_factory=list)
+    # where the trace's prompt tokens went (docs/design.md §15), and the ever-seen index's size
+    parts: dict[str, int] = field(default_factory=zero_totals)
+    seen_pages: int = 0
 
 
 class OverTime:

@@ -24,13 +24,19 @@ import heapq
 import itertools
 import time
 
-from engine.api import prefix_attach, prefix_insert
+from engine.api import prefix_insert
 from engine.block_manager import BlockManager, Session
 from engine.disk_tier import DiskTier
 from engine.prefix_cache import PrefixCache
+from engine.token_parts import TokenParts, add_parts
 
 from .results import OverTime, ReplayConfig, ReplayResult
 from .trace import TraceError, TraceRequest, TraceSource
+
+# Pages the replay's ever-seen index remembers (docs/design.md §15): more than the engine's, so
+# a trace's `evicted` reaches back over a quarter of a million pages (the shipped Mooncake trace
+# has 182,790 distinct blocks); past it a page counts as `new`.
+REPLAY_SEEN_PAGES = 1 << 18
 
 
 def replay(source: TraceSource, config: ReplayConfig) -> ReplayResult:
@@ -60,6 +66,7 @@ def replay(source: TraceSource, config: ReplayConfig) -> ReplayResult:
     res.blocks_from_disk = run.cache.counters.disk_hit_pages
     res.cached_pages = len(run.cache.pages)
     res.over_time = run.over_time.series()
+    res.note_skipped(source)
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -72,10 +79,11 @@ class _Replay:
         self.pages = BlockManager(page_rows=1 if hashed else rows)
         tier = DiskTier(config.disk_budget) if config.disk_budget else None  # keys only: no K/V here
         self.cache = PrefixCache(max_pages=config.budget or 0, policy=config.policy, id_keys=hashed,
-                                 tier=tier)
+                                 tier=tier, seen_pages=REPLAY_SEEN_PAGES)
         self.cache.bind(self.pages)
         self.result = ReplayResult(page_rows=rows, budget=config.budget, policy=config.policy,
-                                   disk_budget=config.disk_budget)
+                                   disk_budget=config.disk_budget, seen_pages=REPLAY_SEEN_PAGES)
+        self.last_parts = TokenParts()  # the last admitted request's (clusters carve `routed` from it)
         self.over_time = OverTime()
         self.finishing: list = []   # (finish_s, order, session, request) of admitted requests
         self.order = itertools.count()
@@ -97,14 +105,19 @@ class _Replay:
         self.finish_until(float("inf"))
 
     def admit(self, r: TraceRequest) -> Session:
-        """Attach, compute the rest, insert the prompt's full pages; count the hit."""
+        """Attach, compute the rest, insert the prompt's full pages; count the hit and where
+        every prompt token went (the operator's view: another namespace's pages are `isolated`)."""
         pages, cache = self.pages, self.cache
         if self.hashed:
             prompt, full = r.hash_ids, r.hash_ids[:r.input_length // self.rows]
         else:
             prompt = full = r.prompt
         s = Session(pages)
-        m = prefix_attach(cache, pages, s, prompt, r.namespace)
+        cache.actor = self.result.requests + 1   # the trace's request number
+        m, account, _ = cache.attach_accounted(pages, s, prompt, r.namespace)
+        parts = account.parts.scaled(self.rows, r.input_length) if self.hashed else account.parts
+        add_parts(self.result.parts, parts)
+        self.last_parts = parts
         pages.allocate([s], [len(prompt) - m])
         pages.commit([s], [prompt[m:]])
         prefix_insert(cache, pages, s, full, namespace=r.namespace)

@@ -16,13 +16,14 @@ import numpy as np
 from .trace import MOONCAKE_BLOCK, write_mooncake
 
 CHUNK = 10_000
+MAX_SYNTHESIZE = 10_000_000  # about 1.5 GB of JSONL; the shared prefixes' table grows with it
 
 
 def synthesize_rows(n: int, seed: int = 0, prefixes: int | None = None, zipf: float = 1.1,
                     rate: float = 3.3, block: int = MOONCAKE_BLOCK) -> Iterator[dict]:
     """n Mooncake rows ({timestamp ms, input_length, output_length, hash_ids}), reproducible by seed."""
-    if n < 1:
-        raise ValueError(f"--synthesize needs a request count >= 1, got {n}")
+    if not 1 <= n <= MAX_SYNTHESIZE:
+        raise ValueError(f"--synthesize takes a request count from 1 to {MAX_SYNTHESIZE:,}, got {n:,}")
     rng = np.random.default_rng(seed)
     k = prefixes or max(16, n // 100)
     weights = 1.0 / np.arange(1, k + 1) ** zipf

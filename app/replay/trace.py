@@ -12,18 +12,60 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from ..report.files import ReportWriteError, atomic_write
+from ..stop_signals import TerminateRaises
 
 FORMATS = ("mooncake", "openai", "prefixlab")
 PREFIXLAB_TAG = "prefixlab.trace/1"
 MOONCAKE_BLOCK = 512
+# A line is one request: 16 MiB of JSON is past any context. Longer lines are skipped (their
+# bytes read and dropped, never kept), so a runaway line costs this much memory at most.
+MAX_LINE_BYTES = 16 << 20
+MAX_HASH_IDS = 1 << 18   # blocks of one request: a 2M-token prompt at 8 tokens a block
+MAX_SKIPPED_SHOWN = 5
+COMPRESSED_MAGIC = (b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"BZh", b"\xfd7zXZ")  # gzip, zstd, bzip2, xz
+
+
+class Skipped:
+    """Bad lines left out of a lenient read: how many, and the first few as {line, why}."""
+
+    def __init__(self):
+        self.count = 0
+        self.examples: list[dict] = []
+
+    def add(self, line: int, why: str) -> None:
+        self.count += 1
+        if len(self.examples) < MAX_SKIPPED_SHOWN:
+            self.examples.append({"line": line, "why": why})
+
+    def summary(self, path: str) -> str:
+        return skipped_summary(path, self.count, self.examples)
+
+
+def skipped_summary(path: str, count: int, examples: list[dict]) -> str:
+    """One line for the person running the command ("" when nothing was skipped)."""
+    if not count:
+        return ""
+    first = examples[0]
+    return (f"{path}: skipped {count:,} bad line(s), e.g. line {first['line']}: {first['why']} "
+            f"(--strict refuses the trace instead)")
 
 
 class TraceError(ValueError):
     """A trace that cannot be read; the message names the file and line."""
+
+
+class LineError(TraceError):
+    """One bad line: a lenient read skips and counts it (`line` and `why` say which and what)."""
+
+    def __init__(self, path: str, line: int, why: str):
+        super().__init__(f"{path}, line {line}: {why}")
+        self.line, self.why = line, why
 
 
 @dataclass(slots=True)
@@ -67,6 +109,8 @@ class TraceSource:
     format: str
     header: TraceHeader
     tokenize: Callable[[list[dict]], list[int]] | None = None  # openai: messages -> prompt tokens
+    strict: bool = True   # a bad line stops the read; False: it is skipped and counted in `skipped`
+    skipped: Skipped = field(default_factory=Skipped)  # the latest iteration's
 
     @property
     def hashed(self) -> bool:
@@ -80,12 +124,21 @@ class TraceSource:
     def __iter__(self) -> Iterator[TraceRequest]:
         parse = {"mooncake": self._mooncake, "openai": self._openai,
                  "prefixlab": self._prefixlab}[self.format]
-        seen = 0
-        for lineno, obj in _objects(self.path, skip_header=self.format == "prefixlab"):
+        seen, self.skipped = 0, Skipped()
+        skipped = None if self.strict else self.skipped
+        for lineno, obj in _objects(self.path, skip_header=self.format == "prefixlab", skipped=skipped):
+            try:
+                request = parse(obj, _Where(self.path, lineno))
+            except LineError as e:
+                if skipped is None:
+                    raise
+                skipped.add(e.line, e.why)
+                continue
             seen += 1
-            yield parse(obj, _Where(self.path, lineno))
+            yield request
         if not seen:
-            raise TraceError(f"{self.path}: the trace has no requests")
+            raise TraceError(f"{self.path}: the trace has no requests" + (
+                f" ({self.skipped.summary(self.path)})" if self.skipped.count else ""))
 
     def _mooncake(self, obj: dict, at: _Where) -> TraceRequest:
         n = at.int_field(obj, "input_length", 1)
@@ -142,8 +195,8 @@ class _Where:
     path: str
     line: int
 
-    def error(self, what: str) -> TraceError:
-        return TraceError(f"{self.path}, line {self.line}: {what}")
+    def error(self, what: str) -> LineError:
+        return LineError(self.path, self.line, what)
 
     def _get(self, obj: dict, name: str):
         if name not in obj:
@@ -180,6 +233,8 @@ class _Where:
 
     def hash_ids(self, obj: dict, input_length: int, block: int) -> list[int]:
         v = self._get(obj, "hash_ids")
+        if isinstance(v, list) and len(v) > MAX_HASH_IDS:
+            raise self.error(f"{len(v):,} hash_ids: at most {MAX_HASH_IDS:,} blocks a request")
         if not isinstance(v, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in v):
             raise self.error("'hash_ids' must be a list of integers")
         need = -(-input_length // block)
@@ -195,50 +250,90 @@ def _shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _objects(path: str, skip_header: bool) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for every non-blank line, read one line at a time."""
+def open_regular(path: str):
+    """`path` opened for binary reading if it is a regular file; a TraceError otherwise (a device
+    such as /dev/zero reads without end, a FIFO blocks, a folder is no trace)."""
     try:
-        fh = open(path, encoding="utf-8")
+        mode = os.stat(path).st_mode
     except OSError as e:
         raise TraceError(f"cannot open trace {path}: {e.strerror}") from None
-    with fh:
-        first, lineno = True, 0
-        lines = iter(fh)
-        while True:
-            try:
-                line = next(lines)
-            except StopIteration:
-                return
-            except UnicodeDecodeError:  # decoded a block at a time: the bad line is here or later
-                where = f", after line {lineno}" if lineno else ""
-                raise TraceError(f"{path}{where}: not UTF-8 text (a compressed or binary file? "
-                                 f"traces are JSONL)") from None
-            lineno += 1
-            if not line.strip():
-                continue
-            obj = _parse(line, _Where(path, lineno))
-            if first and skip_header:
-                first = False
-                continue
-            first = False
-            yield lineno, obj
-
-
-def _parse(line: str, at: _Where) -> dict:
+    if not stat.S_ISREG(mode):
+        what = "a folder" if stat.S_ISDIR(mode) else "a device, FIFO or socket"
+        raise TraceError(f"cannot open trace {path}: it is {what}, not a regular file (traces are "
+                         f"JSONL files)")
     try:
-        obj = json.loads(line)
+        fh = open(path, "rb")
+    except OSError as e:
+        raise TraceError(f"cannot open trace {path}: {e.strerror}") from None
+    if fh.peek(6).startswith(COMPRESSED_MAGIC):  # every line would be a bad one: say why once
+        fh.close()
+        raise TraceError(f"{path}: not UTF-8 text (a compressed file? traces are JSONL: decompress it)")
+    return fh
+
+
+def json_lines(path: str, skipped: Skipped | None = None) -> Iterator[tuple[int, object]]:
+    """(line number, value) for every non-blank line, read one bounded line at a time; a bad line
+    (too long, not UTF-8, not JSON, nested too deeply) is a LineError, or with `skipped` counted
+    there and left out."""
+    with open_regular(path) as fh:
+        lineno = 0
+        while True:
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            lineno += 1
+            try:
+                if len(raw) > MAX_LINE_BYTES:
+                    _drop_rest_of_line(fh)
+                    raise LineError(path, lineno, f"the line is over {MAX_LINE_BYTES >> 20} MiB (one request "
+                                                  f"per line; is this a JSONL trace?)")
+                if raw.strip():
+                    yield lineno, _decode(raw, path, lineno)
+            except LineError as e:
+                if skipped is None:
+                    raise
+                skipped.add(lineno, e.why)
+
+
+def _drop_rest_of_line(fh) -> None:
+    while True:
+        piece = fh.readline(1 << 20)
+        if not piece or piece.endswith(b"\n"):
+            return
+
+
+def _decode(raw: bytes, path: str, lineno: int):
+    try:
+        return json.loads(raw)
     except RecursionError:
-        raise at.error("not a trace line: JSON nested too deeply") from None
+        raise LineError(path, lineno, "not a trace line: JSON nested too deeply") from None
+    except UnicodeDecodeError:
+        raise LineError(path, lineno, "not UTF-8 text (a binary file? traces are JSONL)") from None
     except ValueError as e:
-        raise at.error(f"not valid JSON ({e.args[0].split(':')[0]})") from None
-    if not isinstance(obj, dict):
-        raise at.error(f"expected a JSON object, got {type(obj).__name__}")
-    return obj
+        raise LineError(path, lineno, f"not valid JSON ({e.args[0].split(':')[0]})") from None
 
 
-def detect_format(path: str) -> tuple[str, dict]:
-    """The format of a trace from its first non-blank line, and that line's object."""
-    for lineno, obj in _objects(path, skip_header=False):
+def _objects(path: str, skip_header: bool, skipped: Skipped | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line; a line that is no object is a bad line."""
+    first = True
+    for lineno, obj in json_lines(path, skipped):
+        if not isinstance(obj, dict):
+            error = LineError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+            if skipped is None:
+                raise error
+            skipped.add(lineno, error.why)
+            continue
+        if first and skip_header:
+            first = False
+            continue
+        first = False
+        yield lineno, obj
+
+
+def detect_format(path: str, strict: bool = True) -> tuple[str, dict]:
+    """The format of a trace from its first non-blank line (not strict: its first good line), and
+    that line's object."""
+    for lineno, obj in _objects(path, skip_header=False, skipped=None if strict else Skipped()):
         if obj.get("format") == PREFIXLAB_TAG:
             return "prefixlab", obj
         if "hash_ids" in obj and "timestamp" in obj:
@@ -252,13 +347,14 @@ def detect_format(path: str) -> tuple[str, dict]:
 
 
 def open_trace(path: str, fmt: str | None = None, block_size: int | None = None,
-               tokenize: Callable[[list[dict]], list[int]] | None = None) -> TraceSource:
-    """A streamed trace: `fmt` None detects it; `block_size` for hash-id traces (Mooncake: 512)."""
+               tokenize: Callable[[list[dict]], list[int]] | None = None, strict: bool = True) -> TraceSource:
+    """A streamed trace: `fmt` None detects it; `block_size` for hash-id traces (Mooncake: 512);
+    `strict` False skips and counts bad request lines (`source.skipped`) instead of stopping."""
     if fmt is not None and fmt not in FORMATS:
         raise TraceError(f"unknown trace format {fmt!r}; one of {', '.join(FORMATS)}")
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise TraceError(f"block size must be a positive integer, got {block_size!r}")
-    detected, first = detect_format(path)
+    detected, first = detect_format(path, strict)
     fmt = fmt or detected
     header = TraceHeader()
     if fmt == "prefixlab":
@@ -274,7 +370,7 @@ def open_trace(path: str, fmt: str | None = None, block_size: int | None = None,
         raise TraceError(f"{path}: an OpenAI request log needs a model to tokenize it (--model)")
     else:
         header = TraceHeader(source="openai")
-    return TraceSource(path=path, format=fmt, header=header, tokenize=tokenize)
+    return TraceSource(path=path, format=fmt, header=header, tokenize=tokenize, strict=strict)
 
 
 def _header(obj: dict, at: _Where) -> TraceHeader:
@@ -306,12 +402,13 @@ def _write_lines(path: str, head: list[dict], rows) -> int:
 
     def write(fh) -> None:
         for obj in head:
-            fh.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+            fh.write(json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n")
         for obj in rows:
-            fh.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+            fh.write(json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n")
             count[0] += 1
     try:
-        atomic_write(path, write)  # a bad source line or a full disk leaves the old file as it was
+        with TerminateRaises():  # `kill` mid-write: the temporary file goes, as on Ctrl+C
+            atomic_write(path, write)  # a bad source line or a full disk leaves the old file as it was
     except ReportWriteError as e:
         raise TraceError(f"cannot write trace {path}: {e.reason}") from None
     return count[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cluster import ServiceModel, replay_cluster
+from .cluster import ServiceModel, replay_cluster, replica_counts
 from .cluster_cli import cluster_configs
 from .results import DEFAULT_POLICY, parse_budget
 from .routers import RouterKnobs, check_routers
@@ -23,12 +23,7 @@ class ClusterKnobs:
 
 def cluster_knobs_from_text(replicas: str, budgets: str, routers: list[str]) -> ClusterKnobs:
     """The What-if cluster fields as knobs: "1,2,4,8", "3000", router names; ValueError says what's wrong."""
-    try:
-        counts = [int(w) for w in replicas.replace(" ", "").split(",") if w]
-    except ValueError:
-        raise ValueError(f"replica counts are integers separated by commas, got {replicas!r}") from None
-    if not counts or any(n < 1 for n in counts):
-        raise ValueError(f"a cluster needs at least 1 replica, got {replicas!r}")
+    counts = replica_counts(replicas)
     pages = [parse_budget(w) for w in budgets.split(",") if w.strip()]
     if not pages:
         raise ValueError("give the pages each replica caches (an integer, or inf)")

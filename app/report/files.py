@@ -1,4 +1,4 @@
-"""Reports on disk: atomic writes, JSON (`prefixlab.report/2`) and CSV (no Qt here).
+"""Reports on disk: atomic writes, JSON (`prefixlab.report/3`) and CSV (no Qt here).
 
 `write_json` and `write_csv` write a `Report` atomically; `load_report` reads a JSON
 report back (version 2, or version 1 with its TTFT counted from admission) and validates
@@ -20,6 +20,7 @@ import msgspec
 from engine import atomic
 from engine.atomic import Writer
 from engine.metrics import RequestRecord, TimelineRow
+from engine.token_parts import KEYS
 
 from .model import READABLE_VERSIONS, SCHEMA, SCHEMA_NAME, Report
 
@@ -106,7 +107,7 @@ def report_to_json(report: Report) -> str:
 
 
 def write_json(path: str | os.PathLike, report: Report) -> str:
-    """Write the report as `prefixlab.report/2` JSON (UTF-8), atomically."""
+    """Write the report as `prefixlab.report/3` JSON (UTF-8), atomically."""
     try:
         text = report_to_json(report)
     except ValueError as e:  # NaN or infinity somewhere: JSON cannot carry them
@@ -270,7 +271,11 @@ def load_report(path: str | os.PathLike) -> Report:
 
 # --- CSV ---------------------------------------------------------------------------------
 
-REQUEST_COLUMNS = [f.name for f in dataclasses.fields(RequestRecord)]
+# A request's scalar fields, its parts one column each (`tokens_cached`, ...) in place of the
+# `parts` object, `evicted_by` in words; the tenant's own view stays in the JSON.
+_NESTED = ("parts", "evicted_by", "tenant")
+REQUEST_COLUMNS = [c for f in dataclasses.fields(RequestRecord) if f.name != "tenant"
+                   for c in ([f"tokens_{k}" for k in KEYS] if f.name == "parts" else [f.name])]
 
 
 def format_cell(value) -> str:
@@ -294,8 +299,15 @@ def _csv_text(columns: list[str], rows: list[dict]) -> str:
 
 
 def requests_csv(report: Report) -> str:
-    """One row per request, the columns of RequestRecord."""
-    return _csv_text(REQUEST_COLUMNS, msgspec.to_builtins(report.requests))
+    """One row per request, the columns of RequestRecord (its parts flattened)."""
+    rows = []
+    for r, d in zip(report.requests, msgspec.to_builtins(report.requests), strict=True):
+        for name in _NESTED:
+            d.pop(name, None)
+        d.update({f"tokens_{k}": getattr(r.parts, k) if r.parts else None for k in KEYS})
+        d["evicted_by"] = r.evicted_by.describe() if r.evicted_by else None
+        rows.append(d)
+    return _csv_text(REQUEST_COLUMNS, rows)
 
 
 def timeline_csv(report: Report) -> str:

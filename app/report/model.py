@@ -1,7 +1,7 @@
 """A session report's data model and `build_report`, which copies it out of a scheduler (no Qt here).
 
 The model is msgspec Structs (around the engine's record dataclasses), so reading a JSON
-report back is a typed decode. The JSON schema is `prefixlab.report/2`, documented field by
+report back is a typed decode. The JSON schema is `prefixlab.report/3`, documented field by
 field in docs/report-schema.md; `app.report.files` writes and reads it (and CSV),
 `app.report.render` draws HTML and PDF with Qt.
 """
@@ -22,17 +22,19 @@ from engine.metrics import PAGE_STATE_NAMES, RequestRecord, TimelineRow
 from engine.prefix_records import ChainRecord
 from engine.sampler import SamplingParams
 from engine.snapshot import PageInfo, Snapshot
+from engine.token_parts import add_parts, zero_totals
 
 from ..model_info import model_info as describe_model
 from ..system_info import machine, versions
 
 SCHEMA_NAME = "prefixlab.report"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
 # Versions this PrefixLab reads. Version 1 is version 2's layout with TTFT counted from
-# admission (the scheduler started the request), not from arrival (submit).
-READABLE_VERSIONS = (1, 2)
-TTFT_FROM = {1: "admission", 2: "arrival"}
+# admission (the scheduler started the request), not from arrival (submit); version 3 adds
+# where every prompt token went (docs/design.md §15), absent (null) in older reports.
+READABLE_VERSIONS = (1, 2, 3)
+TTFT_FROM = {1: "admission", 2: "arrival", 3: "arrival"}
 
 _SHA_CHUNK = 1 << 20
 _sha_cache: dict[tuple[str, int, int], str] = {}
@@ -100,6 +102,8 @@ class Totals(msgspec.Struct, kw_only=True):
     peak_pages_sessions: int    # max over steps of pages a session holds
     spec_drafted: int = 0       # speculative draft tokens verified (sum over requests; 0 in older reports)
     spec_accepted: int = 0      # of those, the ones the sampler agreed with
+    # The requests' prompt tokens by part (docs/design.md §15); None in reports before version 3.
+    parts: dict[str, int] | None = None
 
 
 class PageMapState(msgspec.Struct, kw_only=True):
@@ -197,6 +201,10 @@ def _totals(scheduler, records: list[RequestRecord], rows: list[TimelineRow]) ->
         peak_sessions = max(r.pages_private + r.pages_shared for r in rows)
     else:
         peak_used = peak_sessions = int(scheduler.pool.num_used_pages)
+    parts = zero_totals()
+    for r in records:
+        if r.parts is not None:
+            add_parts(parts, r.parts)
     return Totals(
         requests=len(records), finished=sum(1 for r in records if r.finish_reason is not None),
         steps=len(rows), wall_s=rows[-1].wall_s if rows else 0.0,
@@ -209,7 +217,7 @@ def _totals(scheduler, records: list[RequestRecord], rows: list[TimelineRow]) ->
         mean_request_decode_tok_s=sum(rates) / len(rates) if rates else 0.0,
         peak_pages_in_use=int(peak_used), peak_pages_sessions=int(peak_sessions),
         spec_drafted=sum(r.spec_drafted for r in records),
-        spec_accepted=sum(r.spec_accepted for r in records))
+        spec_accepted=sum(r.spec_accepted for r in records), parts=parts)
 
 
 def _page_map(scheduler) -> PageMapState:

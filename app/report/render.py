@@ -15,6 +15,7 @@ import jinja2
 
 from engine.estimates import ttft_without_cache
 from engine.metrics import PAGE_CACHED, PAGE_FREE, PAGE_PRIVATE, PAGE_SHARED
+from engine.token_parts import PARTS
 from ui.format import format_bytes  # the GUI's sizes: the same words on screen and on paper
 from ui.format import secs as fmt_s  # and its durations
 
@@ -133,7 +134,26 @@ REQUEST_COLUMNS = [
     ("finish_reason", "Finish", None, "stop, length or cancelled"),
     ("chain_hit", "Hit chain", fmt_int, "the cached chain this prompt's prefix came from"),
     ("chain_donated", "Donated", fmt_int, "the chain this request's own pages went into"),
+    ("parts", "Prompt tokens went", None,
+     "where the prompt's tokens went (they add up to it): cached (of which from disk), lent, cap, "
+     "evicted, isolated (another namespace's), rounding (a shared page not whole), new"),
+    ("diverged_at", "Diverged at", fmt_int,
+     "the token where the prompt departs from the longest earlier prompt sharing its start "
+     "(its length: it never departs; –: none shares its first token)"),
 ]
+
+
+def fmt_parts(parts) -> str | None:
+    """A request's parts in words, the non-zero ones in prompt order ("cached 48 (disk 16) ·
+    rounding 2 · new 10"); None for a report before version 3."""
+    if parts is None:
+        return None
+    words = []
+    for k in PARTS:
+        n = getattr(parts, k)
+        if n:
+            words.append(f"{k} {n:,}" + (f" (disk {parts.disk:,})" if k == "cached" and parts.disk else ""))
+    return " · ".join(words) or "none"
 
 CHAIN_COLUMNS = [
     ("id", "Chain", fmt_int), ("preview", "Preview", None), ("n_tokens", "Tokens", fmt_int),
@@ -242,6 +262,8 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
         ("peak_pages_sessions", "peak pages held by streams", fmt_int),
         ("spec_drafted", "draft tokens verified (speculative decoding)", fmt_int),
         ("spec_accepted", "drafts accepted", lambda n: fmt_drafts(n, t.spec_drafted)))]
+    parts_rows = [{"key": k, "label": k + (" (of cached, loaded from the disk tier)" if k == "disk" else ""),
+                   "value": format_cell(n), "text": fmt_int(n)} for k, n in (t.parts or {}).items()]
     model_rows = _kv([("file", m.file_name), ("name", m.name), ("architecture", m.architecture),
                       ("quantization", m.quantization), ("model", m.description),
                       ("parameters", m.parameters),
@@ -263,7 +285,8 @@ def _context(report: Report, charts: list[Figure], page_map: Figure | None) -> d
                                    (PAGE_CACHED, "cached"), (PAGE_FREE, "free"))]
     return {
         "report": report, "cards": cards, "totals": totals, "fmt_any": fmt_any,
-        "model_rows": model_rows, "settings_rows": settings_rows, "machine_rows": machine_rows,
+        "parts_rows": parts_rows, "model_rows": model_rows, "settings_rows": settings_rows,
+        "machine_rows": machine_rows,
         "version_rows": version_rows, "request_columns": request_columns, **_tables(report),
         "ttft_note": (f"TTFT counts from {report.ttft_from}" + ("" if report.ttft_from == "arrival" else
                       " (a version 1 report)") + "; queue wait from submit to admission."),
@@ -279,7 +302,8 @@ def _tables(report: Report) -> dict:
     return {
         "requests": bounded_rows(report.requests, lambda r: {
             "id": r.id, "text": r.text, "hit": r.n_cached > 0,
-            "cells": _cells(r, REQUEST_COLUMNS, {"ttft_no_cache_s": _ttft_no_cache(r, report.totals)})}),
+            "cells": _cells(r, REQUEST_COLUMNS, {"ttft_no_cache_s": _ttft_no_cache(r, report.totals),
+                                                 "parts": fmt_parts(r.parts)})}),
         "chains": bounded_rows(report.chains, lambda c: {"id": c.id, "cells": _cells(c, CHAIN_COLUMNS)}),
         "timeline_columns": list(report.timeline[0].to_dict()) if report.timeline else [],
         "timeline": bounded_rows(report.timeline, lambda r: {

@@ -8,10 +8,16 @@ import sys
 import engine  # noqa: F401 - first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS
 
 from ..cache_persist import persist_from_args
-from ..common_args import add_model_arg, add_scheduler_args, scheduler_settings_from_args
+from ..common_args import add_model_arg, add_scheduler_args, bounded_int, scheduler_settings_from_args
 from ..stop_signals import StopOnSignals
 from .budget import DEFAULT_KV_BUDGET, describe, parse_budget, with_budget
-from .guard import DEFAULT_MAX_BODY_BYTES
+from .guard import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DRAIN_LIMIT_BYTES,
+    check_connection_options,
+    default_max_connections,
+)
 from .kv_events_publisher import add_kv_events_args, publisher_from_args
 from .protocol import DEFAULT_MAX_TOKENS
 
@@ -21,7 +27,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    p.add_argument("--port", type=bounded_int(0, 65_535), default=8000, help="TCP port (0: any free port)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require this bearer key (repeat for several tenants; each key is its own "
                         "cache namespace); also read from PREFIXLAB_API_KEY")
@@ -29,8 +35,15 @@ def add_parser(sub) -> None:
     p.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME",
                    help="also answer requests whose Host header names NAME (repeat; '*': any). Default: "
                         "this machine's names and the --host address (keeps DNS rebinding out)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+    p.add_argument("--max-body-bytes", type=bounded_int(1, DRAIN_LIMIT_BYTES, " bytes"),
+                   default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body; a larger one gets 413 (default %(default)s, 8 MiB)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections at most; at the limit the longest-idle one is closed for a "
+                        "newcomer, and with every one running a request the newcomer gets 503 (default: "
+                        f"{default_max_connections()}, under this process's file limit)")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="S",
+                   help="close a connection that has sent no request for S seconds (default %(default)s)")
     p.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, metavar="SIZE",
                    help="KV memory (the pool running requests and the prefix cache share): a share of "
                         "RAM (10%%) or a size (2GiB, 500MB); 0: none. --pool-pages or --cache-pages, "
@@ -38,24 +51,23 @@ def add_parser(sub) -> None:
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help="answer limit of a request that sets no max_tokens (default: the context, "
                         "as OpenAI's; a bounded --pool-pages reserves every page of it at admission)")
+    p.add_argument("--metrics-isolated", action="store_true",
+                   help="count prompt tokens another namespace had as 'isolated' in /metrics (default: "
+                        "as 'new', so one tenant's scrape says nothing of another's traffic)")
     add_scheduler_args(p)
     add_kv_events_args(p)
     p.set_defaults(func=run)
 
 
-def scheduler_factory(model_path: str | None, settings, prepare=None, kv_budget: int = 0):
-    """Load the model and build its scheduler on the engine thread; `prepare(scheduler)` then
-    runs before the first request (e.g. a KV-event publisher attaching to its cache). Without
-    a cache budget in `settings`, `kv_budget` bytes become one (pages of this model)."""
-    def build():
+def model_loader(model_path: str | None, settings, kv_budget: int = 0):
+    """What the engine thread calls to load the model: it returns (model, SchedulerSettings),
+    from which the loop builds its scheduler. Without a cache budget in `settings`, `kv_budget`
+    bytes become one (pages of this model)."""
+    def load():
         from engine import load_model
-        from engine.scheduler import Scheduler
         model = load_model(model_path)
-        scheduler = Scheduler(model, with_budget(settings, model, kv_budget))
-        if prepare is not None:
-            prepare(scheduler)
-        return scheduler
-    return build
+        return model, with_budget(settings, model, kv_budget)
+    return load
 
 
 def run(args) -> int:
@@ -66,8 +78,8 @@ def run(args) -> int:
         settings = scheduler_settings_from_args(args)
         if args.default_max_tokens is not None and args.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-        if args.max_body_bytes < 1:
-            raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+        check_connection_options(default_max_connections() if args.max_connections is None
+                                 else args.max_connections, args.idle_timeout)
         kv_budget = 0 if settings.cache_pages or settings.pool_pages else parse_budget(args.kv_budget)
         publisher = publisher_from_args(args)  # binds now: a taken port fails before the model loads
     except ValueError as e:
@@ -80,10 +92,13 @@ def run(args) -> int:
             publisher.attach(scheduler.cache)
         persisted.extend(filter(None, [persist_from_args(args, scheduler)]))
     try:
-        server = Server(scheduler_factory(getattr(args, "model", None), settings, prepare, kv_budget),
+        server = Server(model_loader(getattr(args, "model", None), settings, kv_budget),
                         args.host, args.port, api_keys=keys, cors=args.cors,
                         default_max_tokens=args.default_max_tokens, allowed_hosts=args.allowed_hosts,
-                        max_body_bytes=args.max_body_bytes).start()
+                        max_body_bytes=args.max_body_bytes, prepare=prepare,
+                        max_connections=args.max_connections, idle_timeout_s=args.idle_timeout)
+        server.backend.ttft.show_isolated = args.metrics_isolated
+        server.start()
     except ServeError as e:
         _close(publisher)
         raise SystemExit(f"prefixlab serve: {e}") from None

@@ -2,17 +2,19 @@
 
 No engine thread of its own: HTTP requests go to the worker's engine loop, the same one
 typed prompts go through, so they share one scheduler, one pool and one cache (and so the
-window's charts, page map and reports).
+window's charts, page map and reports). The worker watches every served job's events (its
+`job_event`), so each one reaches the window under its ticket, like a typed turn's.
 """
 
 from __future__ import annotations
 
-from .runner import HttpThread, latest_row
+from .guard import ConnectionLimit, limited
+from .runner import HttpThread, JsonErrorsH11, latest_row
 from .server import Backend, create_app
 
 
 class DesktopServer:
-    """Start and stop serving for an EngineWorker (anything with .model, .scheduler, .loop)."""
+    """Start and stop serving for an EngineWorker (anything with .model, .scheduler, .loop, .job_event)."""
 
     def __init__(self, worker):
         self.worker = worker
@@ -35,8 +37,10 @@ class DesktopServer:
             self._publish(kv_events)
         self.backend = Backend(w.loop, model=lambda: w.model if w.scheduler is not None else None,
                                stats=lambda: latest_row(w.scheduler))
+        self.backend.watchers.append(w.job_event)
         try:
-            self.http = HttpThread(create_app(self.backend, api_keys, cors, host=host), host, port).start()
+            self.http = HttpThread(create_app(self.backend, api_keys, cors, host=host), host, port,
+                                   http=limited(JsonErrorsH11, ConnectionLimit())).start()
         except Exception:
             self.stop()  # a taken HTTP port: the publisher must not keep its port either
             raise
@@ -67,4 +71,5 @@ class DesktopServer:
             return
         self.backend.loop.cancel_all(served_only=True)  # ended at the worker's next step: streams finish
         self.http.stop()
+        self.backend.close()
         self.http = self.backend = None

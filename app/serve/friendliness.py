@@ -1,7 +1,8 @@
 """Cache-friendliness of served traffic: per client, what hit, what was saved, where misses differ.
 
-The engine loop probes each served request just before the scheduler admits it, so
-the probe sees the cache exactly as the request's attach did. A miss's first
+`AdmissionProbe`, an engine-loop observer the server registers, probes each served request
+while it waits in the scheduler's queue, so the last probe before admission sees the cache
+exactly as the request's attach did. A miss's first
 difference is aggregated by position, with the tokens on both sides, so a user
 reads "your prompts differ at token 12: `...T22:41` vs `...T22:42`".
 """
@@ -12,6 +13,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+import engine
 from engine.metrics import hit_rate
 
 from ..probe import departure
@@ -61,6 +63,31 @@ class ClientStats:
                 "cold_misses": self.cold_misses, "miss_positions": top}
 
 
+class AdmissionProbe:
+    """An engine-loop observer (owner thread, after each drain): probes each served job's queued
+    prompt again whenever the cache changed since its last probe; `take` hands the last one over
+    when the job ends."""
+
+    def __init__(self):
+        self._probes: dict[int, tuple[object, tuple[int, int]]] = {}  # ticket -> (probe, cache stamp)
+
+    def __call__(self, loop) -> None:
+        s = loop.scheduler
+        if s is None:
+            return
+        c = s.cache.counters
+        stamp = (c.inserted_pages, c.evicted_pages)
+        for job, prompt, namespace in loop.queued():
+            last = self._probes.get(job.ticket)
+            if job.client and (last is None or last[1] != stamp):
+                self._probes[job.ticket] = (engine.prefix_probe(s.cache, prompt, namespace), stamp)
+
+    def take(self, ticket: int):
+        """The job's last probe before admission (None: never probed), forgotten here."""
+        last = self._probes.pop(ticket, None)
+        return last[0] if last is not None else None
+
+
 class Friendliness:
     """Per-client aggregates of served requests; fed by the engine loop, read by any thread."""
 
@@ -69,16 +96,15 @@ class Friendliness:
         self._lock = threading.Lock()
         self._clients: dict[tuple[str, str], ClientStats] = {}  # (tenant, client label) -> stats
 
-    def observe(self, job, finish) -> None:
-        """Engine-loop observer: one finished served request (engine thread)."""
+    def observe(self, job, finish, probe) -> None:
+        """One finished served request and its last probe before admission (engine thread)."""
         r = finish.record
         tokenizer = self.tokenizer_of()
-        departure = explain(tokenizer, job.prompt, job.probe) if tokenizer and job.prompt else None
+        departure = explain(tokenizer, job.prompt, probe) if tokenizer and job.prompt else None
         if departure is not None and r.n_cached > departure.position:
             departure = None  # a stream prefilling the same prefix made it a hit after the probe
-        tenant = job.tag if isinstance(job.tag, str) else ""  # the server tags its jobs with the tenant
         with self._lock:
-            c = self._stats_of(tenant, job.client or "unknown")
+            c = self._stats_of(job.tenant, job.client or "unknown")
             c.requests += 1
             c.hits += r.n_cached > 0
             c.prompt_tokens += r.n_prompt

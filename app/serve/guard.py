@@ -121,3 +121,147 @@ class Guard:
                              f"bytes (--max-body-bytes)", "request_too_large")
             return None
         return b"".join(chunks)
+
+
+# --- connections ----------------------------------------------------------------------------------
+# Every open connection costs a file descriptor; tens of thousands of idle ones (opened and
+# never used) exhaust the process's, and then every accept fails and asyncio logs each failure.
+# So connections are counted below the descriptor limit, a connection that sends no request
+# is closed after a while, and at the limit the longest-idle one makes room for the newcomer
+# (only connections with a request running are kept for sure).
+DEFAULT_MAX_CONNECTIONS = 1000
+DEFAULT_IDLE_TIMEOUT_S = 15.0
+MAX_IDLE_TIMEOUT_S = 3600.0
+FD_RESERVE = 64  # descriptors left for the model file, logs, the KV-event sockets and the like
+BURST_QUIET_S = 1.0  # a burst of connections over the limit ends after this long without one
+BURST_MAX_S = 60.0   # ... or is reported every minute while it lasts
+
+
+def descriptor_limit() -> int:
+    """The number of files this process may have open (its soft RLIMIT_NOFILE)."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def default_max_connections() -> int:
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, descriptor_limit() - FD_RESERVE))
+
+
+def check_connection_options(max_connections: int, idle_timeout_s: float) -> None:
+    """ValueError naming the option that is out of its range."""
+    room = descriptor_limit() - FD_RESERVE
+    if not 1 <= max_connections <= room:
+        raise ValueError(f"--max-connections must be from 1 to {room} (this process may open "
+                         f"{room + FD_RESERVE} files; raise it with ulimit -n), got {max_connections}")
+    if not 0 < idle_timeout_s <= MAX_IDLE_TIMEOUT_S:  # also false for NaN
+        raise ValueError(f"--idle-timeout must be in (0, {MAX_IDLE_TIMEOUT_S:g}] seconds, "
+                         f"got {idle_timeout_s:g}")
+
+
+class ConnectionLimit:
+    """Shared by every connection of a server: the limit, the idle connections (oldest first),
+    and the running burst of connections that met the limit (logged once when it ends)."""
+
+    def __init__(self, max_connections: int | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S):
+        self.max_connections = default_max_connections() if max_connections is None else max_connections
+        self.idle_timeout_s = idle_timeout_s
+        check_connection_options(self.max_connections, idle_timeout_s)
+        self.idle: dict = {}  # protocol -> None, insertion order: the longest idle first
+        self.closed = self.refused = 0    # this burst's
+        self._burst: tuple[float, float] | None = None  # (first, latest) loop times
+
+    def make_room(self, loop) -> bool:
+        """At the limit: close the longest-idle connection for a newcomer (True), or, when every
+        connection runs a request, refuse the newcomer (False). Either joins the burst's count."""
+        self._note_burst(loop)
+        if self.idle:
+            oldest = next(iter(self.idle))
+            oldest.close_idle()
+            self.closed += 1
+            return True
+        self.refused += 1
+        return False
+
+    def _note_burst(self, loop) -> None:
+        """A connection met the limit: one log line when the burst of them ends."""
+        now = loop.time()
+        if self._burst is None:
+            loop.call_later(BURST_QUIET_S, self._end_burst, loop)
+            self._burst = (now, now)
+        else:
+            self._burst = (self._burst[0], now)
+
+    def _end_burst(self, loop) -> None:
+        first, latest = self._burst
+        now = loop.time()
+        if now - latest < BURST_QUIET_S and now - first < BURST_MAX_S:
+            loop.call_later(BURST_QUIET_S - (now - latest), self._end_burst, loop)
+            return
+        log.warning("prefixlab serve: at the connection limit of %d (--max-connections) for %.1f s: "
+                    "closed %d idle connection(s) for newer ones, refused %d with 503 (when every one had "
+                    "a request running)", self.max_connections, latest - first, self.closed, self.refused)
+        self.closed = self.refused = 0
+        self._burst = None
+
+
+def limited(protocol: type, limit: ConnectionLimit) -> type:
+    """`protocol` (uvicorn's H11Protocol or a subclass) under `limit`: counted connections, an idle
+    timeout until each request's head arrives, room made at the limit."""
+
+    class Limited(protocol):
+        _refused = False
+        _idle_timer = None
+
+        def connection_made(self, transport) -> None:
+            if len(self.connections) >= limit.max_connections and not limit.make_room(self.loop):
+                self._refused = True
+                transport.write(_busy_response(limit.max_connections))
+                transport.close()
+                return
+            super().connection_made(transport)
+            self._idle()
+
+        def connection_lost(self, exc) -> None:
+            if self._refused:
+                return
+            self._busy()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._busy()  # a request runs: no idle clock, never closed to make room
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._idle()
+
+        def _idle(self) -> None:
+            self._busy()
+            limit.idle[self] = None
+            self._idle_timer = self.loop.call_later(limit.idle_timeout_s, self.close_idle)
+
+        def _busy(self) -> None:
+            limit.idle.pop(self, None)
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+
+        def close_idle(self) -> None:
+            """Close a connection that has no request running (quietly: it asked nothing)."""
+            self._busy()
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    Limited.__name__ = Limited.__qualname__ = f"Limited{protocol.__name__}"
+    return Limited
+
+
+def _busy_response(max_connections: int) -> bytes:
+    body = json.dumps(error_body(503, f"the server has {max_connections} connections open, its limit "
+                                      "(--max-connections); try again shortly", None, "server_busy")).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+    return head + body

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine import SamplingParams
 from engine.sampler import REPEAT_PENALTY_RANGE
+from engine.token_parts import Account, TokenParts
 
 MAX_STOPS = 4
 # The answer limit of a request that sets none: None is OpenAI's (the context). The default
@@ -24,6 +25,9 @@ MAX_LABEL_CHARS = 64  # a client label (`user`) is kept per client: a 2 MB one m
 # against every piece: both refused past these lengths rather than kept or scanned
 MAX_SALT_CHARS = 256
 MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 1024  # biased tokens per request (each is applied to every sampled position)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
+MAX_SEED = 2**64 - 1
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -66,6 +70,7 @@ class ParsedRequest:
     user: str = ""
     cache_salt: str = ""
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -138,6 +143,9 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
     temperature = _number(body, "temperature", 0.0, 2.0, 1.0)
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0, low_open=True)
     seed = _typed(body, "seed", int, "an integer", None)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise _bad(f"'seed' must be an integer from 0 to 2^64-1 (omit it for a random seed), got {seed}",
+                   "seed")
     # llama.cpp's extensions; OpenAI's own semantics (no top-k, no min-p) unless a client asks
     top_k = _typed(body, "top_k", int, "an integer", 0)
     min_p = _number(body, "min_p", 0.0, 1.0, 0.0)
@@ -146,8 +154,9 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
         raise _bad(f"'top_k' must be >= 0, got {top_k}", "top_k")
     if min_p >= 1.0:
         raise _bad("'min_p' must be below 1", "min_p")
+    req.logit_bias = _logit_bias(body)
     req.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  repeat_penalty=repeat_penalty, seed=seed)
+                                  repeat_penalty=repeat_penalty, seed=seed, logit_bias=req.logit_bias or None)
     try:
         req.sampling.validate()  # the engine's own ranges: values that would make probabilities NaN
     except ValueError as e:
@@ -161,7 +170,7 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None:
+    if stop is not None and stop != []:  # null and [] both mean no stop string
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise _bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
         if len(stop) > MAX_STOPS:
@@ -170,6 +179,34 @@ def _common(body: dict, chat: bool) -> ParsedRequest:
             raise _bad(f"a 'stop' string is at most {MAX_STOP_CHARS} characters", "stop")
         req.stop = [check_text(s, f"stop[{i}]") for i, s in enumerate(stop)]
     return req
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}; ids are checked against the
+    model's vocabulary by `check_logit_bias` once the model is known."""
+    raw = _typed(body, "logit_bias", dict, "an object of token id -> bias", {})
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise _bad(f"'logit_bias' biases at most {MAX_LOGIT_BIAS} tokens, got {len(raw)}", "logit_bias")
+    low, high = LOGIT_BIAS_RANGE
+    out = {}
+    for key, bias in raw.items():
+        token = key.strip() if isinstance(key, str) else ""
+        if not (token.isdigit() and token.isascii()):
+            raise _bad(f"'logit_bias' keys must be token ids (non-negative integers), got {key[:40]!r}",
+                       "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
+            raise _bad(f"'logit_bias' values must be numbers from {low:g} to {high:g}, got {bias!r:.40} "
+                       f"for token {token}", "logit_bias")
+        out[int(token)] = float(bias)
+    return out
+
+
+def check_logit_bias(req: ParsedRequest, vocab_size: int) -> None:
+    """A 400 naming `logit_bias`, the id and the vocabulary's size for a token the model has not."""
+    bad = [t for t in req.logit_bias if t >= vocab_size]
+    if bad:
+        raise _bad(f"'logit_bias' names token {min(bad)}, but the model's vocabulary has {vocab_size} tokens "
+                   f"(ids 0 to {vocab_size - 1})", "logit_bias")
 
 
 def _content(message: dict, i: int) -> str:
@@ -243,10 +280,24 @@ def new_id(chat: bool) -> str:
 
 
 def usage(record) -> dict:
-    """OpenAI's usage with cached tokens, from a finished RequestRecord."""
+    """OpenAI's usage with cached tokens, from a finished RequestRecord, plus `prefixlab`: where
+    its prompt tokens went (docs/design.md §15)."""
     return {"prompt_tokens": record.n_prompt, "completion_tokens": record.n_gen,
             "total_tokens": record.n_prompt + record.n_gen,
-            "prompt_tokens_details": {"cached_tokens": record.n_cached}}
+            "prompt_tokens_details": {"cached_tokens": record.n_cached},
+            "prefixlab": token_parts(record)}
+
+
+def token_parts(record) -> dict:
+    """The tenant's own account (never another namespace's traffic: `isolated` is `new` and
+    `diverged_at` looks only within its namespace); an eviction names its budget, not when or
+    during whose request."""
+    tenant = record.tenant or Account(TokenParts(new=record.n_prompt))
+    out = {"tokens": tenant.parts.as_dict(), "diverged_at": tenant.diverged_at,
+           "diverged_from": tenant.diverged_from}
+    if tenant.evicted_by is not None:
+        out["evicted_by"] = {"cause": tenant.evicted_by.cause, "budget_pages": tenant.evicted_by.budget_pages}
+    return out
 
 
 def timings(record) -> dict:

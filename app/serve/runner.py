@@ -13,8 +13,8 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .budget import budget_info
-from .engine_loop import EngineThread
-from .guard import DEFAULT_MAX_BODY_BYTES
+from .guard import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ConnectionLimit, limited
+from .loop_thread import LoopThread
 from .protocol import DEFAULT_MAX_TOKENS, error_body
 from .server import Backend, create_app
 
@@ -111,18 +111,22 @@ def latest_row(scheduler) -> dict:
 
 
 class Server:
-    """`prefixlab serve` as an object: the engine loop on its thread over `factory()`, behind the HTTP app."""
+    """`prefixlab serve` as an object: the engine loop on its thread over the model `load()` gives
+    (with its SchedulerSettings; `prepare(scheduler)` before the first request), behind the HTTP app."""
 
-    def __init__(self, factory, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
+    def __init__(self, load, host: str = "127.0.0.1", port: int = 8000, api_keys: list[str] | None = None,
                  cors: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                 allowed_hosts: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.engine = EngineThread(factory)
+                 allowed_hosts: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 prepare=None, max_connections: int | None = None,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S):
+        self.engine = LoopThread(load, prepare)
         self.backend = Backend(self.engine.loop, model=self._model, stats=self._stats,
                                load_error=lambda: self.engine.load_error, state=self.engine.state,
                                default_max_tokens=default_max_tokens, info=self._info)
         app = create_app(self.backend, api_keys, cors, host=host, allowed_hosts=allowed_hosts,
                          max_body_bytes=max_body_bytes)
-        self.http = HttpThread(app, host, port)
+        self.connections = ConnectionLimit(max_connections, idle_timeout_s)
+        self.http = HttpThread(app, host, port, http=limited(JsonErrorsH11, self.connections))
 
     def _model(self):
         s = self.engine.scheduler
@@ -149,3 +153,4 @@ class Server:
         """Cancel what runs (streams end with their finish chunk), then close the connections."""
         self.engine.stop()
         self.http.stop()
+        self.backend.close()

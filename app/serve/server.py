@@ -26,7 +26,7 @@ from engine.loop import EngineLoop, Job, Refused
 from engine.scheduler import FinishEvent, TokenEvent
 
 from . import metrics
-from .friendliness import Friendliness
+from .friendliness import AdmissionProbe, Friendliness
 from .guard import DEFAULT_MAX_BODY_BYTES, Guard, local_hosts
 from .protocol import (
     DEFAULT_MAX_TOKENS,
@@ -34,6 +34,7 @@ from .protocol import (
     ApiError,
     ParsedRequest,
     StopFilter,
+    check_logit_bias,
     chunk,
     error_body,
     new_id,
@@ -60,15 +61,35 @@ class Backend:
     info: Callable[[], dict] = dict  # what /health adds once loaded (the KV budget)
     friendliness: Friendliness = field(init=False)
     ttft: metrics.TtftHistogram = field(default_factory=metrics.TtftHistogram)
+    # every served job's events, after the server's own books (engine thread): the desktop's
+    # cards, the Advisor tab's recording
+    watchers: list[Callable[[Job, object], None]] = field(default_factory=list)
 
     def __post_init__(self):
         self.friendliness = Friendliness(lambda: getattr(self.model(), "tokenizer", None))
-        self.loop.observers.append(self._observe)
+        self.probes = AdmissionProbe()
+        self.loop.observers.append(self.probes)
 
-    def _observe(self, job: Job, finish: FinishEvent) -> None:
-        if job.client:  # served requests only: typed prompts share the loop in the desktop app
-            self.friendliness.observe(job, finish)
-            self.ttft.observe(job, finish)
+    def close(self) -> None:
+        """Stop probing the loop's queue (the loop may outlive this server: the desktop's)."""
+        if self.probes in self.loop.observers:
+            self.loop.observers.remove(self.probes)
+
+    def submit(self, job: Job, deliver: Callable[[object], None]) -> int:
+        """Hand a served job to the loop: its events feed the server's books and the watchers,
+        then `deliver` (the request's own queue). Returns its ticket."""
+        job.sink = lambda event: self._event(job, event, deliver)
+        return self.loop.submit(job)
+
+    def _event(self, job: Job, event, deliver: Callable[[object], None]) -> None:
+        if isinstance(event, FinishEvent):
+            self.friendliness.observe(job, event, self.probes.take(job.ticket))
+            self.ttft.observe(event)
+        elif isinstance(event, Refused):
+            self.probes.take(job.ticket)
+        for watch in list(self.watchers):
+            watch(job, event)
+        deliver(event)
 
 
 def tenant_of(key: str) -> str:
@@ -82,8 +103,8 @@ def namespace_of(tenant: str, salt: str) -> str:
 
 
 def sse(obj) -> str:
-    """One Server-Sent Events message."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One Server-Sent Events message (strict JSON, as JSONResponse writes: never NaN or Infinity)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def model_id(model) -> str:
@@ -192,13 +213,14 @@ def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
         # /health and the other clients' streams go on meanwhile
         req = await asyncio.to_thread(_parse, raw, chat)
         model = loaded_model()
+        check_logit_bias(req, model.config.vocab_size)
         remote = request.client.host if request.client else "?"
         client = f"http {remote} model={req.model[:MAX_LABEL_CHARS] or '-'} user={req.user or '-'}"
-        call = _Call(backend.loop, asyncio.get_running_loop())
+        call = _Call(backend, asyncio.get_running_loop())
         namespace = namespace_of(ns_tenant, req.cache_salt)
-        kwargs = await asyncio.to_thread(_submit_kwargs, req, model, namespace, backend.default_max_tokens)
-        # the tag is the caller's tenant: views of served traffic show each tenant its own
-        call.submit(Job(kwargs, call.sink, client=client, arrival=arrival, tag=ns_tenant))
+        chat_args = await asyncio.to_thread(_chat_args, req, model, namespace, backend.default_max_tokens)
+        # the job carries the caller's tenant: views of served traffic show each tenant its own
+        call.submit(Job(chat_args, client=client, arrival=arrival, tenant=ns_tenant))
         first = await call.next()
         if isinstance(first, Refused):
             raise ApiError(first.status, first.message, None,
@@ -229,7 +251,7 @@ def _parse(raw: bytes, chat: bool) -> ParsedRequest:
     return parse_chat(body) if chat else parse_completion(body)
 
 
-def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens: int | None) -> dict:
+def _chat_args(req: ParsedRequest, model, namespace: str, default_max_tokens: int | None) -> dict:
     """`ChatFrontEnd.request` arguments (the context stops an answer before any max_tokens does)."""
     max_new = min(req.max_tokens or default_max_tokens or model.config.context_length,
                   model.config.context_length)
@@ -248,8 +270,8 @@ def _submit_kwargs(req: ParsedRequest, model, namespace: str, default_max_tokens
 class _Call:
     """One request's link to the engine thread: events arrive on an asyncio queue."""
 
-    def __init__(self, engine: EngineLoop, loop: asyncio.AbstractEventLoop):
-        self.engine, self.loop = engine, loop
+    def __init__(self, backend: Backend, loop: asyncio.AbstractEventLoop):
+        self.backend, self.loop = backend, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ticket = 0
         self.done = False
@@ -258,7 +280,7 @@ class _Call:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     def submit(self, job: Job) -> None:
-        self.ticket = self.engine.submit(job)
+        self.ticket = self.backend.submit(job, self.sink)
 
     async def next(self):
         event = await self.queue.get()
@@ -268,7 +290,7 @@ class _Call:
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self.done:
-            self.engine.cancel(self.ticket, reason)
+            self.backend.loop.cancel(self.ticket, reason)
 
 
 class _Answer:

@@ -1,8 +1,9 @@
 """`prefixlab serve`'s engine thread: loads the model, then runs the one engine loop on it.
 
 The loop itself (submit, cancel, step, stop) is engine/loop.py's, the same one the desktop
-worker and `prefixlab run` drive; this thread only builds its scheduler (a model load) and
-steps it until stopped. `/health` reads `state()`: loading, failed, serving or dead.
+worker and `prefixlab run` drive; this thread only loads the model (the loop builds its
+scheduler) and steps the loop until stopped. `/health` reads `state()`: loading, failed,
+serving or dead.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from collections.abc import Callable
 from engine.loop import EngineLoop
 
 
-class EngineThread:
-    """One thread that builds the scheduler (`factory()`, e.g. a model load) and steps it."""
+class LoopThread:
+    """One thread that loads the model (`load()` -> (model, SchedulerSettings)), gives the loop
+    its scheduler, runs `prepare(scheduler)` (e.g. a KV-event publisher attaching to its cache)
+    and steps the loop until stopped."""
 
-    def __init__(self, factory: Callable[[], object], loop: EngineLoop | None = None):
-        self.loop = loop or EngineLoop()
-        self._factory = factory
+    def __init__(self, load: Callable[[], tuple], prepare: Callable[[object], None] | None = None):
+        self.loop = EngineLoop()
+        self._load, self._prepare = load, prepare
         self._stopping = threading.Event()
         self.ready = threading.Event()        # set once the scheduler exists (or loading failed)
         self.load_error: str | None = None
@@ -29,8 +32,8 @@ class EngineThread:
     def scheduler(self):
         return self.loop.scheduler
 
-    def start(self) -> EngineThread:
-        """Start the thread (it builds the scheduler first)."""
+    def start(self) -> LoopThread:
+        """Start the thread (it loads the model first)."""
         self._thread.start()
         return self
 
@@ -50,7 +53,9 @@ class EngineThread:
 
     def _run(self) -> None:
         try:
-            self.loop.reset(self._factory())
+            self.loop.reset(*self._load())
+            if self._prepare is not None:
+                self._prepare(self.loop.scheduler)
         except BaseException as e:  # noqa: BLE001 - reported by /health and the CLI
             self.load_error = f"{type(e).__name__}: {e}"
             self.ready.set()

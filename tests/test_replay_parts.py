@@ -1,0 +1,76 @@
+"""Where every prompt token went in replay and clusters (docs/design.md §15): totals by part per
+configuration on the shipped Mooncake trace, and `routed` per router on 4 replicas."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from app.cli import main
+from app.replay.cluster import ClusterConfig, ServiceModel, replay_cluster
+from app.replay.results import ReplayConfig
+from app.replay.simulate import replay
+from app.replay.trace import open_trace
+from engine.token_parts import PARTS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOONCAKE = os.path.join(ROOT, "resources", "traces", "mooncake", "conversation_trace.jsonl")
+PROMPT_TOKENS = 144_793_823   # the trace's input_length, summed
+ROUTERS = ("round-robin", "prefix-hash", "random", "least-loaded", "cache-aware", "kv-cost")
+BLOCK = 512
+
+
+def added(parts: dict) -> int:
+    return sum(parts[p] for p in parts if p != "disk")
+
+
+def test_mooncake_totals_by_part_at_two_budgets():
+    src = open_trace(MOONCAKE)
+    small, large = (replay(src, ReplayConfig(budget=b)) for b in (3_000, 30_000))
+    for r in (small, large):
+        assert added(r.parts) == r.input_tokens == PROMPT_TOKENS
+        assert r.parts["cached"] == r.tokens_saved
+        assert r.parts["rounding"] == r.parts["lent"] == r.parts["isolated"] == r.parts["disk"] == 0
+        assert r.seen_pages >= 182_790   # the index reaches over every distinct block of the trace
+    # what a larger budget keeps was evicted at the smaller one; what no request had is the same
+    assert small.parts == {"cached": 9_934_848, "disk": 0, "lent": 0, "rounding": 0, "cap": 0,
+                           "evicted": 44_128_256, "isolated": 0, "new": 90_730_719}
+    assert large.parts["new"] == small.parts["new"]
+    assert large.parts["evicted"] < small.parts["evicted"]
+
+
+def test_hand_trace_repeat_is_cached_but_the_cap_and_a_gone_one_is_evicted(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [([1, 2, 3], 3 * BLOCK), ([1, 2, 3], 3 * BLOCK), ([7, 8], 2 * BLOCK), ([1, 2, 3], 3 * BLOCK - 5)]
+    path.write_text("".join(json.dumps({"timestamp": i, "input_length": n, "output_length": 1,
+                                        "hash_ids": ids}) + "\n" for i, (ids, n) in enumerate(rows)))
+    r = replay(open_trace(str(path)), ReplayConfig(budget=3))
+    # 1: new; 2: an exact repeat, two blocks cached and the third held but capped; 3: new, and
+    # its insert evicts blocks 3 and 2 down to the budget; 4: block 1 cached, 2 and 3 evicted
+    assert r.parts == {"cached": 3 * BLOCK, "disk": 0, "lent": 0, "rounding": 0, "cap": BLOCK,
+                       "evicted": 2 * BLOCK - 5, "isolated": 0, "new": 5 * BLOCK}
+
+
+def test_routed_per_router_on_four_replicas():
+    src = open_trace(MOONCAKE)
+    service = ServiceModel(prefill_rate=20_000.0, decode_rate=40.0, slots=4)
+    res = {r: replay_cluster(src, ClusterConfig(4, r, service, budget=3_000)) for r in ROUTERS}
+    for r in res.values():
+        assert sum(r.parts[p] for p in (*PARTS, "routed")) == PROMPT_TOKENS
+        assert r.parts["cached"] == r.tokens_saved
+    routed = {name: r.parts["routed"] for name, r in res.items()}
+    # prefix-hash sends the whole trace (one shared first block) to one replica: no other holds
+    # anything, so it regrets no tokens, only load
+    assert routed["prefix-hash"] == 0 and res["prefix-hash"].load_imbalance > 3.9
+    spread = {k: v for k, v in routed.items() if k != "prefix-hash"}
+    assert min(spread, key=spread.get) == "cache-aware", routed
+    assert spread["cache-aware"] * 1000 < min(v for k, v in spread.items() if k != "cache-aware")
+
+
+def test_the_replay_table_and_json_give_the_parts(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["replay", MOONCAKE, "--budget", "3000", "--quiet", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "where the prompt tokens went" in text and "144,793,823" in text
+    row = json.loads(out.read_text())["rows"][0]
+    assert added(row["parts"]) == PROMPT_TOKENS and row["parts"]["evicted"] == 44_128_256
