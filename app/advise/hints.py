@@ -31,20 +31,18 @@ def _marked(rules: RuleSet, requests, prompts: list[Prompt]) -> dict:
 
 
 def breakpoint_hint(rules: RuleSet, requests, prompts: list[Prompt], before: dict,
-                    fixed: tuple | None = None) -> tuple[float, str]:
+                    fixed: tuple | None = None) -> str:
     """Rules that cache only at cache_control marks, on traffic without one: where a mark would go
     (the end of the system prompt every request starts with) and what it would buy, simulated;
     with the what-if's fix first when the system prompt itself diverges (`fixed`: its requests,
-    prompts and words). (money saved, the line)."""
+    prompts and words)."""
     where = "a cache_control breakpoint at the end of the system prompt (message 0)"
     after, first = _marked(rules, requests, prompts), ""
     if after["cached_tokens"] <= before["cached_tokens"] and fixed is not None:
         after, first = _marked(rules, fixed[0], fixed[1]), f"{fixed[2]}, then "
     if after["cached_tokens"] <= before["cached_tokens"]:
-        return 0.0, f"caches only at cache_control breakpoints; {where} would not help here"
-    gain = before["cost_with"] - after["cost_with"]
-    return gain, (f"{first}add {where}: {before['token_hit_ratio']:.0%} -> {after['token_hit_ratio']:.0%} "
-                  f"cached, {_money(gain)} saved")
+        return f"caches only at cache_control breakpoints; {where} would not help here"
+    return f"{first}add {where}: {_bought(before, after)}"
 
 
 def _bought(before: dict, after: dict) -> str:
@@ -140,7 +138,7 @@ def provider_hint(rule_result: dict, rules: RuleSet, requests, prompts: list[Pro
     """The change that pays most on this traffic for this provider, and what it buys, in one line."""
     t = rule_result["totals"]
     if rules.breakpoints and not any(p.marks for p in prompts):
-        return breakpoint_hint(rules, requests, prompts, t, fixed)[1]
+        return breakpoint_hint(rules, requests, prompts, t, fixed)
     options = []
     fix = next((r for r in (what_if or {}).get("rule_sets", []) if r["name"] == rules.name), None)
     if fix and fix["after"]["cached_tokens"] > fix["before"]["cached_tokens"]:
