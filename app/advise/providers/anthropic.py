@@ -74,18 +74,18 @@ class Breakpoints:
             if m > last:
                 written[lg] += m - last
                 last = m
-            ttl = self._lifetime(lg)
-            e = store.get(digests[m])
-            if e is not None and now <= e.expires and e.ready < now:
-                e.expires, e.ttl = max(e.expires, now + ttl), max(e.ttl, ttl)
-            elif m > read:  # readable once this request's answer began (recorded), else by later arrivals
-                store[digests[m]] = _Entry(m, now + ttl, now if req.answer_s is None else req.answer_s, ttl)
+            ttl, e = self._lifetime(lg), store.get(digests[m])
+            began = now if req.answer_s is None else req.answer_s  # readable from then (else later arrivals)
+            if e is not None and now <= e.expires:  # alive: refreshed, readable from the first start
+                e.expires, e.ttl, e.ready = max(e.expires, now + ttl), max(e.ttl, ttl), min(e.ready, began)
+            elif m > read:
+                store[digests[m]] = _Entry(m, now + ttl, began, ttl)
 
         trie = self.tries.setdefault(req.key, PromptTrie())
-        alive = self._lifetime(any(long))
-        longest = trie.match(tokens, now, alive)[0]
+        trie.ready(now)
+        longest = trie.match(tokens, now, self._lifetime(any(long)))[0]
         ever = trie.match(tokens, now, math.inf)[0]
-        trie.add(i, tokens, now)
+        trie.add_when_ready(i, tokens, now, now if req.answer_s is None else req.answer_s)
         if not marks:
             why = why or "no cache_control mark: nothing is read or written"
         parts = split(n, read, longest, ever, minimum, lost="no_breakpoint")
