@@ -313,3 +313,69 @@ def test_an_automatic_cache_is_not_read_before_its_writers_answer_began(real_mod
     rows = _rows(real_model, tmp_path, [ask(0, first_byte_ms=500), ask(0.2), ask(0.6)], rules="openai",
                  name="began.jsonl")["requests"]
     assert [r["cache_read_tokens"] > 0 for r in rows] == [False, False, True]
+
+
+def test_the_breakpoint_model_equals_the_documented_rule_by_brute_force():
+    """Random block sequences, marks, lifetimes and arrivals (some at once): each request reads the
+    longest prefix, ending at one of its block boundaries at most `lookback` boundaries before one
+    of its marks, that an earlier request wrote at a mark, still alive and begun; it writes from
+    there to its last mark; a read refreshes what it read."""
+    import random
+
+    from app.advise.prompts import Prompt
+    from app.advise.rules import Prices, RuleSet
+    from app.advise.simulate import simulate
+    from app.advise.traffic import Request
+    rng = random.Random(11)
+    rules = RuleSet("b", "2026-01-01", "test", min_prefix_tokens=4, granularity_tokens=1, ttl_seconds=10.0,
+                    breakpoints=True, tokenizer="model", prices=Prices(1.0, 0.1, 1.25, 2.0, 2.0),
+                    long_ttl_seconds=40.0, lookback_blocks=3)
+    pieces = [[rng.randrange(4) for _ in range(rng.randrange(1, 4))] for _ in range(5)]
+    reads = writes = 0
+    for _ in range(60):
+        requests, prompts, times, seqs = [], [], [0.0], [[]]
+        for k in range(20):  # each prompt extends some earlier one's blocks, cut somewhere
+            base = rng.choice(seqs)
+            blocks = base[:rng.randrange(len(base) // 2, len(base) + 1)]
+            blocks += [rng.randrange(5) for _ in range(rng.randrange(1, 5))]
+            seqs.append(blocks)
+            tokens, ends = [], []
+            for b in blocks:
+                tokens += pieces[b]
+                ends.append(len(tokens))
+            marks = sorted(rng.sample(ends, rng.randrange(0, min(3, len(ends)) + 1)))
+            marks = sorted({*marks, ends[-1]} if rng.random() < 0.7 else marks)  # mostly the last block too
+            long = sorted([rng.random() < 0.3 for _ in marks], reverse=True)  # 1 h marks come first
+            prompts.append(Prompt("", tokens, [], marks=marks, long=long, blocks=ends))
+            if k:
+                times.append(times[-1] + rng.choice([0.0, 2.0, 12.0, 45.0]))
+            requests.append(Request(line=k + 1, arrival_s=times[-1]))
+        got = simulate(rules, requests, prompts)
+        entries: dict[tuple, list] = {}  # prefix -> [expires, ready, ttl]
+        for k, (p, now) in enumerate(zip(prompts, times)):
+            bounds = sorted(set(p.blocks) | set(p.marks))
+            looked = {b for m in p.marks for b in bounds[max(0, bounds.index(m) - 3):bounds.index(m) + 1]}
+            live = [b for b in looked if b >= 4 and tuple(p.tokens[:b]) in entries
+                    and now <= entries[tuple(p.tokens[:b])][0] and entries[tuple(p.tokens[:b])][1] < now]
+            read = max(live, default=0)
+            if read:
+                e = entries[tuple(p.tokens[:read])]
+                e[0] = now + e[2]
+            last, written, written_long = read, 0, 0
+            for m, lg in zip(p.marks, p.long):
+                if m < 4:
+                    continue
+                if m > last:
+                    written += m - last
+                    written_long += (m - last) if lg else 0
+                    last = m
+                ttl = 40.0 if lg else 10.0
+                e = entries.get(tuple(p.tokens[:m]))
+                if e is not None and now <= e[0]:
+                    e[0], e[2], e[1] = max(e[0], now + ttl), max(e[2], ttl), min(e[1], now)
+                elif m > read:
+                    entries[tuple(p.tokens[:m])] = [now + ttl, now, ttl]
+            assert (got[k].cached_tokens, got[k].written_tokens, got[k].written_long_tokens) == \
+                (read, written, written_long), k
+            reads, writes = reads + (read > 0), writes + (written > 0)
+    assert reads > 50 and writes > 50  # the cases were met
