@@ -79,10 +79,15 @@ def test_cached_tokens_follow_from_the_common_prefix_by_each_rules_formula(real_
     hits = 0
     for rs in advice["rule_sets"]:
         rules = rs["rules"]
-        for row in rs["requests"]:
+        for k, row in enumerate(rs["requests"]):
             n = row["common_prefix_tokens"]
             g = rules["granularity_tokens"]
             expect = 0 if n < rules["min_prefix_tokens"] else n // g * g
+            if rules["behaviour"] == "anthropic-breakpoints":
+                expect = 0  # no cache_control mark: nothing written, nothing read
+            elif rules["behaviour"] == "deepseek-units" and k == 1:  # the longest whole stored unit: a
+                expect = n // rules["unit_interval_tokens"] * rules["unit_interval_tokens"]  # 64-token step
+            # (from the third request on, the common prefix request 2 found is a stored unit: n)
             assert row["cached_tokens"] == expect, rules["name"]
             hits += row["cached_tokens"] > 0
         assert rs["requests"][0]["cached_tokens"] == 0  # nothing earlier to match
@@ -110,8 +115,8 @@ def test_breakpoints_cache_only_up_to_a_cache_control_mark(real_model, tmp_path)
     for b in bodies[1:]:
         b["messages"][0]["content"] = system
     bodies[0]["messages"][0]["content"] = system
-    advice = _advice(real_model, _write(tmp_path / "marks.jsonl", bodies), "anthropic,openai")
-    anthropic_rows, openai_rows = (rs["requests"] for rs in advice["rule_sets"])
+    advice = _advice(real_model, _write(tmp_path / "marks.jsonl", bodies), "anthropic,prefixlab")
+    anthropic_rows, openai_rows = (rs["requests"] for rs in advice["rule_sets"])  # the same tokens
     assert anthropic_rows[0]["written_tokens"] > 1024 and anthropic_rows[0]["cached_tokens"] == 0
     mark = anthropic_rows[1]["cached_tokens"]
     assert mark > 1024 and mark == anthropic_rows[2]["cached_tokens"]
@@ -156,7 +161,7 @@ def test_a_rules_file_with_a_negative_minimum_is_refused_by_file_and_field(tmp_p
     bad.write_text("min_prefix = 3\n" + good)
     with pytest.raises(RulesError, match=r"field 'min_prefix' is unknown"):
         load_rules(str(bad))
-    bad.write_text(good.replace('as_of = "2025-06-01"', 'as_of = "last week"'))
+    bad.write_text(good.replace('as_of = "2026-12-04"', 'as_of = "last week"'))
     with pytest.raises(RulesError, match=r"field 'as_of' must be a date"):
         load_rules(str(bad))
     with pytest.raises(RulesError, match="unknown rule set 'opneai'"):
@@ -265,12 +270,12 @@ def test_a_difference_is_classified_with_its_whole_value(a, b, kind, value):
 
 def test_a_rule_set_may_name_its_own_tokenizer(real_model, tmp_path, tiny_gguf_path):
     mine = tmp_path / "mine.toml"
-    text = open(os.path.join(PROVIDER_DIR, "openai.toml")).read()
-    mine.write_text(text.replace('name = "openai"', 'name = "mine"')
+    text = open(os.path.join(PROVIDER_DIR, "prefixlab.toml")).read()
+    mine.write_text(text.replace('name = "prefixlab"', 'name = "mine"')
                     .replace('tokenizer = "model"', f'tokenizer = "{tiny_gguf_path}"'))
     out = tmp_path / "a.json"
     log = timestamp_log(tmp_path, n=3)
-    assert main(["advise", log, "--rules", f"openai,{mine}", "--json", str(out)]) == 0
+    assert main(["advise", log, "--rules", f"prefixlab,{mine}", "--json", str(out)]) == 0
     ours, theirs = (rs["totals"]["prompt_tokens"] for rs in json.loads(out.read_text())["rule_sets"])
     import engine
     tok = {"model": real_model.tokenizer, "mine": engine.load_model(tiny_gguf_path).tokenizer}

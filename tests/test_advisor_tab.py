@@ -30,7 +30,7 @@ def test_a_loaded_chat_log_shows_totals_groups_and_the_fix(qtbot, real_model, tm
         qtbot.waitUntil(lambda: ctl.advice is not None and not ctl.busy, timeout=WAIT_MS)
         assert _cells(panel.totals, 0) == list(DEFAULT_RULES)
         assert _cells(panel.totals, 5)[0] == "0.0%"  # OpenAI's hit ratio
-        assert "as of 2025-06-01" in panel.totals.item(0, 0).toolTip()
+        assert "as of 2026-12-04" in panel.totals.item(0, 0).toolTip()
         html = panel.groups.toHtml()
         assert "11 of 12 requests diverge in message 0 (system) at characters 14-33" in html
         assert "2026-11-29T10:21:50Z" in html and HIGHLIGHT[1:] in html.lower()

@@ -240,3 +240,106 @@ def test_a_compressed_answer_passes_as_it_is_and_its_usage_is_read(tmp_path):
     finally:
         proxy.stop()
         upstream.stop()
+
+
+def _messages_upstream(seen: list) -> HttpThread:
+    """A real HTTP server speaking Anthropic's Messages API: the usage split into cache reads,
+    cache writes and plain input, streamed in message_start / message_delta events when asked."""
+    app = FastAPI()
+    usage = {"input_tokens": 12, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 2000,
+             "output_tokens": 1}
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = await request.json()
+        seen.append(request.headers.get("x-api-key"))
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": body["model"],
+                   "content": [{"type": "text", "text": "PVA glue."}], "stop_reason": "end_turn",
+                   "usage": usage}
+        if not body.get("stream"):
+            return JSONResponse(message)
+
+        def event(kind: str, data: dict) -> bytes:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+        async def events():
+            yield event("message_start", {"message": {**message, "content": [],
+                                                      "usage": {**usage, "output_tokens": 1}}})
+            yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "PVA"}})
+            yield event("content_block_stop", {"index": 0})
+            yield event("message_delta", {"delta": {"stop_reason": "end_turn"},
+                                          "usage": {"output_tokens": 7}})
+            yield event("message_stop", {})
+        return StreamingResponse(events(), media_type="text/event-stream")
+    return HttpThread(app, "127.0.0.1", 0).start()
+
+
+def test_the_proxy_records_anthropics_messages_api(real_model, tmp_path):
+    seen: list = []
+    upstream = _messages_upstream(seen)
+    proxy = Proxy(upstream.url, port=0, record=str(tmp_path / "t.jsonl")).start()
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 20,
+            "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What glue works on wood?"}]}]}
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    try:
+        with httpx.Client(base_url=proxy.url, headers=headers, timeout=30) as client:
+            plain = client.post("/v1/messages", json=body)
+            assert plain.json()["content"][0]["text"] == "PVA glue."
+            with client.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
+                streamed = b"".join(r.iter_bytes())
+        assert b"event: message_stop" in streamed
+    finally:
+        proxy.stop()
+        upstream.stop()
+    assert seen == [KEY, KEY]  # the key went upstream
+    raw = (tmp_path / "t.jsonl").read_text()
+    assert KEY not in raw  # and was never written
+    lines = [json.loads(line) for line in raw.splitlines()]
+    assert [rec["endpoint"] for rec in lines] == ["/v1/messages"] * 2
+    for rec in lines:
+        assert rec["usage"]["cache_read_input_tokens"] == 2000
+        assert rec["usage"]["cache_creation_input_tokens"] == 0 and rec["usage"]["input_tokens"] == 12
+    assert lines[1]["usage"]["output_tokens"] == 7  # message_delta's count added to message_start's
+    assert all(0 <= rec["first_byte_ms"] < 30_000 for rec in lines)  # when each answer began
+    assert lines[0]["key"] and lines[0]["body"]["system"][0]["cache_control"]["ttl"] == "1h"
+
+    requests = read_traffic(str(tmp_path / "t.jsonl"))
+    assert [(r.upstream_prompt_tokens, r.upstream_cached_tokens, r.upstream_cache_write_tokens)
+            for r in requests] == [(2012, 2000, 0)] * 2
+    assert requests[0].messages[0].long == [True]  # the 1-hour mark is read
+    advice = advise(str(tmp_path / "t.jsonl"), requests, resolve_rules("anthropic"),
+                    Tokenizers(real_model.tokenizer))
+    rs = advice["rule_sets"][0]
+    assert [r["upstream_cached_tokens"] for r in rs["requests"]] == [2000, 2000]
+    assert rs["error"]["requests"] == 2 and "mean_abs_error_tokens" in rs["error"]
+
+
+def test_the_prediction_under_this_engines_rules_equals_what_serve_reported(served, real_model):
+    """Every request through the proxy, none around it: the advice's prediction under the
+    `prefixlab` rules is exactly the upstream's cached_tokens, request by request."""
+    server, proxy, record = served
+    via = openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, max_retries=0)
+    asks = ["What glue works on wood?", "What glue works on wood?", "Which paint for a fence?",
+            "Do you sell lumber?", "Which paint for a fence?"]
+    for k, q in enumerate(asks):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        if k == 3:  # a longer conversation: an earlier turn kept, a new one added
+            messages += [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Pine?"}]
+        via.chat.completions.create(**{**ASK, "messages": messages})
+    advice = advise(str(record), read_traffic(str(record)), resolve_rules("prefixlab"),
+                    Tokenizers(real_model.tokenizer))
+    rs = advice["rule_sets"][0]
+    rows = rs["requests"]
+    assert [r["cached_tokens"] for r in rows] == [r["upstream_cached_tokens"] for r in rows]
+    assert sum(r["cached_tokens"] for r in rows) > 0
+    assert rs["error"] == {"requests": 5, "exact": 5, "mean_abs_error_tokens": 0.0}
+    from app.advise.cli import summary
+    from app.advise.html import render_html, view_data
+    assert "prefixlab: against the upstream: 5 of 5 requests exact, mean error 0.0 tokens" in summary(advice)
+    page = render_html(advice)
+    assert "Prediction against the upstream" in page and "5 of 5 requests exact" in page
+    data = view_data(advice)  # the Advisor tab's and the session report's rows
+    assert data["totals_head"][-1] == "against the upstream"
+    assert data["totals_rows"][0][-1].startswith("5 of 5")

@@ -10,11 +10,12 @@ from collections.abc import Callable
 from .divergence import find_divergences, group
 from .prompts import build_prompt, build_prompts
 from .rules import RuleSet
-from .simulate import simulate, totals
+from .simulate import scaled, simulate, totals, usage_scale
+from .tokens import ENCODINGS, EncodingTokenizer
 from .traffic import Request
 from .whatif import describe, fixed_traffic
 
-SCHEMA = "prefixlab.advice/1"
+SCHEMA = "prefixlab.advice/2"  # /2: read/write/uncached split, parts, upstream error; /1 still reads
 
 
 class RenderError(ValueError):
@@ -34,6 +35,8 @@ class Tokenizers:
         self._load = load
 
     def get(self, name: str):
+        if name not in self._toks and name in ENCODINGS:  # a provider's own, shipped
+            self._toks[name] = EncodingTokenizer(name)
         if name not in self._toks:
             if self._load is None:
                 raise ValueError(f"no tokenizer {name!r} (only the loaded model's)")
@@ -59,19 +62,53 @@ class Tokenizers:
 
 def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:
     outcomes = simulate(rules, requests, prompts)
+    tokens = {"tokenizer": rules.tokenizer, "scaled_to_usage": None}
+    factor = usage_scale(requests, outcomes) if rules.scale_to_usage else None
+    if factor is not None:
+        outcomes = scaled(outcomes, factor, rules)
+        tokens["scaled_to_usage"] = round(factor, 6)
     rows = []
     for req, o in zip(requests, outcomes):
         row = {"line": req.line, "arrival_s": req.arrival_s, "prompt_tokens": o.prompt_tokens,
-               "common_prefix_tokens": o.common_prefix_tokens, "cached_tokens": o.cached_tokens,
-               "written_tokens": o.written_tokens, "output_tokens": o.output_tokens,
+               "common_prefix_tokens": o.common_prefix_tokens, "cache_read_tokens": o.cached_tokens,
+               "cache_write_tokens": o.written_tokens, "uncached_tokens": o.uncached_tokens,
+               "cached_tokens": o.cached_tokens, "written_tokens": o.written_tokens,
+               "output_tokens": o.output_tokens, "parts": o.parts,
                "cost_without": round(o.cost_without, 8), "cost_with": round(o.cost_with, 8)}
+        if o.written_long_tokens:
+            row["cache_write_long_tokens"] = o.written_long_tokens
+        if o.why:
+            row["why"] = o.why
         if req.upstream_cached_tokens is not None:
             row["upstream_cached_tokens"] = req.upstream_cached_tokens
+        if req.upstream_cache_write_tokens is not None:
+            row["upstream_cache_write_tokens"] = req.upstream_cache_write_tokens
         rows.append(row)
-    out = {"rules": rules.to_json(), "totals": totals(outcomes), "requests": rows}
+    out = {"rules": rules.to_json(), "tokens": tokens, "totals": totals(outcomes), "requests": rows}
+    error = upstream_error(rows)
+    if error is not None:
+        out["error"] = error
+    notes = []
     if rules.breakpoints and not any(p.marks for p in prompts):
-        out["note"] = "no request has a cache_control mark: these rules cache nothing without one"
+        notes.append("no request has a cache_control mark: these rules cache nothing without one")
+    overflow = sum(1 for o in outcomes if o.parts.get("overflow"))
+    if overflow:
+        notes.append(f"{overflow} of {len(outcomes)} requests came past ~{rules.overflow_per_minute} a "
+                     f"minute on one prefix and key and were routed to another machine with a cold cache: "
+                     f"spread them over prompt_cache_key values (per user or per app)")
+    if notes:
+        out["note"] = "; ".join(notes)
     return out
+
+
+def upstream_error(rows: list[dict]) -> dict | None:
+    """The prediction against the upstream's own cached tokens, over the requests that reported
+    them: how many are exact and the mean absolute error in tokens (None: none reported)."""
+    pairs = [(r["cached_tokens"], r["upstream_cached_tokens"]) for r in rows if "upstream_cached_tokens" in r]
+    if not pairs:
+        return None
+    return {"requests": len(pairs), "exact": sum(1 for p, u in pairs if p == u),
+            "mean_abs_error_tokens": round(sum(abs(p - u) for p, u in pairs) / len(pairs), 3)}
 
 
 def _prompts(toks: Tokenizers, names: set[str], requests: list[Request], skipped: list,

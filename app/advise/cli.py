@@ -49,9 +49,13 @@ def run(args) -> int:
     except (RulesError, TraceError) as e:
         raise SystemExit(f"prefixlab advise: {e}") from None
     model = load_model_or_exit(getattr(args, "model", None))
+    from .hints import hints
     try:
-        advice = advise(args.trace, requests, rule_sets, Tokenizers(model.tokenizer, _tokenizer_loader),
-                        skipped, strict=args.strict)
+        toks = Tokenizers(model.tokenizer, _tokenizer_loader)
+        advice = advise(args.trace, requests, rule_sets, toks, skipped, strict=args.strict)
+        dropped = {k["line"] for k in advice["skipped"]}  # requests a template could not render
+        rendered = [r for r in requests if r.line not in dropped]
+        advice["hints"] = hints(advice, rule_sets, rendered, toks.prompts)
     except ValueError as e:
         raise SystemExit(f"prefixlab advise: {args.trace}, {e}") from None
     print(summary(advice))
@@ -70,7 +74,15 @@ def run(args) -> int:
 
 def summary(advice: dict) -> str:
     """The text the command prints: totals per rule set, the largest groups, the what-if."""
-    from .html import TOTALS_HEAD, WHATIF_HEAD, totals_rows, whatif_rows
+    from .html import (
+        ERROR_HEAD,
+        TOTALS_HEAD,
+        WHATIF_HEAD,
+        error_rows,
+        provider_notes,
+        totals_rows,
+        whatif_rows,
+    )
     skipped = advice["skipped"]
     lines = [f"skipped line {k['line']}: {k['why']}" for k in skipped[:5]]
     if len(skipped) > 5:
@@ -78,7 +90,16 @@ def summary(advice: dict) -> str:
     if skipped:
         lines.append(f"{len(skipped):,} line(s) skipped in all; --strict refuses the trace instead")
     lines.append(_table(TOTALS_HEAD, totals_rows(advice)))
-    lines += [f"{rs['rules']['name']}: {rs['note']}" for rs in advice["rule_sets"] if rs.get("note")] + [""]
+    lines += [f"{rs['rules']['name']}: {line}" for rs in advice["rule_sets"] for line in provider_notes(rs)
+              if not line.startswith("not modelled")]
+    if advice.get("hints"):
+        lines += ["", "The change that pays most, per provider:"]
+        lines += [f"  {name}: {line}" for name, line in advice["hints"].items()]
+    measured = error_rows(advice, limit=10)
+    if measured:
+        lines += ["", "Predicted against the upstream's cached tokens (first requests):",
+                  _table(ERROR_HEAD, measured)]
+    lines.append("")
     groups = advice["groups"]
     lines += [g["summary"] + f" (e.g. {g['example']['text']!r})" for g in groups[:5]] or \
         ["No request departs from an earlier one."]

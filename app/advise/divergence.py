@@ -11,8 +11,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .prompts import Prompt
-from .simulate import PromptTrie
 from .traffic import Request
+from .trie import PromptTrie
 
 _MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.?"
 _DAY = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)[a-z]*,?\s"

@@ -39,14 +39,67 @@ def whatif_rows(advice: dict) -> list[list[str]]:
              money(r["before"]["cost_with"]), money(r["after"]["cost_with"])] for r in w["rule_sets"]]
 
 
+def error_text(rs: dict) -> str:
+    """The prediction against the upstream's own cached tokens, in words ("" when none reported)."""
+    e = rs.get("error")
+    if not e:
+        return ""
+    return (f"{e['exact']:,} of {e['requests']:,} requests exact, mean error "
+            f"{e['mean_abs_error_tokens']:,.1f} tokens")
+
+
+def tokens_text(rs: dict) -> str:
+    """Which tokens the counts are in ("" for an older advice that did not say)."""
+    t = rs.get("tokens")
+    if not t:
+        return ""
+    name = "the loaded model's tokenizer" if t["tokenizer"] == "model" else t["tokenizer"]
+    scale = t.get("scaled_to_usage")
+    if scale:
+        return f"tokens: {name}, scaled x{scale:.3f} to the recording's usage.prompt_tokens"
+    if rs["rules"].get("scale_to_usage"):
+        return f"tokens: {name} (no public tokenizer, and no recorded usage to scale to)"
+    return f"tokens: {name}"
+
+
+def provider_notes(rs: dict) -> list[str]:
+    """The lines a rule set's advice carries beside its totals: its note, tokens, the prediction's
+    error against the upstream, and what it does not model (an older advice has fewer)."""
+    lines = [rs["note"]] if rs.get("note") else []
+    lines += [x for x in (tokens_text(rs), error_text(rs) and f"against the upstream: {error_text(rs)}") if x]
+    unmodelled = rs["rules"].get("unmodelled") or []
+    if unmodelled:
+        lines.append("not modelled: " + "; ".join(unmodelled))
+    return lines
+
+
+def error_rows(advice: dict, limit: int = 200) -> list[list[str]]:
+    """Per request where the upstream reported its cached tokens: rule set, line, predicted, upstream."""
+    rows = []
+    for rs in advice["rule_sets"]:
+        got = [r for r in rs.get("requests", []) if "upstream_cached_tokens" in r][:limit]
+        for r in got:
+            ours, theirs = r["cached_tokens"], r["upstream_cached_tokens"]
+            rows.append([rs["rules"]["name"], str(r["line"]), f"{ours:,}", f"{theirs:,}",
+                         f"{ours - theirs:+,}"])
+    return rows
+
+
+ERROR_HEAD = ["rules", "line", "predicted cached", "upstream cached", "difference"]
+
+
 def view_data(advice: dict) -> dict:
     """The advice as plain rows for a view (the Advisor tab, the session report's section)."""
-    tips = [f"{rs['rules']['name']}: as of {rs['rules']['as_of']}, {rs['rules']['source']}"
-            + (f"\n{rs['note']}" if rs.get("note") else "") for rs in advice["rule_sets"]]
+    tips = ["\n".join([f"{rs['rules']['name']}: as of {rs['rules']['as_of']}, {rs['rules']['source']}",
+                       *provider_notes(rs)]) for rs in advice["rule_sets"]]
     groups = [{"summary": g["summary"], "before": g["example"]["before"], "text": g["example"]["text"]}
               for g in advice["groups"]]
     w = advice.get("what_if")
-    return {"totals_head": TOTALS_HEAD, "totals_rows": totals_rows(advice), "tips": tips, "groups": groups,
+    head, rows = TOTALS_HEAD, totals_rows(advice)
+    if any(rs.get("error") for rs in advice["rule_sets"]):  # measured: the error beside each prediction
+        head = [*head, "against the upstream"]
+        rows = [[*row, error_text(rs) or "-"] for row, rs in zip(rows, advice["rule_sets"])]
+    return {"totals_head": head, "totals_rows": rows, "tips": tips, "groups": groups,
             "fix": w["fix"] if w else None, "whatif_head": WHATIF_HEAD, "whatif_rows": whatif_rows(advice),
             "trace": advice.get("trace", ""), "requests": advice.get("requests", 0)}
 
@@ -78,6 +131,14 @@ def render_html(advice: dict) -> str:
         f"{link(rs['rules']['source'])}"
         + (f" ({escape(rs['note'])})" if rs.get("note") else "")
         for rs in advice["rule_sets"]) + "</p>")
+    notes = [(rs["rules"]["name"], line) for rs in advice["rule_sets"] for line in provider_notes(rs)
+             if line != rs.get("note")]
+    if notes:
+        parts.append("<ul class='note'>" + "".join(f"<li>{escape(n)}: {escape(line)}</li>"
+                                                   for n, line in notes) + "</ul>")
+    measured = error_rows(advice)
+    if measured:
+        parts += ["<h2>Prediction against the upstream's cached tokens</h2>", _table(ERROR_HEAD, measured)]
     parts.append("<h2>Where prompts diverge</h2>")
     if not advice["groups"]:
         parts.append("<p>No request departs from an earlier one: each extends or repeats another.</p>")

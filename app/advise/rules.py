@@ -11,18 +11,25 @@ import datetime
 import math
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..scenario import REPO_ROOT
 
 PROVIDER_DIR = os.path.join(REPO_ROOT, "resources", "providers")
 DEFAULT_RULES = ("openai", "anthropic", "gemini", "deepseek", "mistral", "prefixlab")
 PRICE_FIELDS = ("input", "cached_input", "cache_write", "output")
+# a write with the long lifetime (Anthropic's "ttl": "1h": 2x input); an explicit cache's storage per hour
+OPTIONAL_PRICES = ("cache_write_long", "storage_per_million_hour")
+# How the cache behaves beyond the common prefix core (app/advise/providers/): a named model each.
+BEHAVIOURS = ("prefix", "anthropic-breakpoints", "openai-routing", "deepseek-units")
 # USD: 10 cents a token, far past any model's. A guard against typos: 1e308 times a trace's
 # tokens is Infinity, which no JSON reader takes
 MAX_PRICE_PER_MILLION = 100_000.0
 _FIELDS = {"name", "as_of", "source", "model", "note", "min_prefix_tokens", "granularity_tokens",
-           "ttl_seconds", "breakpoints", "tokenizer", "price_per_million"}
+           "ttl_seconds", "breakpoints", "tokenizer", "price_per_million", "behaviour", "sources",
+           "unmodelled", "min_prefix_by_model", "long_ttl_seconds", "lookback_blocks", "max_marks",
+           "overflow_per_minute", "overflow_machines", "routing_prefix_tokens", "unit_interval_tokens",
+           "scale_to_usage"}
 
 
 class RulesError(ValueError):
@@ -37,6 +44,12 @@ class Prices:
     cached_input: float
     cache_write: float
     output: float
+    cache_write_long: float | None = None  # None: the long lifetime costs what the default one does
+    storage_per_million_hour: float | None = None  # an explicit cache's storage (Gemini); None: none
+
+    def write(self, long: bool) -> float:
+        """The price of a token written with the long (else the default) lifetime."""
+        return self.cache_write_long if long and self.cache_write_long is not None else self.cache_write
 
 
 @dataclass(frozen=True)
@@ -55,10 +68,31 @@ class RuleSet:
     model: str = ""
     note: str = ""
     path: str = ""
+    behaviour: str = "prefix"
+    sources: dict = field(default_factory=dict)        # rule -> "URL (date)"
+    unmodelled: tuple = ()                             # documented rules this file cannot express
+    min_prefix_by_model: dict = field(default_factory=dict)  # model name prefix -> its own minimum
+    long_ttl_seconds: float = 0.0    # the longer lifetime a request may ask for (1 h, 24 h); 0: none
+    lookback_blocks: int = 20        # anthropic-breakpoints: block boundaries checked before a mark
+    max_marks: int = 4               # anthropic-breakpoints: marks a request may carry
+    overflow_per_minute: int = 0     # openai-routing: requests a minute one machine takes per prefix+key
+    overflow_machines: int = 0       # openai-routing: the other machines the overflow is spread over
+    routing_prefix_tokens: int = 256  # openai-routing: the tokens hashed to pick the machine
+    unit_interval_tokens: int = 0    # deepseek-units: a stored unit every this many tokens (0: none)
+    scale_to_usage: bool = False     # no public tokenizer: local counts scaled to a recording's usage
 
-    def cached(self, common_prefix: int) -> int:
+    def __post_init__(self):
+        if self.breakpoints and self.behaviour == "prefix":  # an older file's `breakpoints = true`
+            object.__setattr__(self, "behaviour", "anthropic-breakpoints")
+
+    def min_for(self, model: str) -> int:
+        """The minimum for requests to `model`: the longest matching `min_prefix_by_model` prefix."""
+        hits = [k for k in self.min_prefix_by_model if model.startswith(k)]
+        return self.min_prefix_by_model[max(hits, key=len)] if hits else self.min_prefix_tokens
+
+    def cached(self, common_prefix: int, minimum: int | None = None) -> int:
         """Cached tokens for a longest common prefix of `common_prefix` tokens (the §14 formula)."""
-        if common_prefix < self.min_prefix_tokens:
+        if common_prefix < (self.min_prefix_tokens if minimum is None else minimum):
             return 0
         return common_prefix // self.granularity_tokens * self.granularity_tokens
 
@@ -69,7 +103,14 @@ class RuleSet:
                 "granularity_tokens": self.granularity_tokens,
                 "ttl_seconds": None if math.isinf(self.ttl_seconds) else self.ttl_seconds,
                 "breakpoints": self.breakpoints, "tokenizer": self.tokenizer,
-                "price_per_million": vars(self.prices)}
+                "price_per_million": {k: v for k, v in vars(self.prices).items() if v is not None},
+                "behaviour": self.behaviour, "sources": dict(self.sources),
+                "unmodelled": list(self.unmodelled), "min_prefix_by_model": dict(self.min_prefix_by_model),
+                "long_ttl_seconds": self.long_ttl_seconds, "lookback_blocks": self.lookback_blocks,
+                "max_marks": self.max_marks, "overflow_per_minute": self.overflow_per_minute,
+                "overflow_machines": self.overflow_machines,
+                "routing_prefix_tokens": self.routing_prefix_tokens,
+                "unit_interval_tokens": self.unit_interval_tokens, "scale_to_usage": self.scale_to_usage}
 
 
 class _Checker:
@@ -93,13 +134,13 @@ class _Checker:
             raise self.error(name, f"must be a non-empty string, got {v!r}")
         return v
 
-    def integer(self, name: str, low: int) -> int:
-        v = self.get(name)
+    def integer(self, name: str, low: int, table: dict | None = None, prefix: str = "") -> int:
+        v = self.get(name, table, prefix)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self.error(name, f"must be an integer, got {v!r}")
+            raise self.error(prefix + name, f"must be an integer, got {v!r}")
         if v < low:
             what = "is negative" if v < 0 else "is too small"
-            raise self.error(name, f"{what}: {v} (it must be >= {low})")
+            raise self.error(prefix + name, f"{what}: {v} (it must be >= {low})")
         return v
 
     def number(self, name: str, table: dict | None = None, prefix: str = "", positive: bool = False,
@@ -135,16 +176,40 @@ def parse_rules(path: str, data: dict) -> RuleSet:
     table = c.get("price_per_million")
     if not isinstance(table, dict):
         raise c.error("price_per_million", "must be a table ([price_per_million])")
-    extra = sorted(set(table) - set(PRICE_FIELDS))
+    extra = sorted(set(table) - set(PRICE_FIELDS) - set(OPTIONAL_PRICES))
     if extra:
-        raise c.error(f"price_per_million.{extra[0]}", f"is unknown (known: {', '.join(PRICE_FIELDS)})")
+        raise c.error(f"price_per_million.{extra[0]}",
+                      f"is unknown (known: {', '.join(PRICE_FIELDS + OPTIONAL_PRICES)})")
     prices = Prices(**{k: c.number(k, table, "price_per_million.", high=MAX_PRICE_PER_MILLION,
-                                   unit=" USD per million tokens") for k in PRICE_FIELDS})
-    return RuleSet(name=c.text("name"), as_of=c.date("as_of"), source=c.text("source"),
+                                   unit=" USD per million tokens")
+                       for k in (*PRICE_FIELDS, *(f for f in OPTIONAL_PRICES if f in table))})
+    behaviour = data.get("behaviour", "anthropic-breakpoints" if data.get("breakpoints") else "prefix")
+    if behaviour not in BEHAVIOURS:
+        raise c.error("behaviour", f"must be one of {', '.join(BEHAVIOURS)}, got {behaviour!r}")
+    sources = data.get("sources", {})
+    if not isinstance(sources, dict) or not all(isinstance(v, str) and v.strip() for v in sources.values()):
+        raise c.error("sources", "must be a table of rule = \"URL (date)\" strings ([sources])")
+    unmodelled = data.get("unmodelled", [])
+    if not isinstance(unmodelled, list) or not all(isinstance(v, str) for v in unmodelled):
+        raise c.error("unmodelled", "must be a list of strings")
+    by_model = data.get("min_prefix_by_model", {})
+    if not isinstance(by_model, dict):
+        raise c.error("min_prefix_by_model", "must be a table of model = tokens")
+    by_model = {k: c.integer(k, 0, by_model, "min_prefix_by_model.") for k in by_model}
+    ints = {k: c.integer(k, 0) for k in ("lookback_blocks", "max_marks", "overflow_per_minute",
+                                         "overflow_machines", "routing_prefix_tokens",
+                                         "unit_interval_tokens") if k in data}
+    long_ttl = c.number("long_ttl_seconds") if "long_ttl_seconds" in data else 0.0
+    if not isinstance(data.get("scale_to_usage", False), bool):
+        raise c.error("scale_to_usage", f"must be true or false, got {data['scale_to_usage']!r}")
+    return RuleSet(behaviour=behaviour, sources=dict(sources), unmodelled=tuple(unmodelled),
+                   min_prefix_by_model=by_model, long_ttl_seconds=long_ttl, **ints,
+                   scale_to_usage=data.get("scale_to_usage", False),
+                   name=c.text("name"), as_of=c.date("as_of"), source=c.text("source"),
                    min_prefix_tokens=c.integer("min_prefix_tokens", 0),
                    granularity_tokens=c.integer("granularity_tokens", 1),
                    ttl_seconds=c.number("ttl_seconds", positive=True, allow_inf=True),
-                   breakpoints=bool(data.get("breakpoints", False)),
+                   breakpoints=behaviour == "anthropic-breakpoints",
                    tokenizer=c.text("tokenizer", required=False) or "model", prices=prices,
                    model=c.text("model", required=False), note=c.text("note", required=False), path=path)
 

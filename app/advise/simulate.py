@@ -1,91 +1,17 @@
-"""The exact hosted-cache simulation of docs/design.md §14, a request at a time.
-
-Per routing key, every earlier prompt sits in a radix trie of tokens whose nodes keep the
-latest last-use of any prompt through them (and which prompt that was), so the longest
-common prefix with a prompt still alive (last use at most ttl_seconds ago) is one walk.
-"""
+"""The hosted-cache simulation of docs/design.md §14, a request at a time: each rule set's named
+model (app/advise/providers/) says what a request reads and writes; this prices it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .providers import make
 from .rules import RuleSet
-
-
-class _Node:
-    """A run of tokens shared by the prompts below it (a radix trie: one node per branch, not per token)."""
-
-    __slots__ = ("children", "edge", "last", "owner")
-
-    def __init__(self, edge: list[int], last: float, owner: int):
-        self.edge = edge
-        self.children: dict[int, _Node] = {}
-        self.last, self.owner = last, owner
-
-
-def _shared(edge: list[int], tokens: list[int], at: int) -> int:
-    """How many tokens of `edge` equal tokens[at:] from their start."""
-    m = min(len(edge), len(tokens) - at)
-    if edge[:m] == tokens[at:at + m]:
-        return m
-    k = 0
-    while edge[k] == tokens[at + k]:
-        k += 1
-    return k
-
-
-class PromptTrie:
-    """Earlier prompts of one routing key, with their last uses."""
-
-    def __init__(self):
-        self.root = _Node([], float("inf"), -1)
-        self.prompts: dict[int, list[int]] = {}
-
-    def match(self, tokens: list[int], now: float, ttl: float) -> tuple[int, int]:
-        """(L, the prompt matched): the longest common prefix with a prompt used at most `ttl`
-        seconds before `now`; the prompt is the most recently used one sharing those L tokens."""
-        node, depth = self.root, 0
-        while depth < len(tokens):
-            child = node.children.get(tokens[depth])
-            if child is None or now - child.last > ttl:
-                break
-            k = _shared(child.edge, tokens, depth)
-            node, depth = child, depth + k
-            if k < len(child.edge):
-                break
-        return depth, node.owner
-
-    def touch(self, pid: int, now: float) -> None:
-        """Prompt `pid` was used at `now` (a hit refreshes the whole prompt it matched)."""
-        self._walk(self.prompts[pid], pid, now)
-
-    def add(self, pid: int, tokens: list[int], now: float) -> None:
-        """Prompt `pid` joins the cache, last used at `now`."""
-        self.prompts[pid] = tokens
-        self._walk(tokens, pid, now)
-
-    def _walk(self, tokens: list[int], pid: int, now: float) -> None:
-        """Mark every node on `tokens`' path used by `pid` at `now`, splitting edges where it ends
-        or leaves them (arrivals come in time order, so `now` is each node's latest use)."""
-        node, depth = self.root, 0
-        while depth < len(tokens):
-            child = node.children.get(tokens[depth])
-            if child is None:
-                node.children[tokens[depth]] = _Node(tokens[depth:], now, pid)
-                return
-            k = _shared(child.edge, tokens, depth)
-            if k < len(child.edge):
-                mid = _Node(child.edge[:k], child.last, child.owner)
-                child.edge = child.edge[k:]
-                mid.children[child.edge[0]] = child
-                node.children[tokens[depth]] = child = mid
-            child.last, child.owner = now, pid
-            node, depth = child, depth + k
 
 
 @dataclass
 class Outcome:
-    """One request under one rule set."""
+    """One request under one rule set: cached (read) + written + uncached = prompt tokens."""
 
     prompt_tokens: int
     common_prefix_tokens: int
@@ -94,41 +20,78 @@ class Outcome:
     output_tokens: int
     cost_without: float
     cost_with: float
+    written_long_tokens: int = 0         # of written_tokens: with the long lifetime (1 h)
+    parts: dict = field(default_factory=dict)
+    why: str = ""
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens - self.written_tokens
+
+
+def _costs(p, n: int, read: int, written: int, written_long: int, o: int) -> tuple[float, float]:
+    """(cost without the cache, cost with it) in USD: written tokens at the write price of their lifetime."""
+    without = (n * p.input + o * p.output) / 1e6
+    with_cache = ((n - read - written) * p.input + read * p.cached_input + (written - written_long)
+                  * p.write(False) + written_long * p.write(True) + o * p.output) / 1e6
+    return without, with_cache
 
 
 def simulate(rules: RuleSet, requests, prompts) -> list[Outcome]:
     """Each request's outcome under `rules`; `requests` in arrival order, `prompts[i]` request i's Prompt."""
-    tries: dict[str, PromptTrie] = {}
-    p = rules.prices
-    out = []
+    cache, out = make(rules), []
     for i, (req, prompt) in enumerate(zip(requests, prompts)):
-        trie = tries.setdefault(req.key, PromptTrie())
-        tokens = prompt.tokens
-        longest, owner = trie.match(tokens, req.arrival_s, rules.ttl_seconds)
-        if rules.breakpoints:  # only a prefix ending at one of this request's marks is cached
-            longest = max((m for m in prompt.marks if m <= longest), default=0)
-        cached = rules.cached(longest)
-        if cached and owner >= 0:
-            trie.touch(owner, req.arrival_s)
-        trie.add(i, tokens, req.arrival_s)
-        cacheable = (prompt.marks[-1] if prompt.marks else 0) if rules.breakpoints else len(tokens)
-        written = max(0, rules.cached(cacheable) - cached)
-        n, o = len(tokens), req.output_tokens
-        without = (n * p.input + o * p.output) / 1e6
-        with_cache = ((n - cached) * p.input + cached * p.cached_input + written * (p.cache_write - p.input)
-                      + o * p.output) / 1e6
-        out.append(Outcome(n, longest, cached, written, o, without, with_cache))
+        s = cache.step(i, req, prompt)
+        n, o = len(prompt.tokens), req.output_tokens
+        written = s.written + s.written_long
+        out.append(Outcome(n, s.common_prefix, s.read, written, o,
+                           *_costs(rules.prices, n, s.read, written, s.written_long, o),
+                           s.written_long, s.parts, s.why))
+    return out
+
+
+def usage_scale(requests, outcomes: list[Outcome]) -> float | None:
+    """The recording's own prompt tokens over the local count, on the requests that reported them
+    (None: none did): the factor local counts are scaled by for a provider without a public tokenizer."""
+    pairs = [(r.upstream_prompt_tokens, o.prompt_tokens) for r, o in zip(requests, outcomes)
+             if r.upstream_prompt_tokens is not None and o.prompt_tokens]
+    local = sum(n for _, n in pairs)
+    return sum(u for u, _ in pairs) / local if local else None
+
+
+def scaled(outcomes: list[Outcome], factor: float, rules: RuleSet) -> list[Outcome]:
+    """The outcomes in the provider's tokens: every count times `factor`, the costs priced again
+    (the minimum and granularity were applied in local tokens)."""
+    out = []
+    for o in outcomes:
+        n, read, written, long = (round(v * factor) for v in (o.prompt_tokens, o.cached_tokens,
+                                                              o.written_tokens, o.written_long_tokens))
+        written = min(written, n - read)
+        parts = {k: round(v * factor) for k, v in o.parts.items()}
+        if parts:  # rounding: the largest part absorbs the difference, so they still add up to n
+            top = max(parts, key=parts.get)
+            parts[top] += n - sum(parts.values())
+        out.append(Outcome(n, round(o.common_prefix_tokens * factor), read, written, o.output_tokens,
+                           *_costs(rules.prices, n, read, written, min(long, written), o.output_tokens),
+                           min(long, written), parts, o.why))
     return out
 
 
 def totals(outcomes: list[Outcome]) -> dict:
-    """The rule set's totals: requests, tokens, hit ratio, cost without / with the cache, saved."""
+    """The rule set's totals: requests, tokens, hit ratio, cost without / with the cache, saved, and
+    the prompt tokens by cause."""
     prompt = sum(o.prompt_tokens for o in outcomes)
     cached = sum(o.cached_tokens for o in outcomes)
+    written = sum(o.written_tokens for o in outcomes)
     without = sum(o.cost_without for o in outcomes)
     with_cache = sum(o.cost_with for o in outcomes)
+    parts: dict[str, int] = {}
+    for o in outcomes:
+        for k, v in o.parts.items():
+            parts[k] = parts.get(k, 0) + v
     return {"requests": len(outcomes), "prompt_tokens": prompt, "cached_tokens": cached,
-            "written_tokens": sum(o.written_tokens for o in outcomes),
+            "cache_read_tokens": cached, "cache_write_tokens": written, "written_tokens": written,
+            "uncached_tokens": prompt - cached - written,
             "token_hit_ratio": cached / prompt if prompt else 0.0,
             "cost_without": round(without, 6), "cost_with": round(with_cache, 6),
-            "saved": round(without - with_cache, 6)}
+            "saved": round(without - with_cache, 6), "parts": parts}

@@ -8,7 +8,9 @@ runaway line is refused by number instead of filling memory.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +37,8 @@ class Message:
     role: str
     content: str
     marks: list[int] = field(default_factory=list)
+    long: list[bool] = field(default_factory=list)   # per mark: its "ttl" asks for the long lifetime ("1h")
+    blocks: list[int] = field(default_factory=list)  # character ends of the content's blocks
 
 
 @dataclass
@@ -47,11 +51,16 @@ class Request:
     messages: list[Message] | None = None
     tools: list | None = None
     tools_marked: bool = False           # a cache_control mark on a tool (Anthropic)
+    tools_long: bool = False             # ... whose "ttl" is "1h"
+    auto_mark: str | None = None         # a top-level cache_control (Anthropic): "5m" or "1h"
+    long_retention: bool = False         # OpenAI's prompt_cache_retention asks for 24 h
+    answer_s: float | None = None        # when its answer began (the proxy's first_byte_ms), if recorded
     prompt_text: str | None = None       # completions
     tokens: list[int] | None = None      # a prefixlab token trace's prompt (no text to map back to)
     output_tokens: int = 0
     upstream_cached_tokens: int | None = None
     upstream_prompt_tokens: int | None = None
+    upstream_cache_write_tokens: int | None = None  # Anthropic's cache_creation_input_tokens
     model: str = ""
 
 
@@ -66,6 +75,9 @@ def reported_usage(obj: dict | None) -> tuple[int | None, int | None]:
     details = details if isinstance(details, dict) else {}
     cached = details.get("cached_tokens", usage.get("cache_read_input_tokens", timings.get("cache_n")))
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    if "prompt_tokens" not in usage and isinstance(prompt, int):  # Anthropic: input_tokens is only the
+        prompt += sum(v for k in ("cache_read_input_tokens", "cache_creation_input_tokens")  # uncached
+                      if isinstance(v := usage.get(k), int) and v >= 0)
     if prompt is None and "prompt_n" in timings and "cache_n" in timings:
         prompt = timings["prompt_n"] + timings["cache_n"]
     def whole(v):
@@ -97,20 +109,54 @@ def read_lines(path: str, skipped: list | None = None) -> Iterator[tuple[int, di
         skips.add(lineno, error.why)
 
 
-def _parts(content, where: str) -> tuple[str, list[int]]:
-    """A message content as text and the character ends of its parts marked with cache_control."""
+_MEDIA = {"image", "document", "image_url", "input_audio", "file", "search_result", "container_upload"}
+
+
+def _ttl(mark, where: str) -> bool:
+    """Whether a cache_control mark asks for the long lifetime; a TraceError for a ttl it cannot be."""
+    ttl = mark.get("ttl", "5m") if isinstance(mark, dict) else "5m"
+    if ttl not in ("5m", "1h"):
+        raise TraceError(f"{where}: cache_control 'ttl' must be \"5m\" or \"1h\", got {ttl!r}")
+    return ttl == "1h"
+
+
+def _block_text(part: dict) -> str:
+    """One content block as the text it stands for in the prompt: its text, a tool call's or tool
+    result's content, a media block as a digest of its source (the same image is the same tokens;
+    what an image costs in tokens is not modelled)."""
+    kind = part.get("type")
+    if isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in ("thinking", "redacted_thinking"):
+        return str(part.get("thinking", part.get("data", "")))
+    if kind == "tool_result":
+        inner = part.get("content")
+        return inner if isinstance(inner, str) else _parts(inner, "")[0] if isinstance(inner, list) else ""
+    rest = {k: v for k, v in part.items() if k != "cache_control"}
+    if kind in _MEDIA:
+        digest = hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:16]
+        return f"[{kind} {digest}]"
+    return json.dumps(rest, ensure_ascii=False)  # tool_use and any other block: its JSON
+
+
+def _parts(content, where: str) -> tuple[str, list[int], list[bool], list[int]]:
+    """A message content as text, the character ends of its blocks marked with cache_control
+    (and whether each mark asks for the long lifetime), and the character ends of all its blocks."""
     if content is None or isinstance(content, str):
-        return content or "", []
+        return content or "", [], [], [len(content or "")]
     if not isinstance(content, list):
         raise TraceError(f"{where}: content must be a string or a list of parts, "
                          f"got {type(content).__name__}")
-    text, marks = "", []
+    text, marks, long, blocks = "", [], [], []
     for part in content:
-        if isinstance(part, dict) and isinstance(part.get("text"), str):
-            text += part["text"]
-            if part.get("cache_control"):
-                marks.append(len(text))
-    return text, marks
+        if not isinstance(part, dict):
+            continue
+        text += _block_text(part)
+        blocks.append(len(text))
+        if part.get("cache_control"):
+            marks.append(len(text))
+            long.append(_ttl(part["cache_control"], where))
+    return text, marks, long, blocks
 
 
 def _messages(body: dict, where: str) -> list[Message]:
@@ -119,13 +165,11 @@ def _messages(body: dict, where: str) -> list[Message]:
         raise TraceError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     out = []
     if "system" in body:  # Anthropic's Messages body keeps the system prompt apart
-        text, marks = _parts(body["system"], f"{where}, system")
-        out.append(Message("system", text, marks))
+        out.append(Message("system", *_parts(body["system"], f"{where}, system")))
     for i, m in enumerate(raw):
         if not isinstance(m.get("role"), str):
             raise TraceError(f"{where}, message {i}: 'role' must be a string")
-        text, marks = _parts(m.get("content"), f"{where}, message {i}")
-        out.append(Message(m["role"], text, marks))
+        out.append(Message(m["role"], *_parts(m.get("content"), f"{where}, message {i}")))
     return out
 
 
@@ -147,6 +191,12 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
                 key=str(key), output_tokens=out if isinstance(out, int) and out > 0 else 0,
                 upstream_cached_tokens=cached, upstream_prompt_tokens=prompt_tokens,
                 model=str(body.get("model") or ""))
+    began = obj.get("first_byte_ms")
+    if isinstance(began, (int, float)) and not isinstance(began, bool) and 0 <= began < float("inf"):
+        r.answer_s = r.arrival_s + began / 1000.0
+    wrote = usage.get("cache_creation_input_tokens")
+    if isinstance(wrote, int) and not isinstance(wrote, bool) and wrote >= 0:
+        r.upstream_cache_write_tokens = wrote
     if "hash_ids" in obj:
         raise TraceError(f"{where}: a Mooncake hash-id trace has block hashes, not prompts: the advisor "
                          f"needs prompts (chat logs, proxy recordings or token traces)")
@@ -156,7 +206,12 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
         if tools is not None and not isinstance(tools, list):
             raise TraceError(f"{where}: 'tools' must be a list")
         r.tools = tools or None
-        r.tools_marked = any(isinstance(t, dict) and t.get("cache_control") for t in tools or [])
+        marked = [t["cache_control"] for t in tools or [] if isinstance(t, dict) and t.get("cache_control")]
+        r.tools_marked = bool(marked)
+        r.tools_long = any(_ttl(m, f"{where}, tools") for m in marked)
+        if body.get("cache_control"):  # automatic caching: a mark on the last cacheable block
+            r.auto_mark = "1h" if _ttl(body["cache_control"], where) else "5m"
+        r.long_retention = body.get("prompt_cache_retention") == "24h"
     elif isinstance(body.get("prompt"), str):
         r.prompt_text = body["prompt"]
     elif _token_ids(body.get("prompt")):

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 from .divergence import CLASSES
-from .traffic import Message, Request
+from .traffic import Request
 
 _PATTERNS = dict(CLASSES)
 
@@ -39,9 +40,12 @@ def _move(req: Request, group: dict) -> None:
     s, e = span
     moved = msgs[i].content[s:e]
     cut = msgs[i].content[:s] + msgs[i].content[e:]
-    msgs[i] = Message(msgs[i].role, cut, [c - (e - s) if c >= e else min(c, s) for c in msgs[i].marks])
+    def shift(ends: list[int]) -> list[int]:
+        return [c - (e - s) if c >= e else min(c, s) for c in ends]
+    msgs[i] = replace(msgs[i], content=cut, marks=shift(msgs[i].marks), blocks=shift(msgs[i].blocks))
     last = msgs[users[-1]]
-    msgs[users[-1]] = Message(last.role, f"{last.content}\n{moved}", last.marks)
+    grown = f"{last.content}\n{moved}"
+    msgs[users[-1]] = replace(last, content=grown, blocks=last.blocks[:-1] + [len(grown)])
 
 
 def _canonical(req: Request, group: dict) -> None:
@@ -57,7 +61,8 @@ def _canonical(req: Request, group: dict) -> None:
             value = json.loads(msgs[i].content)
         except ValueError:
             return
-        msgs[i] = Message(msgs[i].role, json.dumps(value, sort_keys=True, ensure_ascii=False), msgs[i].marks)
+        text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        msgs[i] = replace(msgs[i], content=text, blocks=[len(text)])
 
 
 def fixed_traffic(requests: list[Request], group: dict) -> list[Request]:

@@ -152,7 +152,10 @@ class UsageReader:
         except (ValueError, RecursionError):
             return
         if isinstance(obj, dict):
-            self.usage = obj["usage"] if isinstance(obj.get("usage"), dict) else self.usage
+            if isinstance(obj.get("message"), dict) and isinstance(obj["message"].get("usage"), dict):
+                obj = obj["message"]  # Anthropic's message_start event carries the input's usage
+            if isinstance(obj.get("usage"), dict):  # a later event's (message_delta's) fields add to it
+                self.usage = {**(self.usage or {}), **obj["usage"]}
             self.timings = obj["timings"] if isinstance(obj.get("timings"), dict) else self.timings
 
 
@@ -184,10 +187,13 @@ class Recorder:
         return fd
 
     def record(self, arrival: float, endpoint: str, headers, body: bytes, status: int,
-               usage: UsageReader | None, error: str = "") -> dict:
+               usage: UsageReader | None, error: str = "", first_byte: float | None = None) -> dict:
         """Write one request's line (`headers`: the request's, for its routing key and the key
-        values to redact); returns the record."""
+        values to redact; `first_byte`: when the answer began, the time a hosted cache's entry
+        becomes readable); returns the record."""
         rec: dict = {"timestamp": round(arrival * 1000, 3), "endpoint": endpoint, "status": status}
+        if first_byte is not None:
+            rec["first_byte_ms"] = round(max(0.0, first_byte - arrival) * 1000, 3)
         key = routing_key(headers)
         if key:
             rec["key"] = key

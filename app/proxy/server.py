@@ -32,7 +32,7 @@ from .record import (
 
 HOP_BY_HOP = {"host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "transfer-encoding", "upgrade", "content-length"}
-RECORDED = ("/chat/completions", "/completions")
+RECORDED = ("/chat/completions", "/completions", "/messages")  # /messages: Anthropic's Messages API
 SEND_SLICE = 1 << 20  # a held answer goes out this much at a time: no second copy of it
 ERROR_OBJECT_BYTES = 1 << 20  # a 5xx body past this is not parsed to see whether it is an error object
 PATH_SAFE = "/!$&'()*+,;=:@"  # kept as they are when the resolved path is quoted again
@@ -95,6 +95,7 @@ class _Exchange:
         self.error = ""
         self.usage: UsageReader | None = None
         self.started = self.streaming = self.done = self.client_gone = False
+        self.first_byte: float | None = None  # when the upstream's answer began (its first body byte)
         self.whole: tuple[int, list, list[bytes]] | None = None  # held, sent once the upstream is done
 
     async def start(self, status: int, headers: list) -> None:
@@ -175,7 +176,7 @@ class ProxyApp:
         if scope["method"] == "POST" and scope["path"].endswith(RECORDED):
             def record(ex: _Exchange) -> None:
                 self.recorder.record(arrival, scope["path"], headers, body, ex.status or 499, ex.usage,
-                                     ex.error)
+                                     ex.error, ex.first_byte)
         ex = _Exchange(send, secrets_in(headers), record)
         try:
             async with anyio.create_task_group() as tasks:
@@ -248,6 +249,8 @@ class ProxyApp:
             held_size = 0
             try:
                 async for raw in resp.aiter_raw():
+                    if ex.first_byte is None:
+                        ex.first_byte = now()
                     if ex.usage is not None:
                         ex.usage.feed(raw)
                     if ex.streaming:

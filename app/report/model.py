@@ -147,7 +147,7 @@ class Report(msgspec.Struct, kw_only=True):
     pages: PageMapState
     machine: MachineInfo
     versions: dict[str, str | None]
-    advice: dict | None = None  # `prefixlab.advice/1` (the Advisor tab's), when it had traffic
+    advice: dict | None = None  # `prefixlab.advice/2` (/1 still reads): the Advisor tab's, if it had traffic
 
     @property
     def version(self) -> int:
