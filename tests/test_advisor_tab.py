@@ -29,7 +29,9 @@ def test_a_loaded_chat_log_shows_totals_groups_and_the_fix(qtbot, real_model, tm
         panel.load_button.click()  # asks for a path: the lambda answers
         qtbot.waitUntil(lambda: ctl.advice is not None and not ctl.busy, timeout=WAIT_MS)
         assert _cells(panel.totals, 0) == list(DEFAULT_RULES)
-        assert _cells(panel.totals, 5)[0] == "0.0%"  # OpenAI's hit ratio
+        heads = [panel.totals.horizontalHeaderItem(j).text() for j in range(panel.totals.columnCount())]
+        assert heads[1] == "what would make it cache"  # beside the name, read first
+        assert _cells(panel.totals, heads.index("hit ratio"))[0] == "0.0%"  # OpenAI's hit ratio
         assert "as of 2026-12-04" in panel.totals.item(0, 0).toolTip()
         html = panel.groups.toHtml()
         assert "11 of 12 requests diverge in message 0 (system) at characters 14-33" in html

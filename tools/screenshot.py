@@ -70,11 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     n = desktop.run_all()
     os.makedirs(args.out, exist_ok=True)
     running = os.path.join(args.out, "screenshot-light.png")  # mid-run: eight cards streaming
-    wait(lambda: sum(1 for r in control.finished_records) >= n // 2 or not control.running, "half the run")
+    secs = wait(lambda: sum(len(c.answer_text()) > 120 for c in window.streams.cards.values()) >= n
+                or not control.running, "answers under way")
     settle(app)
     window.charts.refresh()
     shot(window, running)
-    secs = wait(lambda: len(control.finished_records) >= n and not control.running, "the run")
+    secs += wait(lambda: len(control.finished_records) >= n and not control.running, "the run")
     ticker.stop()
     tokens = sum(r.n_gen for r in control.finished_records)
     gaps = sorted(gaps[1:]) or [0]

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 HIGHLIGHT = "#ffd54f"
+HINT_HEAD = "what would make it cache"
 
 
 def _table(head: list[str]) -> QTableWidget:
@@ -138,27 +139,25 @@ class AdvisorPanel(QWidget):
     def set_totals(self, head: list[str], rows: list[list[str]], tips: list[str],
                    hints: list[str] = ()) -> None:
         """One row per rule set; `tips[i]` (as of, source, note) shows over row i's name, and
-        `hints[i]` (what would make that provider cache) in the row's last column."""
+        `hints[i]` (what would make that provider cache) beside it, where a person reads first."""
         if hints:
-            head, rows = [*head, "what would make it cache"], [[*r, h] for r, h in zip(rows, hints)]
+            head = [head[0], HINT_HEAD, *head[1:]]
+            rows = [[r[0], h, *r[1:]] for r, h in zip(rows, hints)]
         _fill(self.totals, head, rows)
         for i, tip in enumerate(tips):
             self.totals.item(i, 0).setToolTip(tip)
         for i, hint in enumerate(hints):
-            self.totals.item(i, len(head) - 1).setToolTip(hint)
-            self.totals.item(i, len(head) - 1).setTextAlignment(Qt.AlignmentFlag.AlignLeft
-                                                                | Qt.AlignmentFlag.AlignVCenter)
-        if hints:  # the sentence takes the width left and wraps, row by row
-            self.totals.setColumnWidth(len(head) - 1, 360)
+            self.totals.item(i, 1).setToolTip(hint)
+            self.totals.item(i, 1).setTextAlignment(Qt.AlignmentFlag.AlignLeft
+                                                    | Qt.AlignmentFlag.AlignVCenter)
+        if hints:  # the sentence wraps in a column of its own; the figures follow, scrolled to
+            self.totals.setColumnWidth(1, 380)
             self.totals.resizeRowsToContents()
 
     def hint(self, row: int) -> str:
         """The "what would make it cache" line of a provider's row ("" when none is shown)."""
-        last = self.totals.columnCount() - 1
-        if self.totals.horizontalHeaderItem(last) is None or \
-                self.totals.horizontalHeaderItem(last).text() != "what would make it cache":
-            return ""
-        return self.totals.item(row, last).text()
+        head = self.totals.horizontalHeaderItem(1)
+        return self.totals.item(row, 1).text() if head is not None and head.text() == HINT_HEAD else ""
 
     def set_groups(self, groups: list[dict]) -> None:
         """Divergence groups: each a `summary`, and an example's `before` text and differing `text`."""
