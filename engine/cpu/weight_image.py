@@ -231,7 +231,7 @@ def settle_huge(folder: str, arrays: list[np.ndarray]) -> dict:
     if vma is None:
         return {"huge": None, "reread": False}
     share, boot, marker = min(1.0, vma["pmd"] / total), _boot_id(), os.path.join(folder, HUGE_FILE)
-    if share >= HUGE_ENOUGH or _read_json(marker).get("boot_id") == boot:
+    if share >= HUGE_ENOUGH or read_json_object(marker).get("boot_id") == boot:
         return {"huge": share, "reread": False}
     try:
         fd = os.open(os.path.join(folder, "weights.bin"), os.O_RDONLY)
@@ -305,7 +305,10 @@ def _boot_id() -> str:
         return ""
 
 
-def _read_json(path: str) -> dict:
+def read_json_object(path: str | None) -> dict:
+    """A small JSON file's object ({} when it is missing, unreadable or not an object)."""
+    if not path:
+        return {}
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)

@@ -38,6 +38,7 @@ from ..errors import ModelLoadError
 from ..machine import blas_runtime, cpu_model
 from . import shared_matmul
 from .blas_threads import blas_threads, load_sample, others_cores
+from .weight_image import read_json_object
 
 LAYOUTS = ("plain", "blocks", "blocks_t")
 BLOCKS = ("blocks", "blocks_t")  # the layouts a decode pass shares with its helpers
@@ -177,7 +178,7 @@ def choose(folder: str | None, arrays: dict[str, list[np.ndarray]]) -> tuple[str
         raise ModelLoadError(f"${ENV}: expected auto, remeasure, plain or blocks, got {forced!r}")
     remeasure = forced == "remeasure"
     key, path = machine_key(), os.path.join(folder, LAYOUT_FILE) if folder else None
-    known = _read(path)
+    known = read_json_object(path)
     mine = known.get(key)
     if (not remeasure and isinstance(mine, dict) and mine.get("layout") in LAYOUTS
             and mine.get("one_row") in ONE_ROW):
@@ -201,12 +202,3 @@ def choose(folder: str | None, arrays: dict[str, list[np.ndarray]]) -> tuple[str
     return record["layout"], {**record, "source": "measured", "kept": not busy}
 
 
-def _read(path: str | None) -> dict:
-    if not path:
-        return {}
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
