@@ -89,7 +89,7 @@ class EngineLoop:
     `EngineLoop(model, settings)` builds the scheduler; `reset(model, settings)` builds a new
     one (a new model or pool); `EngineLoop()` starts with none (a model still loading)."""
 
-    def __init__(self, model=None, settings: SchedulerSettings | None = None):
+    def __init__(self, model=None, settings: SchedulerSettings | None = None, runner=None):
         self._lock = threading.Lock()
         self._inbox: list[Job] = []
         self._cancels: dict[int, str] = {}   # ticket -> the finish reason asked for
@@ -103,7 +103,7 @@ class EngineLoop:
         self.scheduler: Scheduler | None = None
         self.chat: ChatFrontEnd | None = None
         if model is not None:
-            self.reset(model, settings)
+            self.reset(model, settings, runner)
 
     # any thread -------------------------------------------------------------
     def submit(self, job: Job) -> int:
@@ -137,13 +137,15 @@ class EngineLoop:
             return len(self._jobs)
 
     # owner thread -----------------------------------------------------------
-    def reset(self, model=None, settings: SchedulerSettings | None = None) -> None:
-        """A new scheduler over `model` with `settings` (None: no model): the old one's jobs are refused."""
+    def reset(self, model=None, settings: SchedulerSettings | None = None, runner=None) -> None:
+        """A new scheduler over `model` with `settings` (None: no model): the old one's jobs are
+        refused. `runner` runs its passes (engine.scheduler.Runner; None: the model's forward pass,
+        the twin's step-cost model in app/replay/twin.py)."""
         if isinstance(model, Scheduler):
             raise TypeError("EngineLoop builds its own scheduler: pass (model, settings), not a Scheduler")
         if self.scheduler is not None:
             self.fail_all("the engine restarted (a new model or pool settings); retry", 503)
-        self.scheduler = Scheduler(model, settings) if model is not None else None
+        self.scheduler = Scheduler(model, settings, runner) if model is not None else None
         self.chat = ChatFrontEnd(model.tokenizer) if model is not None else None
 
     def has_work(self, closing: bool = True) -> bool:

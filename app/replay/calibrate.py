@@ -15,7 +15,8 @@ import argparse
 import os
 import time
 
-from engine.scheduler import ModelRunner, Request, Scheduler, SchedulerSettings
+from engine.loop import EngineLoop
+from engine.scheduler import ModelRunner, SchedulerSettings
 
 from .stepcost import StepCost, StepShape, fit, shape_of
 
@@ -49,18 +50,19 @@ def measure(model, log=None) -> list[tuple[StepShape, float]]:
     """(shape, seconds) of every pass of WORKLOADS through the real scheduler (warm-up left out)."""
     from ..scenario import sample_tokens
     runner = _TimedRunner(model)
-    sched = Scheduler(model, SchedulerSettings(cache_enabled=False), runner=runner)
+    loop = EngineLoop(model, SchedulerSettings(cache_enabled=False), runner=runner)  # as serve runs it
+    sched = loop.scheduler
     text = sample_tokens(model, 4096)
     samples: list[tuple[StepShape, float]] = []
     for w, workload in enumerate(WORKLOADS):
         for i, (n, new) in enumerate(workload):
             start = (97 * (w + i)) % 1024  # different text per request
             prompt = (text[start:] + text)[:n]
-            sched.submit(Request(prompt, max_new_tokens=new, stop_ids=[]))
+            loop.submit_now(prompt=prompt, max_new_tokens=new, stop_ids=[])
         while sched.has_work():
             runner.shape = None
             t0 = time.perf_counter()
-            sched.step()
+            loop.step()
             seconds = time.perf_counter() - t0
             if runner.shape is not None and w > 0:
                 samples.append((runner.shape, seconds))

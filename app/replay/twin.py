@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.block_manager import BlockManager
+from engine.loop import EngineLoop
 from engine.sampler import SamplingParams
-from engine.scheduler import FinishEvent, Request, Scheduler, SchedulerSettings
+from engine.scheduler import FinishEvent, SchedulerSettings, TokenEvent
 
 from .stepcost import StepCost, shape_of
 from .trace import TraceRequest
@@ -147,7 +148,9 @@ class Twin:
         settings = settings or SchedulerSettings()
         self.cfg = StandInConfig(context_length)
         self.runner = TwinRunner(cost, self.cfg)
-        self.scheduler = Scheduler(TwinModel(self.cfg, _NoText()), settings, runner=self.runner)
+        # The one loop every front end drives (docs/design.md §5), over the twin's runner.
+        self.loop = EngineLoop(TwinModel(self.cfg, _NoText()), settings, runner=self.runner)
+        self.scheduler = self.loop.scheduler
         self.scheduler.max_ended_records = KEPT_RECORDS
         self.scheduler.timeline = _Discard()
         self.now = 0.0
@@ -157,6 +160,7 @@ class Twin:
         self.steps = 0
         self.load = 0        # outstanding tokens of work (uncached prompt + answer), routers read it
         self.kv_blocks = 0   # KV pages of the requests it holds (kv-cost reads it)
+        self._events: list = []  # every job's events, one sink for all
 
     @property
     def settings(self) -> SchedulerSettings:
@@ -165,9 +169,9 @@ class Twin:
     def submit(self, p: Predicted, prompt: list[int], namespace: str = "", cached: int = 0) -> None:
         """Queue a request that arrives now (after `advance(p.arrival_s)`); `cached`: the prompt
         tokens its replica has cached now, for the load the routers see."""
-        rid = self.scheduler.submit(Request(prompt, SamplingParams(), max_new_tokens=max(1, p.output_length),
-                                            stop_ids=[], preview=" ", namespace=namespace,
-                                            arrival=p.arrival_s))
+        rid = self.loop.submit_now(self._events.append, arrival=p.arrival_s, prompt=prompt,
+                                   sampling=SamplingParams(), max_new_tokens=max(1, p.output_length),
+                                   stop_ids=[], preview=" ", namespace=namespace)
         work = p.input_length - cached + p.output_length
         blocks = -(-(p.input_length + p.output_length) // self.settings.page_rows)
         self._live[rid] = (p, work, blocks)
@@ -188,7 +192,9 @@ class Twin:
     def step(self) -> None:
         start, sched = self.now, self.scheduler
         self.runner.last_s = 0.0
-        events = sched.step()
+        self._events.clear()
+        self.loop.step()
+        events = [ev for ev in self._events if isinstance(ev, (TokenEvent, FinishEvent))]
         if not self.runner.last_s and sched.has_work():
             raise RuntimeError("the twin's scheduler ran a pass with nothing in it while requests wait")
         self.now = start + self.runner.last_s
