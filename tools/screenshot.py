@@ -89,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     wait(lambda: control.snapshot is not None, "a snapshot")
     settle(app)
 
+    dark, advisor = cache_and_advisor_shots(app, desktop, args.out, wait)
+    print(f"wrote {running}, {dark} and {advisor}")
+    window.close()
+    return 0 if control.last_error is None else 1
+
+
+def cache_and_advisor_shots(app, desktop, out: str, wait) -> tuple[str, str]:
+    """The Cache tab in the dark theme with a page in use hovered, then the Advisor tab after
+    Try the example (light); returns the two paths."""
+    window = desktop.window
     window.streams.setFocus()
     window.set_theme("dark")
     window.tabs.setCurrentWidget(window.cache_panel)
@@ -102,18 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         pos = page_map.cell_rect(used[0]).center()
         app.sendEvent(page_map, QHelpEvent(QEvent.Type.ToolTip, pos, page_map.mapToGlobal(pos)))
         settle(app)
-    dark = os.path.join(args.out, "screenshot-dark.png")
+    dark = os.path.join(out, "screenshot-dark.png")
     shot(window, dark)
     window.set_theme("light")
     window.tabs.setCurrentWidget(window.advisor)
     window.advisor.example_button.click()
     wait(lambda: desktop.advisor.advice is not None and not desktop.advisor.busy, "the advice")
     settle(app)
-    advisor = os.path.join(args.out, "screenshot-advisor.png")
+    advisor = os.path.join(out, "screenshot-advisor.png")
     shot(window, advisor)
-    print(f"wrote {running}, {dark} and {advisor}")
-    window.close()
-    return 0 if control.last_error is None else 1
+    return dark, advisor
 
 
 def tour_shots(out: str, timeout: float) -> int:
