@@ -3,6 +3,7 @@ default KV budget's pool with a page hovered (dark), the Advisor tab after "Try 
 
     python tools/screenshot.py [--out docs] [--scenario W8] [--max-new-tokens N]
     python tools/screenshot.py --tour [--out docs]   # the first start's tour
+    python tools/screenshot.py [--tour] --theme dark --out docs/shots   # every shot in one theme
 
 Runs offscreen unless DISPLAY is set (then under X, e.g. Xvfb). Uses a throw-away
 QSettings folder, so your own settings and session are left alone. Also prints how
@@ -26,7 +27,7 @@ import engine  # noqa: E402
 
 engine.tune_process()  # before NumPy loads OpenBLAS
 
-from PySide6.QtCore import QElapsedTimer, QSettings, QTimer  # noqa: E402
+from PySide6.QtCore import QCoreApplication, QElapsedTimer, QSettings, QTimer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the scenario's own")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--tour", action="store_true", help="grab the guided tour's steps instead")
+    parser.add_argument("--theme", choices=("light", "dark"),
+                        help="every shot in this theme, its name ending -THEME (default: the docs' mix)")
     args = parser.parse_args(argv)
+    global THEME
+    THEME = args.theme
     if args.tour:
         return tour_shots(args.out, args.timeout)
 
@@ -100,7 +105,7 @@ def cache_and_advisor_shots(app, desktop, out: str, wait) -> tuple[str, str]:
     Try the example (light); returns the two paths."""
     window = desktop.window
     window.streams.setFocus()
-    window.set_theme("dark")
+    window.set_theme(THEME or "dark")
     window.tabs.setCurrentWidget(window.cache_panel)
     settle(app)
     page_map = window.cache_panel.page_map
@@ -114,7 +119,7 @@ def cache_and_advisor_shots(app, desktop, out: str, wait) -> tuple[str, str]:
         settle(app)
     dark = os.path.join(out, "screenshot-dark.png")
     shot(window, dark)
-    window.set_theme("light")
+    window.set_theme(THEME or "light")
     window.tabs.setCurrentWidget(window.advisor)
     window.advisor.example_button.click()
     wait(lambda: desktop.advisor.advice is not None and not desktop.advisor.busy, "the advice")
@@ -148,11 +153,18 @@ def tour_shots(out: str, timeout: float) -> int:
     return 0 if desktop.controller.last_error is None else 1
 
 
+THEME: str | None = None  # --theme: every shot in it, named -THEME
+
+
 def shot(window, path: str) -> None:
     """The window as a person sees it: under X (Xvfb) the screen itself, tooltips included, with
     ImageMagick's `import`; offscreen, the window's own drawing."""
     import shutil
     import subprocess
+    if THEME:
+        window.set_theme(THEME)
+        settle(QCoreApplication.instance())
+        path = path.replace(".png", f"-{THEME}.png")
     if os.environ.get("DISPLAY") and shutil.which("import"):
         g = window.frameGeometry()
         subprocess.run(["import", "-window", "root", "-crop", f"{g.width()}x{g.height()}+{g.x()}+{g.y()}",
