@@ -157,6 +157,9 @@ def test_each_step_shows_its_call_and_copy_as_python_reproduces_it(window, qtbot
     assert eng.texts[1][:eng.shared_chars()].replace("\n", "⏎")[-20:] in panel.prompts.toPlainText()
     assert "background" in panel.prompts.toHtml()  # the shared part is marked
     assert f"len(p_a)  # -> {len(eng.prompts[1])}" in panel.code.text()
+    window.window.resize(1280, 800)
+    qtbot.wait(50)  # every call line shown whole: the label is as tall as its lines
+    assert panel.code.height() >= panel.code.sizeHint().height(), (panel.code.height(), panel.code.sizeHint())
     for name in STEPS[1:5]:  # through attach_b, step 5
         with qtbot.waitSignal(tour.step_shown, timeout=STEP_TIMEOUT_MS):
             panel.next_button.click()

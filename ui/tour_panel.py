@@ -51,7 +51,7 @@ class TourPanel(QFrame):
         self.code.setObjectName("tourCode")
         self.code.setFont(mono)
         self.code.setTextFormat(Qt.TextFormat.PlainText)
-        self.code.setWordWrap(True)
+        self.code.setWordWrap(False)  # short lines; a wrapping label is laid out too short in the dock
         self.code.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.code.hide()
         self.prompts = QTextEdit()  # A's and B's prompts, the shared part marked
@@ -100,6 +100,7 @@ class TourPanel(QFrame):
         self.caption.setText(caption)
         self.code.setText("\n".join(code))
         self.code.setVisible(bool(code))
+        self.code.setMinimumHeight(self.code.sizeHint().height())  # the dock grows to show every line
         self.copy_button.setEnabled(bool(code) or self.copy_button.isEnabled())
         self.next_button.setVisible(not last)
         self.next_button.setEnabled(True)
