@@ -16,7 +16,8 @@ the CLI would call them. What each test covers:
   (not) from the weight image; the machine recorded; the window and headless give the same
   tokens (ui); the table lists every figure;
 - every figure with a target in TARGETS (but --peer's and the w8 section's) is measured by one
-  of the sections above, with its target and a verdict that agrees;
+  of the sections above, with its target and a verdict that agrees; the table lists all their
+  figures;
 - prefill/decode and W8's steps: their ratios come from the same run;
 - the peer, w8 and serve sections (not in --quick) and the crash of a peer's child; the CPU's name.
 
@@ -278,6 +279,9 @@ def test_every_target_of_the_quick_bench_is_measured_with_its_verdict(section_ru
         assert (fig["op"], fig["target"]) == (op, target), name
         expected = fig["value"] <= target if op == "<=" else fig["value"] >= target
         assert fig["pass"] is expected, name
+    table = bench.format_table({**section_run, "figures": figs, "targets": bench.target_summary(figs)})
+    for name in figs:
+        assert name in table
 
 
 # the other sections, one by one ------------------------------------------------------------------
