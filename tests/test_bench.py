@@ -1,9 +1,25 @@
 """`prefixlab bench`: every figure present, finite and self-consistent.
 
-The quick bench runs every section (a Dask cluster, child processes: a minute and more); here one
-small section goes through the real CLI (`bench --quick --only scheduler --json`) for the whole
-result (figures, targets, machine, table), and the engine's sections, whose figures are ratios
-of one another, are checked on their own on the session's model.
+Every section of `bench --quick` is run once in this module, on the session's loaded model:
+load, scheduler, ui, kv_events, replay, cluster and tiers in one run through the real CLI
+(`bench --quick --only ... --json`, `section_run`: about 45 s, the Dask cluster half of it);
+prefill, decode, batch (W8's steps) and cache by their own functions (module fixtures), as
+the CLI would call them. What each test covers:
+
+- cheap unit tests: `--only` parsing, a figure's verdict and the ratio guard, the prefill FLOP
+  count, the cache section on a tiny pool (its figures finite, positive, with unit, feature and
+  target), the ui section without the desktop (no figures, and why);
+- `section_run`: no section failed; the load, scheduler, replay and cluster figures finite and
+  positive; the ratios are the quotients of the same run's numbers (scheduler, spec decoding,
+  TTFT hit/miss, peak RSS the max of cold and warm, the Dask cluster's figures equal the pool's);
+  the targets summary; the scheduler's runs comparable and the load's cold/warm children read
+  (not) from the weight image; the machine recorded; the window and headless give the same
+  tokens (ui); the table lists every figure;
+- every figure with a target in TARGETS (but --peer's and the w8 section's) is measured by one
+  of the sections above, with its target and a verdict that agrees; the table lists all their
+  figures;
+- prefill/decode and W8's steps: their ratios come from the same run;
+- the peer, w8 and serve sections (not in --quick) and the crash of a peer's child; the CPU's name.
 
 No timing assertions: the machine is shared and noisy. The checks are that each figure is
 there with a sane value, that every ratio is the quotient of the same run's numbers, and
@@ -12,6 +28,7 @@ that each pass/fail agrees with its value and target.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -20,7 +37,7 @@ import pytest
 
 from app import bench
 from app.bench.cache import cache_figures
-from app.bench.common import TARGETS, figure, ratio
+from app.bench.common import PEER_TARGETS, TARGETS, W8_TARGETS, figure, ratio
 from app.bench.engine import prefill_flops
 from tests.conftest import bundled_model_is
 
@@ -28,11 +45,15 @@ PREFILL = ["prefill_tok_s", "prefill_gflop_s", "matmul_ref_gflop_s", "prefill_fl
 DECODE = ["decode_tok_s", "decode_weight_gb_s", "mem_read_gb_s", "decode_bw_fraction", "batch_decode_tok_s",
           "batch_speedup"]
 W8_STEPS = ["batch8_step_ratio", "w8_peak_rss_mb"]
+LOAD = ["cold_load_s", "warm_load_s", "peak_rss_gb", "peak_rss_warm_gb", "peak_rss_cold_gb"]
 CACHE = ["attach_us_per_page", "insert_us_per_page", "evict_us_per_page"]
 SCHED = ["sched_wall_cached_s", "sched_wall_plain_s", "sched_wall_ratio", "ttft_alone_hit_s",
          "ttft_alone_miss_s", "ttft_hit_miss_ratio", "burst_ttft_hit_mean_s", "burst_ttft_miss_mean_s",
          "queue_wait_mean_s", "queue_wait_max_s",
          "plain_queue_wait_mean_s", "sched_wall_spec_s", "spec_speedup_one_stream"]
+REPLAY = ["replay_one_config_s", "replay_10k_blocks_s", "replay_sweep_wall_s", "replay_sweep_core_share"]
+CLUSTER = ["cluster_sweep_dask_s", "cluster_sweep_pool_s", "cluster_dask_matches_pool",
+           "cluster_1m_peak_rss_gb"]
 QUEUE_WAITS = {"queue_wait_mean_s", "queue_wait_max_s", "plain_queue_wait_mean_s"}
 
 
@@ -60,17 +81,46 @@ def assert_targets_attached(figures: dict) -> None:
         assert fig["pass"] is (fig["value"] <= target if op == "<=" else fig["value"] >= target), name
 
 
+# the quick bench's sections that run through the CLI here; the others run by their functions below
+CLI_SECTIONS = "load,scheduler,ui,kv_events,replay,cluster,tiers"
+FUNCTION_SECTIONS = ("prefill", "decode", "batch", "cache")
+
+
 @pytest.fixture(scope="module")
 def section_run(real_model, tmp_path_factory):
-    """One `bench --quick --only scheduler --json` run through the real CLI, in this process, on
-    the session's model (the bench's own load of the bundled model returns it)."""
+    """One `bench --quick --only CLI_SECTIONS --json` run through the real CLI, in this process,
+    on the session's model (the bench's own load of the bundled model returns it; the load and ui
+    sections' children load it from the weight image the load section writes)."""
     from app import cli
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     with pytest.MonkeyPatch.context() as mp:
         bundled_model_is(real_model, mp)
-        assert cli.main(["bench", "--quick", "--only", "scheduler", "--json", str(out)]) == 0
+        assert cli.main(["bench", "--quick", "--only", CLI_SECTIONS, "--json", str(out)]) == 0
     with open(out, encoding="utf-8") as fh:
         return json.load(fh)
+
+
+@pytest.fixture(scope="module")
+def cache_section():
+    return cache_figures(quick=True)
+
+
+@pytest.fixture(scope="module")
+def prefill_section(real_model):
+    from app.bench.engine import prefill_figures
+    return prefill_figures(real_model, quick=True)
+
+
+@pytest.fixture(scope="module")
+def decode_section(real_model):
+    from app.bench.engine import decode_figures
+    return decode_figures(real_model, quick=True, run_batch=True)
+
+
+@pytest.fixture(scope="module")
+def w8_steps_section(real_model):
+    from app.bench.w8_steps import w8_step_figures
+    return w8_step_figures(real_model.path, None, quick=True)  # W8's own timeline, a child's
 
 
 # cheap unit tests -----------------------------------------------------------------------------
@@ -107,19 +157,28 @@ def test_prefill_flops_counts_matmuls_causal_attention_and_one_logits_row(tiny_m
     assert f["total"] == f["matmul"] + f["attention"] + f["logits"]
 
 
-def test_cache_section_alone_on_a_tiny_pool():
-    figures, details = cache_figures(quick=True)
+def test_cache_section_alone_on_a_tiny_pool(cache_section):
+    figures, details = cache_section
     assert details["cached_pages"] >= 10_000
-    for name in CACHE:
-        assert figures[name]["value"] > 0 and math.isfinite(figures[name]["value"])
+    assert_finite_and_positive(figures, CACHE)
+    assert_targets_attached(figures)
 
 
-# one section through the CLI --------------------------------------------------------------------
+def test_ui_section_says_why_when_the_desktop_cannot_start(monkeypatch):
+    from app.bench import ui
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("app.desktop") else find_spec(name, *a))
+    figures, details = ui.ui_figures("model.gguf", True, None)
+    assert figures == {} and details["available"] is False and "app/desktop/" in details["reason"]
+
+
+# several sections through the CLI ---------------------------------------------------------------
 @pytest.mark.model
 def test_bench_section_has_every_figure_finite_and_positive(section_run):
     assert section_run["errors"] == {}
-    assert section_run["quick"] is True and section_run["sections_run"] == ["scheduler"]
-    assert_finite_and_positive(section_run["figures"], SCHED)
+    assert section_run["quick"] is True and section_run["sections_run"] == bench.parse_only(CLI_SECTIONS)
+    assert_finite_and_positive(section_run["figures"], LOAD + SCHED + REPLAY + CLUSTER)
 
 
 @pytest.mark.model
@@ -136,6 +195,9 @@ def test_bench_section_ratios_come_from_the_same_run(section_run):
     assert close(f["sched_wall_cached_s"], sd["cached"]["wall_s"])
     assert close(f["ttft_hit_miss_ratio"], f["ttft_alone_hit_s"] / f["ttft_alone_miss_s"])
     assert sd["ttft_alone"]["hit_cached_tokens"] > 0  # the hit really reused the system prompt
+    assert close(f["peak_rss_gb"], max(f["peak_rss_warm_gb"], f["peak_rss_cold_gb"]))
+    assert f["cluster_dask_matches_pool"] == 1.0  # the Dask cluster's numbers equal the pool's
+    assert section_run["details"]["cluster"]["big"]["requests"] > 0
 
 
 @pytest.mark.model
@@ -160,6 +222,8 @@ def test_bench_scheduler_runs_are_comparable(section_run):
     assert not sched["one"]["settings"]["spec_enabled"]
     assert all(sched[run]["settings"]["spec_enabled"] for run in ("spec", "one_spec"))
     assert {**sched["spec"]["settings"], "spec_enabled": False} == sched["cached"]["settings"]
+    load = section_run["details"]["load"]
+    assert load["cold"]["from_image"] is False and load["warm"]["from_image"] is True
 
 
 @pytest.mark.model
@@ -175,6 +239,22 @@ def test_bench_records_the_machine(section_run):
 
 
 @pytest.mark.model
+def test_bench_ui_window_and_headless_give_the_same_tokens(section_run):
+    ui = section_run["details"]["ui"]
+    assert ui["available"], ui.get("reason")  # the desktop is part of the project: always measured
+    f = {k: v["value"] for k, v in section_run["figures"].items()}
+    for name in ("ui_max_gap_ms", "ui_busy_max_gap_ms", "ui_app_headless_ratio", "ui_app_s", "ui_headless_s"):
+        assert f[name] > 0 and math.isfinite(f[name]), name
+    assert section_run["figures"]["ui_max_gap_ms"]["target"] == TARGETS["ui_max_gap_ms"][0]
+    for load in ("idle", "busy"):  # the window and headless produced the same tokens, in the same rounds
+        rounds = ui[load]
+        assert [a["tokens"] for a in rounds["app"]] == [h["tokens"] for h in rounds["headless"]]
+        assert rounds["app"][0]["tokens"] == ui["prompts"] * ui["new_tokens"]
+        assert close(rounds["ratios"][0], rounds["app"][0]["wall_s"] / rounds["headless"][0]["wall_s"])
+    assert close(f["ui_app_headless_ratio"], ui["idle"]["ratio"])
+
+
+@pytest.mark.model
 def test_bench_table_lists_every_figure(section_run):
     table = bench.format_table(section_run)
     for name in section_run["figures"]:
@@ -182,11 +262,32 @@ def test_bench_table_lists_every_figure(section_run):
     assert "targets:" in table
 
 
+# every section of the quick bench together --------------------------------------------------------
+@pytest.mark.model
+def test_every_target_of_the_quick_bench_is_measured_with_its_verdict(section_run, prefill_section,
+                                                                      decode_section, w8_steps_section,
+                                                                      cache_section):
+    # this module runs every section of `bench --quick`, each once
+    assert {*section_run["sections_run"], *FUNCTION_SECTIONS} == set(bench.parse_only(None, quick=True))
+    figs = {**section_run["figures"], **prefill_section[0], **decode_section[0], **w8_steps_section[0],
+            **cache_section[0]}
+    # the peer section runs only with --peer, the w8 section (whole processes) not with --quick
+    measured = set(TARGETS) - set(PEER_TARGETS) - set(W8_TARGETS)
+    assert measured == {k for k, v in figs.items() if v["target"] is not None}
+    for name, (target, op) in ((k, TARGETS[k]) for k in measured):
+        fig = figs[name]
+        assert (fig["op"], fig["target"]) == (op, target), name
+        expected = fig["value"] <= target if op == "<=" else fig["value"] >= target
+        assert fig["pass"] is expected, name
+    table = bench.format_table({**section_run, "figures": figs, "targets": bench.target_summary(figs)})
+    for name in figs:
+        assert name in table
+
+
 # the other sections, one by one ------------------------------------------------------------------
 @pytest.mark.model
-def test_prefill_and_decode_ratios_come_from_the_same_run(real_model):
-    from app.bench.engine import decode_figures, prefill_figures
-    figures, d = prefill_figures(real_model, quick=True)
+def test_prefill_and_decode_ratios_come_from_the_same_run(real_model, prefill_section, decode_section):
+    figures, d = prefill_section
     assert_finite_and_positive(figures, PREFILL)
     assert_targets_attached(figures)
     f = {k: v["value"] for k, v in figures.items()}
@@ -195,7 +296,7 @@ def test_prefill_and_decode_ratios_come_from_the_same_run(real_model):
     assert close(f["prefill_gflop_s"], d["model_flops"]["total"] * f["prefill_tok_s"] / n / 1e9)
     assert close(f["prefill_tok_s"], n / min(d["prefill_s"]))
 
-    figures, d = decode_figures(real_model, quick=True, run_batch=True)
+    figures, d = decode_section
     assert_finite_and_positive(figures, DECODE)
     assert_targets_attached(figures)
     f = {k: v["value"] for k, v in figures.items()}
@@ -206,9 +307,8 @@ def test_prefill_and_decode_ratios_come_from_the_same_run(real_model):
 
 
 @pytest.mark.model
-def test_w8_steps_section_divides_its_own_timelines_steps(real_model):
-    from app.bench.w8_steps import w8_step_figures
-    figures, w8 = w8_step_figures(real_model.path, None, quick=True)  # W8's own timeline, a child's
+def test_w8_steps_section_divides_its_own_timelines_steps(w8_steps_section):
+    figures, w8 = w8_steps_section
     assert_finite_and_positive(figures, W8_STEPS)
     assert_targets_attached(figures)
     assert w8["steps_8"] and w8["steps_1"] and w8["from_image"]
