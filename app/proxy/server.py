@@ -154,8 +154,8 @@ class ProxyApp:
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=lim.connect_timeout, read=lim.read_timeout,
                                       write=lim.read_timeout, pool=lim.connect_timeout),
-                limits=httpx.Limits(max_connections=lim.max_connections,
-                                    max_keepalive_connections=min(20, lim.max_connections)),
+                limits=httpx.Limits(max_connections=lim.upstream_connections,
+                                    max_keepalive_connections=min(20, lim.upstream_connections)),
                 follow_redirects=False)
             self._client.headers.clear()  # only the client's own headers go upstream
         return self._client
@@ -222,8 +222,8 @@ class ProxyApp:
             request = client.build_request(scope["method"], url, headers=headers, content=body)
             resp = await client.send(request, stream=True)
         except httpx.PoolTimeout:
-            return await ex.fail(503, f"all {lim.max_connections} connections to the upstream are busy "
-                                 "(--max-connections)", "upstream_busy")
+            return await ex.fail(503, f"all {lim.upstream_connections} connections to the upstream are busy "
+                                 "(--upstream-connections)", "upstream_busy")
         except httpx.ConnectTimeout:
             return await ex.fail(504, f"the upstream {self.upstream} did not accept a connection within "
                                  f"{lim.connect_timeout:g} s (--connect-timeout)", "upstream_timeout")
