@@ -17,8 +17,9 @@ is allocated, and the pages are read straight into one array (the load costs the
 can keep plus a constant). Writes are atomic (engine/atomic.py): a process stopped
 mid-write leaves the old file or the new one (and a killed save's temporary file is removed
 by the next save). A file whose structure cannot be trusted (magic, header, index, sizes)
-is renamed aside with one line that says what differed, and the cache starts cold; a save that cannot be written (a
-full or read-only folder) says so in one line and changes nothing in the running process.
+is renamed aside with one line that says what differed, and the cache starts cold; a save
+that cannot be written (a full or read-only folder) says so in one line and changes nothing
+in the running process.
 """
 
 from __future__ import annotations

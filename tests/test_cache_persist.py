@@ -97,9 +97,9 @@ def test_a_flipped_kv_byte_skips_that_page_not_the_file(tiny_model, tmp_path):
     out = io.StringIO()
     _, kept, loaded, again = answered(tiny_model, tmp_path, out=out)
     assert loaded == saved - 1 and kept.damaged == 1
-    assert out.getvalue().splitlines() == [f"prefixlab: cache {kept.path}: loaded {saved - 1} page(s); 1 damaged "
-                                           "page(s) (failing their CRC-32) skipped with the pages after them: "
-                                           "prompts that need them recompute"]
+    assert out.getvalue().splitlines() == [
+        f"prefixlab: cache {kept.path}: loaded {saved - 1} page(s); 1 damaged page(s) (failing their "
+        "CRC-32) skipped with the pages after them: prompts that need them recompute"]
     assert (tmp_path / FILE_NAME).exists() and not [f for f in os.listdir(tmp_path) if ".rejected-" in f]
     assert 0 < again.n_cached and again.text == first.text
 
@@ -126,7 +126,8 @@ def test_a_zeroed_page_is_a_miss_for_its_chain_and_the_other_chains_hit(tiny_mod
     assert kept.save() > 0
     intact = (tmp_path / FILE_NAME).read_bytes()
     hits, _, saved = ask_each(tiny_model, tmp_path)          # what a restart serves from it whole
-    cold, _, _ = ask_each(tiny_model, tmp_path / "no-cache", SchedulerSettings(page_rows=4, cache_enabled=False))
+    cold, _, _ = ask_each(tiny_model, tmp_path / "no-cache",
+                          SchedulerSettings(page_rows=4, cache_enabled=False))
     pages, chains, start, page_bytes = layout(intact)
     assert len(chains) == 3
     second = sorted(c["id"] for c in chains)[1]               # the chain of SYSTEMS[1]'s prompt

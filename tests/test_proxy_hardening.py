@@ -475,7 +475,8 @@ def test_the_recording_is_private_capped_rotated_and_strict_json(tmp_path):
 def test_proxy_limits_are_checked(tmp_path):
     from app.cli import main
     for flag, value in [("--read-timeout", "0"), ("--connect-timeout", "nan"), ("--total-timeout", "inf"),
-                        ("--max-body-bytes", "-1"), ("--upstream-connections", "0"), ("--max-line-bytes", "0")]:
+                        ("--max-body-bytes", "-1"), ("--upstream-connections", "0"),
+                        ("--max-line-bytes", "0")]:
         with pytest.raises(SystemExit, match=f"{flag} must be a number > 0, got"):
             main(["proxy", "--upstream", "http://127.0.0.1:9", flag, value])
     with pytest.raises(SystemExit, match="--record-max-bytes must be >= 1"):
@@ -503,8 +504,8 @@ def test_idle_connections_over_the_proxys_limit_leave_it_answering_and_log_one_l
     """200 sockets that never send a request against a limit of 20: the oldest idle ones make
     room, a real request is answered at once, and the burst is one log line naming the proxy."""
     with running(upstream({"/v1/models": models, "/v1/chat/completions": chat})) as (up,), \
-            running(Proxy(up.url + "/v1", port=0, max_connections=20, idle_timeout_s=30).start()) as (proxy,), \
-            caplog.at_level("WARNING"):
+            caplog.at_level("WARNING"), \
+            running(Proxy(up.url + "/v1", port=0, max_connections=20, idle_timeout_s=30).start()) as (proxy,):
         socks = [socket.create_connection(("127.0.0.1", proxy.http.port), timeout=10) for _ in range(200)]
         try:
             start = time.monotonic()
