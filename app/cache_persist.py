@@ -7,16 +7,19 @@ K and V (engine/disk_tier.py's page record). The header names the format version
 model file's SHA-256, the page rows, the KV dtype, the architecture, the page count and the
 index's length and SHA-256, so a file of another model or another page size is refused
 before any page is made; the index gives each page its CRC-32, checked as the pages are
-read, so a file the disk damaged is refused (saying how many pages) before any is made.
+read: a page the disk damaged is skipped (with the pages after it in its chain, which
+extend it), counted and named in the load's line, so a prompt that needed it is a miss and
+recomputes, while the file's other pages are served.
 
 Reading fails closed: only a regular file is opened (not a link, a FIFO or a device), every
 header field is checked for its type and range and against the file's size before anything
 is allocated, and the pages are read straight into one array (the load costs the pages it
 can keep plus a constant). Writes are atomic (engine/atomic.py): a process stopped
 mid-write leaves the old file or the new one (and a killed save's temporary file is removed
-by the next save). A refused file is renamed aside with one
-line that says what differed, and the cache starts cold; a save that cannot be written (a
-full or read-only folder) says so in one line and changes nothing in the running process.
+by the next save). A file whose structure cannot be trusted (magic, header, index, sizes)
+is renamed aside with one line that says what differed, and the cache starts cold; a save
+that cannot be written (a full or read-only folder) says so in one line and changes nothing
+in the running process.
 """
 
 from __future__ import annotations
@@ -47,6 +50,13 @@ _sha_memo: dict[tuple, str] = {}
 
 class CacheFileError(ValueError):
     """A cache file that cannot be used; the message says what differed."""
+
+
+class Restored(typing.NamedTuple):
+    """What a load made of a cache file: the pages re-created, and the pages skipped because
+    they failed their CRC-32 (the pages after them in their chains are not counted here)."""
+    pages: int
+    damaged: int
 
 
 def model_sha256(path: str) -> str:
@@ -208,10 +218,11 @@ def _page(i: int, p, rows: int, chain_ids) -> tuple:
     return key, parent, toks, namespace, depth, chain_id, checksum
 
 
-def restore_cache(cache, pool, model, fh, size: int) -> int:
-    """Re-create the cached pages of an open cache file of `size` bytes in `cache`; the pages
-    made, or CacheFileError when the file cannot be used (a damaged page refuses the file:
-    a page is never served from a file the disk has changed)."""
+def restore_cache(cache, pool, model, fh, size: int) -> Restored:
+    """Re-create the cached pages of an open cache file of `size` bytes in `cache`, or
+    CacheFileError when the file's structure cannot be trusted. A page failing its CRC-32 is
+    never served: it is skipped and counted, and so are (uncounted) the pages below it, whose
+    parent it is; the rest load."""
     from engine.prefix_records import ChainRecord
     header, _ = read_header(fh, size, expected_header(model, pool), pool.k.itemsize)
     meta = bytearray(header["index_bytes"])
@@ -231,18 +242,16 @@ def restore_cache(cache, pool, model, fh, size: int) -> int:
     n_read = min([len(pages), *room])
     records = np.empty((n_read, 2, *header["kv_shape"]), dtype=pool.k.dtype)
     _read_exact(fh, records)
-    bad = [i for i in range(n_read) if page_checksum(pages[i][0], records[i]) != pages[i][6]]
-    if bad:
-        raise CacheFileError(f"its K/V are corrupt: {len(bad)} of its {n_read} pages fail their CRC-32 "
-                             f"(the first is page {bad[0]})")
+    good = [i for i in range(n_read) if page_checksum(pages[i][0], records[i]) == pages[i][6]]
 
-    def fill(i: int, page: int) -> None:
-        pool.k[:, page] = records[i, 0]
-        pool.v[:, page] = records[i, 1]
-    try:
-        return cache.adopt(pool, [p[:6] for p in pages[:n_read]], chains, fill)
+    def fill(j: int, page: int) -> None:
+        pool.k[:, page] = records[good[j], 0]
+        pool.v[:, page] = records[good[j], 1]
+    try:   # adopt skips a page whose parent is not cached: a damaged page's descendants too
+        made = cache.adopt(pool, [pages[i][:6] for i in good], chains, fill)
     except ValueError as e:
         raise CacheFileError(f"its page index is corrupt ({e})") from None
+    return Restored(made, n_read - len(good))
 
 
 def open_regular(path: str):
@@ -272,19 +281,23 @@ class PersistedCache:
         self.path = os.path.join(directory, FILE_NAME)
         self.scheduler = scheduler
         self.out = out or sys.stderr
+        self.damaged = 0   # the last load's pages that failed their CRC-32 (skipped, never served)
 
     def _say(self, text: str) -> None:
         print(f"prefixlab: cache {self.path}: {text}", file=self.out, flush=True)
 
     def load(self) -> int:
-        """Load a matching file before the first request; a bad one is renamed aside (one line)."""
+        """Load a matching file before the first request, one line; the pages loaded. A file
+        that cannot be trusted is renamed aside; damaged pages are skipped and counted in
+        `damaged` (the next save rewrites the file without them)."""
         sch = self.scheduler
+        self.damaged = 0
         try:
             opened = open_regular(self.path)
             if opened is None:
                 return 0
             with opened[0] as fh:
-                n = restore_cache(sch.cache, sch.pool, sch.model, fh, opened[1])
+                n, self.damaged = restore_cache(sch.cache, sch.pool, sch.model, fh, opened[1])
         except (CacheFileError, OSError, MemoryError) as e:
             sch.cache.release(sch.pool)  # nothing half-restored: a cold cache
             aside = f"{self.path}.rejected-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -295,7 +308,11 @@ class PersistedCache:
             reason = e if isinstance(e, CacheFileError) else f"{type(e).__name__}: {e}"
             self._say(f"not loaded: {reason}; moved to {aside}; starting with a cold cache")
             return 0
-        self._say(f"loaded {n} page(s)")
+        if self.damaged:
+            self._say(f"loaded {n} page(s); {self.damaged} damaged page(s) (failing their CRC-32) "
+                      "skipped with the pages after them: prompts that need them recompute")
+        else:
+            self._say(f"loaded {n} page(s)")
         return n
 
     def save(self) -> int:

@@ -1,5 +1,6 @@
-"""--persist-cache (docs/design.md §12): the cache outlives the process; a damaged or foreign
-file is refused with one line, moved aside, and the cache starts cold."""
+"""--persist-cache (docs/design.md §12): the cache outlives the process; a foreign file, or one
+whose structure is damaged, is refused with one line, moved aside, and the cache starts cold;
+a damaged page is skipped and counted, its prompts recompute and the other pages hit."""
 
 from __future__ import annotations
 
@@ -64,15 +65,87 @@ def saved_file(model, tmp_path) -> bytes:
     return (tmp_path / FILE_NAME).read_bytes()
 
 
-@pytest.mark.parametrize("where", ["body", "header", "kv"])
-def test_a_flipped_byte_is_refused(tiny_model, tmp_path, where):
+def layout(data: bytes) -> tuple[list, list, int, int]:
+    """A saved file's index (its pages and chains), where its first page's K/V start and the
+    bytes of one page's K/V."""
+    head = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16:16 + head])
+    start = 16 + head + header["index_bytes"]
+    index = json.loads(data[16 + head:start])
+    return index["pages"], index["chains"], start, (len(data) - start) // header["n_pages"]
+
+
+@pytest.mark.parametrize("where", ["body", "header"])
+def test_a_flipped_byte_in_the_header_or_index_is_refused(tiny_model, tmp_path, where):
     data = bytearray(saved_file(tiny_model, tmp_path))
     head = int.from_bytes(data[8:16], "little")
-    at = {"header": 16 + head // 2, "body": 16 + head + 10, "kv": len(data) - 5}[where]
+    at = {"header": 16 + head // 2, "body": 16 + head + 10}[where]
     data[at] ^= 0x40
     (tmp_path / FILE_NAME).write_bytes(bytes(data))
     line, _ = refused(tiny_model, tmp_path)
     assert "corrupt" in line or "differs" in line
+
+
+def test_a_flipped_kv_byte_skips_that_page_not_the_file(tiny_model, tmp_path):
+    """Issue 45 changed this on purpose: a page failing its CRC-32 was refusing the whole file;
+    now that page alone is skipped (never served), counted and named in the load's line."""
+    _, kept, _, first = answered(tiny_model, tmp_path)
+    saved = kept.save()
+    data = bytearray((tmp_path / FILE_NAME).read_bytes())
+    data[-5] ^= 0x40            # in the K/V of the last page written: the deepest one
+    (tmp_path / FILE_NAME).write_bytes(bytes(data))
+    out = io.StringIO()
+    _, kept, loaded, again = answered(tiny_model, tmp_path, out=out)
+    assert loaded == saved - 1 and kept.damaged == 1
+    assert out.getvalue().splitlines() == [
+        f"prefixlab: cache {kept.path}: loaded {saved - 1} page(s); 1 damaged page(s) (failing their "
+        "CRC-32) skipped with the pages after them: prompts that need them recompute"]
+    assert (tmp_path / FILE_NAME).exists() and not [f for f in os.listdir(tmp_path) if ".rejected-" in f]
+    assert 0 < again.n_cached and again.text == first.text
+
+
+SYSTEMS = ["You paint walls. " * 6, "You fix bikes. " * 6, "You bake bread. " * 6]
+
+
+def ask_each(model, tmp_path, settings=None, out=None) -> tuple[list, PersistedCache, int]:
+    """A scheduler (its cache kept in tmp_path) asked QUESTION under each of SYSTEMS in turn:
+    their records, the kept cache and the pages it loaded."""
+    loop = EngineLoop(model, settings or SchedulerSettings(page_rows=4))
+    kept = PersistedCache(str(tmp_path), loop.scheduler, out or io.StringIO())
+    loaded = kept.load()
+    records = []
+    for system in SYSTEMS:
+        rid = loop.submit_now(system=system, user=QUESTION, max_new_tokens=6)
+        loop.run_until_done()
+        records.append(loop.scheduler.record(rid))
+    return records, kept, loaded
+
+
+def test_a_zeroed_page_is_a_miss_for_its_chain_and_the_other_chains_hit(tiny_model, tmp_path):
+    _, kept, _ = ask_each(tiny_model, tmp_path)
+    assert kept.save() > 0
+    intact = (tmp_path / FILE_NAME).read_bytes()
+    hits, _, saved = ask_each(tiny_model, tmp_path)          # what a restart serves from it whole
+    cold, _, _ = ask_each(tiny_model, tmp_path / "no-cache",
+                          SchedulerSettings(page_rows=4, cache_enabled=False))
+    pages, chains, start, page_bytes = layout(intact)
+    assert len(chains) == 3
+    second = sorted(c["id"] for c in chains)[1]               # the chain of SYSTEMS[1]'s prompt
+    own = sorted((p[4], i) for i, p in enumerate(pages) if p[5] == second)
+    depth, at = own[len(own) // 2]                           # a page in its middle
+    data = bytearray(intact)
+    data[start + at * page_bytes:start + (at + 1) * page_bytes] = bytes(page_bytes)  # a disk error
+    (tmp_path / FILE_NAME).write_bytes(bytes(data))
+
+    out = io.StringIO()
+    records, kept, loaded = ask_each(tiny_model, tmp_path, out=out)
+    below = sum(1 for p in pages if p[5] == second and p[4] > depth)
+    assert kept.damaged == 1 and loaded == saved - 1 - below
+    assert "1 damaged page(s)" in out.getvalue().splitlines()[0]
+    a, b, c = records
+    assert a.n_cached == hits[0].n_cached > 0 and c.n_cached == hits[2].n_cached > 0
+    assert b.n_cached == depth * 4 < hits[1].n_cached          # served up to the damaged page only
+    assert [r.text for r in records] == [r.text for r in cold] == [r.text for r in hits]
 
 
 def test_a_truncated_file_is_refused(tiny_model, tmp_path):
@@ -149,15 +222,20 @@ def test_prefixlab_run_twice_hits_and_answers_as_without_cache(real_model, tmp_p
         records.append(json.loads(out.read_text())["requests"][0])
     assert records[0]["n_cached"] == 0 and records[1]["n_cached"] > 0
     assert records[1]["text"] == records[2]["text"]
-    # a damaged file: one line, exit 0, a cold cache
+    # a damaged page (issue 45: skipped, no longer the whole file): one line, exit 0, a hit up to
+    # that page and the answer without a cache
     data = bytearray((store / FILE_NAME).read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    pages, _, start, page_bytes = layout(data)
+    at = len(pages) // 2
+    data[start + at * page_bytes + page_bytes // 2] ^= 0xFF
     (store / FILE_NAME).write_bytes(bytes(data))
     out = tmp_path / "r3.json"
     done = run_cli(*common, "--persist-cache", str(store), "--json", str(out))
     assert done.returncode == 0
-    assert [ln for ln in done.stderr.splitlines() if "not loaded" in ln] != []
-    assert json.loads(out.read_text())["requests"][0]["n_cached"] == 0
+    assert [ln for ln in done.stderr.splitlines() if "1 damaged page(s)" in ln] != [], done.stderr
+    damaged = json.loads(out.read_text())["requests"][0]
+    assert damaged["n_cached"] == pages[at][4] * len(pages[at][2]) < records[1]["n_cached"]
+    assert damaged["text"] == records[2]["text"]
 
 
 def serve_once(model_path: str, store, system: str) -> tuple[int, str]:

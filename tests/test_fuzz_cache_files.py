@@ -1,6 +1,7 @@
-"""Fuzz targets for the files on disk (issue 45): the persisted cache's header and the disk
-tier's pages. Whatever a header says, a load loads or refuses with one line naming the field;
-whatever the disk does to a tier page, that page is a miss and never a wrong K/V.
+"""Fuzz targets for the files on disk (issue 45): the persisted cache's header and pages, and the
+disk tier's pages. Whatever a header says, a load loads or refuses with one line naming the
+field; whatever the disk does to a saved page or a tier page, that page is a miss and never a
+wrong K/V.
 Budgets are small (CI stays fast); raise max_examples locally to search longer.
 """
 
@@ -80,6 +81,36 @@ def test_fuzz_a_cache_header_loads_or_is_refused_by_name(tiny_model, saved, fiel
         assert "not loaded" in lines[0] and not left and len(sch.cache.pages) == 0
         if not flips:
             assert field in lines[0] or "header is corrupt" in lines[0], lines[0]
+
+
+@FAST
+@given(data=st.data())
+def test_fuzz_a_damaged_saved_page_is_skipped_with_its_descendants_never_served(tiny_model, saved, data):
+    src, blob = saved
+    head = int.from_bytes(blob[8:16], "little")
+    header = json.loads(blob[16:16 + head])
+    start = 16 + head + header["index_bytes"]
+    index = json.loads(blob[16 + head:start])["pages"]
+    page_bytes = (len(blob) - start) // len(index)
+    damaged = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, 4))):  # bytes of the K/V changed, as a failing disk would
+        damaged[data.draw(st.integers(start, len(blob) - 1))] ^= data.draw(st.integers(1, 255))
+    bad = {i for i in range(len(index))
+           if damaged[start + i * page_bytes:start + (i + 1) * page_bytes]
+           != blob[start + i * page_bytes:start + (i + 1) * page_bytes]}
+    served = set()  # the pages whose every ancestor and themselves are intact (parents come first)
+    for i, (key, parent, *_rest) in enumerate(index):
+        if i not in bad and (parent is None or parent in served):
+            served.add(key)
+    got, lines, sch, left = _load(tiny_model, bytes(damaged))
+    assert got == len(served) and set(sch.cache.pages) == served and left
+    assert len(lines) == 1 and f"loaded {len(served)} page(s)" in lines[0], lines
+    assert (f"; {len(bad)} damaged page(s)" in lines[0]) == bool(bad), lines  # two flips of a byte may cancel
+    for key in served:  # what loads is the very page saved
+        np.testing.assert_array_equal(sch.pool.k[:, sch.cache.pages[key].page],
+                                      src.pool.k[:, src.cache.pages[key].page])
+        np.testing.assert_array_equal(sch.pool.v[:, sch.cache.pages[key].page],
+                                      src.pool.v[:, src.cache.pages[key].page])
 
 
 @FAST

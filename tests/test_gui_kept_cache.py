@@ -14,6 +14,7 @@ from app.cache_persist import FILE_NAME  # noqa: E402
 from app.desktop.cache_keeper import cache_dir  # noqa: E402
 from app.desktop.settings import AppSettings  # noqa: E402
 from app.desktop.worker import EngineWorker  # noqa: E402
+from tests.test_cache_persist import layout  # noqa: E402
 from tests.test_gui_worker import QUESTIONS, Recorder, job, run  # noqa: E402
 from ui.settings_dialog import SettingsDialog  # noqa: E402
 
@@ -58,7 +59,7 @@ def test_the_dialog_offers_the_dtype_as_a_choice(qtbot):
     assert dlg.disk_tier_pages.specialValueText() == "0 (off)"
 
 
-def test_a_kept_cache_survives_a_restart_and_a_damaged_file_is_one_line(qapp, tiny_gguf_path, tmp_path):
+def test_a_kept_cache_survives_a_restart_and_a_damaged_page_is_one_line(qapp, tiny_gguf_path, tmp_path):
     root = str(tmp_path / "kv-cache")
     w = _worker(tiny_gguf_path, root, keep_cache=True)
     w.submit(job("a", QUESTIONS[0]))
@@ -81,15 +82,21 @@ def test_a_kept_cache_survives_a_restart_and_a_damaged_file_is_one_line(qapp, ti
     again._timer.stop()
 
     data = bytearray(open(path, "rb").read())
-    data[-5] ^= 0xFF  # one flipped byte
+    saved, _, start, page_bytes = layout(data)
+    at = len(saved) // 2                               # a page in the middle of the question's chain
+    data[start + at * page_bytes + 5] ^= 0xFF          # one flipped byte in its K/V
+    depth = saved[at][4]                               # the pages above it, served
     open(path, "wb").write(bytes(data))
+    # issue 45 changed this on purpose: the damaged page is skipped, not the whole file
     damaged = _worker(tiny_gguf_path, root, keep_cache=True)
-    assert len(damaged.notes) == 1 and "not loaded" in damaged.notes[0] and "corrupt" in damaged.notes[0]
-    assert not damaged.rec.failed and not damaged.scheduler.cache.pages
-    assert not os.path.exists(path)  # moved aside
+    assert damaged.notes == [f"Cache {path}: loaded {depth} page(s); 1 damaged page(s) (failing their "
+                             "CRC-32) skipped with the pages after them: prompts that need them recompute"]
+    assert not damaged.rec.failed and len(damaged.scheduler.cache.pages) == depth
+    assert os.path.exists(path)  # kept: the next save rewrites it whole
     damaged.submit(job("c", QUESTIONS[0]))
     run(damaged)
-    assert damaged.rec.request_finished[-1].n_cached == 0
+    c = damaged.rec.request_finished[-1]
+    assert c.n_cached == depth * 4 < hit.n_cached and c.text == cold.text
     damaged._timer.stop()
 
     off = _worker(tiny_gguf_path, root)  # not kept: nothing loaded, nothing said

@@ -13,7 +13,7 @@ LIMIT_HELP = {
     "connect_timeout": "seconds to open a connection to the upstream (default %(default)s)",
     "read_timeout": "seconds the upstream may send nothing, before or within an answer (default %(default)s)",
     "total_timeout": "seconds one request may take, a stream included (default %(default)s)",
-    "max_connections": "connections to the upstream, all requests together (default %(default)s)",
+    "upstream_connections": "connections to the upstream, all requests together (default %(default)s)",
     "max_body_bytes": "largest request body; a larger one gets 413 (default %(default)s, 64 MiB)",
     "max_answer_bytes": "largest answer held whole (streams pass as they come); a larger one gets 502 "
                         "(default %(default)s, 64 MiB)",
@@ -43,6 +43,8 @@ def add_parser(sub) -> None:
     for f in fields(Limits):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, metavar="N",
                        help=LIMIT_HELP[f.name])
+    from ..serve.guard import add_connection_args  # the clients' connections, bounded as serve's are
+    add_connection_args(p)
     p.set_defaults(func=run)
 
 
@@ -59,15 +61,21 @@ class Proxy:
 
     def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 8001, record: str | None = None,
                  limits: Limits | None = None, record_max_bytes: int = DEFAULT_RECORD_MAX_BYTES,
-                 allowed_hosts: list[str] | None = None):
-        from ..serve.runner import HttpThread
+                 allowed_hosts: list[str] | None = None, max_connections: int | None = None,
+                 idle_timeout_s: float | None = None):
+        from ..serve.guard import DEFAULT_IDLE_TIMEOUT_S, ConnectionLimit, limited
+        from ..serve.runner import HttpThread, JsonErrorsH11
         from .record import Recorder
         from .server import create_proxy_app
         self.upstream = check_upstream(upstream)
+        # the clients' connections, as serve bounds its own (idle ones cannot exhaust the descriptors)
+        self.connections = ConnectionLimit(
+            max_connections, DEFAULT_IDLE_TIMEOUT_S if idle_timeout_s is None else idle_timeout_s, "proxy")
         self.recorder = Recorder(record, record_max_bytes)
         app = create_proxy_app(self.upstream, self.recorder, limits, host, allowed_hosts)
         # no Server or Date header of our own: the upstream's pass through as they are
-        self.http = HttpThread(app, host, port, server_header=False, date_header=False)
+        self.http = HttpThread(app, host, port, http=limited(JsonErrorsH11, self.connections),
+                               server_header=False, date_header=False)
 
     @property
     def url(self) -> str:
@@ -88,7 +96,7 @@ def run(args) -> int:
     try:
         limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
         proxy = Proxy(args.upstream, args.host, args.port, args.record, limits, args.record_max_bytes,
-                      args.allowed_hosts).start()
+                      args.allowed_hosts, args.max_connections, args.idle_timeout).start()
     except (ValueError, ServeError) as e:
         raise SystemExit(f"prefixlab proxy: {e}") from None
     where = f"; recording to {args.record}" if args.record else ""

@@ -18,7 +18,7 @@ class Limits:
     connect_timeout: float = 10.0
     read_timeout: float = 600.0  # between two bytes of an answer: a long prompt's first token takes a while
     total_timeout: float = 3600.0  # a whole exchange, a stream included
-    max_connections: int = 100  # to the upstream, all requests together
+    upstream_connections: int = 100  # to the upstream, all requests together
     max_body_bytes: int = 64 << 20
     max_answer_bytes: int = 64 << 20  # a non-streamed answer is held whole (a cut one becomes a clean 502)
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES

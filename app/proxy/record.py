@@ -76,10 +76,11 @@ def strict_loads(data: bytes | str):
 class UsageReader:
     """The usage (and llama.cpp timings) in an answer, read as its bytes pass by.
 
-    Bounded whatever the upstream sends: a compressed answer is inflated a slice at a time,
-    a whole answer is read up to `max_decoded` bytes, an event stream one line at a time
-    (each line scanned once; a line over `max_line` is skipped, not kept). Past a bound the
-    answer still passes; only its usage goes unread."""
+    Bounded whatever the upstream sends: a compressed answer is inflated a slice at a time
+    and only up to `max_decoded` bytes (a stream's too: a 1 MB gzip bomb is 1 GB of work), a
+    whole answer is read up to `max_decoded` bytes, an event stream one line at a time (each
+    line scanned once; a line over `max_line` is skipped, not kept). Past a bound the answer
+    still passes; only its usage goes unread."""
 
     def __init__(self, encoding: str, streaming: bool, max_decoded: int = DEFAULT_MAX_DECODED_BYTES,
                  max_line: int = DEFAULT_MAX_LINE_BYTES):
@@ -92,6 +93,12 @@ class UsageReader:
         self._readable = encoding in ("", "identity", "gzip", "x-gzip", "deflate")
         self._buf = bytearray()  # a whole answer, or the stream's unfinished line
         self._skipping = False  # inside an over-long line: drop bytes up to its newline
+        self._decoded = 0  # bytes decoded so far
+
+    @property
+    def inflating(self) -> bool:
+        """Whether feeding costs inflating a compressed answer (work worth taking off the event loop)."""
+        return self._decoder is not None and self._readable
 
     def feed(self, raw: bytes) -> None:
         """Some raw bytes of the answer."""
@@ -111,11 +118,14 @@ class UsageReader:
             data = self._decoder.unconsumed_tail
 
     def _take_decoded(self, data: bytes) -> None:
+        self._decoded += len(data)
+        # a whole answer is held, a compressed one inflated: both bounded (a plain stream is read
+        # as it passes, at the cost of passing it)
+        if self._decoded > self.max_decoded and (self._decoder is not None or not self.streaming):
+            self._give_up(f"the answer decodes to over {self.max_decoded:,} bytes (--max-decoded-bytes)")
+            return
         if not self.streaming:
-            if len(self._buf) + len(data) > self.max_decoded:
-                self._give_up(f"the answer decodes to over {self.max_decoded:,} bytes (--max-decoded-bytes)")
-            else:
-                self._buf += data
+            self._buf += data
             return
         start = 0
         while (end := data.find(b"\n", start)) >= 0:

@@ -4,7 +4,8 @@ Bodies and headers pass as they are (hop-by-hop headers aside); the answer strea
 byte for byte. First, serve's own guard: the Host must name this machine, a body must be
 JSON and within its limit, so a web page cannot reach a keyless server through the proxy.
 Every exchange is bounded (`Limits`): connect, read and total timeouts, a pool of upstream
-connections, the size of an answer held whole, what is decoded to read usage; a client
+connections, the size of an answer held whole, what is decoded to read usage (inflated
+off the event loop, so a compressed answer never stalls the other clients); a client
 that goes away cancels its upstream request, so a silent upstream cannot hold the pool.
 An upstream that cannot be reached, times out, answers a 5xx without an error object or
 closes mid-answer gives the client an OpenAI error object typed `upstream_error`; the proxy
@@ -153,8 +154,8 @@ class ProxyApp:
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=lim.connect_timeout, read=lim.read_timeout,
                                       write=lim.read_timeout, pool=lim.connect_timeout),
-                limits=httpx.Limits(max_connections=lim.max_connections,
-                                    max_keepalive_connections=min(20, lim.max_connections)),
+                limits=httpx.Limits(max_connections=lim.upstream_connections,
+                                    max_keepalive_connections=min(20, lim.upstream_connections)),
                 follow_redirects=False)
             self._client.headers.clear()  # only the client's own headers go upstream
         return self._client
@@ -221,8 +222,8 @@ class ProxyApp:
             request = client.build_request(scope["method"], url, headers=headers, content=body)
             resp = await client.send(request, stream=True)
         except httpx.PoolTimeout:
-            return await ex.fail(503, f"all {lim.max_connections} connections to the upstream are busy "
-                                 "(--max-connections)", "upstream_busy")
+            return await ex.fail(503, f"all {lim.upstream_connections} connections to the upstream are busy "
+                                 "(--upstream-connections)", "upstream_busy")
         except httpx.ConnectTimeout:
             return await ex.fail(504, f"the upstream {self.upstream} did not accept a connection within "
                                  f"{lim.connect_timeout:g} s (--connect-timeout)", "upstream_timeout")
@@ -251,7 +252,10 @@ class ProxyApp:
                 async for raw in resp.aiter_raw():
                     if ex.first_byte is None:
                         ex.first_byte = now()
-                    if ex.usage is not None:
+                    if ex.usage is not None and ex.usage.inflating:
+                        # on a worker thread (zlib lets go of the GIL): a bomb stalls no other client
+                        await anyio.to_thread.run_sync(ex.usage.feed, raw)
+                    elif ex.usage is not None:
                         ex.usage.feed(raw)
                     if ex.streaming:
                         await ex.body(raw)

@@ -12,9 +12,9 @@ from ..common_args import add_model_arg, add_scheduler_args, bounded_int, schedu
 from ..stop_signals import StopOnSignals
 from .budget import DEFAULT_KV_BUDGET, describe, parse_budget, with_budget
 from .guard import (
-    DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DRAIN_LIMIT_BYTES,
+    add_connection_args,
     check_connection_options,
     default_max_connections,
 )
@@ -38,12 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-body-bytes", type=bounded_int(1, DRAIN_LIMIT_BYTES, " bytes"),
                    default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body; a larger one gets 413 (default %(default)s, 8 MiB)")
-    p.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help="open connections at most; at the limit the longest-idle one is closed for a "
-                        "newcomer, and with every one running a request the newcomer gets 503 (default: "
-                        f"{default_max_connections()}, under this process's file limit)")
-    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="S",
-                   help="close a connection that has sent no request for S seconds (default %(default)s)")
+    add_connection_args(p)
     p.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, metavar="SIZE",
                    help="KV memory (the pool running requests and the prefix cache share): a share of "
                         "RAM (10%%) or a size (2GiB, 500MB); 0: none. --pool-pages or --cache-pages, "

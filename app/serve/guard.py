@@ -148,6 +148,16 @@ def default_max_connections() -> int:
     return max(1, min(DEFAULT_MAX_CONNECTIONS, descriptor_limit() - FD_RESERVE))
 
 
+def add_connection_args(p) -> None:
+    """`--max-connections` and `--idle-timeout`, for serve and the proxy alike."""
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections at most; at the limit the longest-idle one is closed for a "
+                        "newcomer, and with every one running a request the newcomer gets 503 (default: "
+                        f"{default_max_connections()}, under this process's file limit)")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="S",
+                   help="close a connection that has sent no request for S seconds (default %(default)s)")
+
+
 def check_connection_options(max_connections: int, idle_timeout_s: float) -> None:
     """ValueError naming the option that is out of its range."""
     room = descriptor_limit() - FD_RESERVE
@@ -161,11 +171,13 @@ def check_connection_options(max_connections: int, idle_timeout_s: float) -> Non
 
 class ConnectionLimit:
     """Shared by every connection of a server: the limit, the idle connections (oldest first),
-    and the running burst of connections that met the limit (logged once when it ends)."""
+    and the running burst of connections that met the limit (logged once when it ends, as
+    `prefixlab <command>`)."""
 
-    def __init__(self, max_connections: int | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S):
+    def __init__(self, max_connections: int | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 command: str = "serve"):
         self.max_connections = default_max_connections() if max_connections is None else max_connections
-        self.idle_timeout_s = idle_timeout_s
+        self.idle_timeout_s, self.command = idle_timeout_s, command
         check_connection_options(self.max_connections, idle_timeout_s)
         self.idle: dict = {}  # protocol -> None, insertion order: the longest idle first
         self.closed = self.refused = 0    # this burst's
@@ -198,9 +210,10 @@ class ConnectionLimit:
         if now - latest < BURST_QUIET_S and now - first < BURST_MAX_S:
             loop.call_later(BURST_QUIET_S - (now - latest), self._end_burst, loop)
             return
-        log.warning("prefixlab serve: at the connection limit of %d (--max-connections) for %.1f s: "
+        log.warning("prefixlab %s: at the connection limit of %d (--max-connections) for %.1f s: "
                     "closed %d idle connection(s) for newer ones, refused %d with 503 (when every one had "
-                    "a request running)", self.max_connections, latest - first, self.closed, self.refused)
+                    "a request running)", self.command, self.max_connections, latest - first, self.closed,
+                    self.refused)
         self.closed = self.refused = 0
         self._burst = None
 
