@@ -24,9 +24,9 @@ ROUNDS = 9  # a round's ratio varies by +-15% on a shared 2-core machine: the me
 
 
 def worker_available() -> str | None:
-    """None when app.desktop.worker and its EngineClient exist, else why not."""
-    if importlib.util.find_spec("app.desktop.worker") is None:
-        return "app/desktop/worker.py does not exist"
+    """None when app.desktop.engine_driver (the desktop's engine thread) exists, else why not."""
+    if importlib.util.find_spec("app.desktop.engine_driver") is None:
+        return "app/desktop/engine_driver.py does not exist"
     if importlib.util.find_spec("PySide6") is None:
         return "PySide6 is not installed"
     return None
