@@ -108,6 +108,11 @@ class Served(Accepted):
     preview: str = ""
 
 
+def failure(where: str, e: Exception) -> Failed:
+    """An exception as the user reads it: where, what, and its last frames."""
+    return Failed(f"{where}: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
+
+
 def guarded(fn):
     """Run a request; any exception becomes a `Failed` report, never a dead thread."""
 
@@ -116,7 +121,7 @@ def guarded(fn):
         try:
             return fn(self, *args)
         except Exception as e:  # noqa: BLE001 - reported to the user, the thread lives on
-            self.report(Failed(f"{fn.__name__}: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}"))
+            self.on_report(failure(fn.__name__, e))
             return None
 
     return wrapper
@@ -125,9 +130,9 @@ def guarded(fn):
 class DesktopEngine:
     """Holds the Model and the loop's Scheduler; steps the loop while there is work."""
 
-    def __init__(self, on_events: Callable[[list], None], report: Callable[[object], None]):
+    def __init__(self, on_events: Callable[[list], None], on_report: Callable[[object], None]):
         self.on_events = on_events         # one step's [(ticket, event), ...], in order
-        self.report = report               # every other report (the classes above, Snapshot)
+        self.on_report = on_report         # every other report (the classes above, a Snapshot)
         self.model = None
         self.loop = EngineLoop()
         self._events: list = []            # this step's (ticket, event)s, for `on_events`
@@ -189,16 +194,16 @@ class DesktopEngine:
                 return
         error, model = result.get("error"), result.get("model")
         if isinstance(error, engine.ModelLoadError):
-            self.report(LoadFailed(str(error)))
+            self.on_report(LoadFailed(str(error)))
             return
         if model is None:  # any broken file must leave the old model
-            self.report(LoadFailed(f"{path or 'the bundled model'}: {type(error).__name__}: {error}"))
+            self.on_report(LoadFailed(f"{path or 'the bundled model'}: {type(error).__name__}: {error}"))
             return
         self.model = model
         note = self._new_scheduler()
-        self.report(ModelLoaded(model_info(model)))
+        self.on_report(ModelLoaded(model_info(model)))
         if note:  # after "Loaded ...", so the window's status bar ends on it
-            self.report(CacheNote(note))
+            self.on_report(CacheNote(note))
 
     @guarded
     def check_model(self, path: str) -> None:
@@ -213,7 +218,7 @@ class DesktopEngine:
             why = f"{path}: {type(e).__name__}: {e}"
         else:
             why = ""
-        self.report(ModelChecked(path, why))
+        self.on_report(ModelChecked(path, why))
 
     @guarded
     def apply_settings(self, values: dict) -> None:
@@ -233,7 +238,7 @@ class DesktopEngine:
             return
         if live != s.settings:
             s.update_settings(live)
-            self.report(KvBudget(new.kv_budget(s)))
+            self.on_report(KvBudget(new.kv_budget(s)))
             self._emit_stats(force=True)
 
     @guarded
@@ -241,7 +246,7 @@ class DesktopEngine:
         if self.scheduler is None:
             return
         n = self.scheduler.flush_cache()
-        self.report(CacheFlushed(n))
+        self.on_report(CacheFlushed(n))
         self._emit_stats(force=True)
 
     def set_cache_root(self, root: str) -> None:
@@ -252,9 +257,9 @@ class DesktopEngine:
     def save_cache(self) -> None:
         """Save the cache now (Run → Save the cache now), whether or not it is kept at quit."""
         if self.scheduler is None:
-            self.report(CacheNote("Cache not saved: no model is loaded"))
+            self.on_report(CacheNote("Cache not saved: no model is loaded"))
             return
-        self.report(CacheNote(self.keeper.save(self.scheduler)))
+        self.on_report(CacheNote(self.keeper.save(self.scheduler)))
 
     @guarded
     def pin_chain(self, chain_id: int, pinned: bool) -> None:
@@ -267,7 +272,7 @@ class DesktopEngine:
         """How far a prompt (system + user) would match the cache, and where it differs."""
         if self.scheduler is None or self.model is None:
             return
-        self.report(ProbeReady(probe_prompt(self.scheduler, request.get("system", ""),
+        self.on_report(ProbeReady(probe_prompt(self.scheduler, request.get("system", ""),
                                             request.get("user", ""), request.get("namespace", ""))))
 
     @guarded
@@ -279,7 +284,7 @@ class DesktopEngine:
                               self._settings.sampling(), request.get("title", ""),
                               namespace=self._settings.namespace,
                               kv_budget=self._settings.kv_budget(self.scheduler)["line"])
-        self.report(ReportReady(request["path"], report))
+        self.on_report(ReportReady(request["path"], report))
 
     def save_trace(self, path: str) -> None:
         """Write the session's ended requests as a trace (the What-if tab's "This session")."""
@@ -289,15 +294,15 @@ class DesktopEngine:
                 raise RuntimeError("no model is loaded yet, so there is no session to replay")
             save_session_trace(path, self.scheduler, self.model.name)
         except Exception as e:  # noqa: BLE001 - the tab shows why; the thread lives on
-            self.report(TraceSaved(path, str(e)))
+            self.on_report(TraceSaved(path, str(e)))
             return
-        self.report(TraceSaved(path, ""))
+        self.on_report(TraceSaved(path, ""))
 
     def close(self) -> None:
         """Stop stepping and keep the cache when asked to (the app is quitting)."""
         self.quitting = True
         if self._settings.keep_cache and self.scheduler is not None:
-            self.report(CacheNote(self.keeper.save(self.scheduler)))
+            self.on_report(CacheNote(self.keeper.save(self.scheduler)))
 
     # stepping ---------------------------------------------------------------------------------
     def begin_run(self) -> bool:
@@ -315,10 +320,10 @@ class DesktopEngine:
         try:
             self.loop.step()
         except StepFailed as e:  # the loop recovered (its jobs were refused); say so
-            self.report(Failed(f"scheduler step: {e}"))
+            self.on_report(Failed(f"scheduler step: {e}"))
             self._after_recovery()
         except Exception as e:  # noqa: BLE001 - a broken step must not kill the thread
-            self.report(Failed(f"scheduler step: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}"))
+            self.on_report(failure("scheduler step", e))
         self._emit_events()
         if not self.loop.has_work():
             self._run_done()
@@ -347,7 +352,7 @@ class DesktopEngine:
             if self._pending_settings is not None:
                 self._pending_settings = None
                 self._note(self._new_scheduler())
-            self.report(RunFinished())
+            self.on_report(RunFinished())
 
     def _stop_everything(self) -> None:
         """Cancel every request and reap them (finish events go out as `cancelled`)."""
@@ -377,13 +382,13 @@ class DesktopEngine:
 
     def _note(self, line: str) -> None:
         if line:
-            self.report(CacheNote(line))
+            self.on_report(CacheNote(line))
 
     def _scheduler_changed(self) -> None:
         self._emit_events()  # the jobs the old scheduler refused as it went
         self._maker, self._maker_of = SnapshotMaker(), self.scheduler
-        self.report(KvBudget(self._settings.kv_budget(self.scheduler)))
-        self.report(SchedulerReset(self.scheduler.settings.to_dict()))
+        self.on_report(KvBudget(self._settings.kv_budget(self.scheduler)))
+        self.on_report(SchedulerReset(self.scheduler.settings.to_dict()))
         self._emit_stats(force=True)
 
     def _emit_stats(self, force: bool = False) -> None:
@@ -391,4 +396,4 @@ class DesktopEngine:
         if self.scheduler is None or (not force and now - self._last_stats < STATS_INTERVAL_S):
             return
         self._last_stats = now
-        self.report(self._maker.take(self.scheduler))
+        self.on_report(self._maker.take(self.scheduler))
