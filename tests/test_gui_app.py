@@ -215,7 +215,7 @@ def test_broken_gguf_drop_shows_the_error_and_keeps_the_model(window, qtbot, tmp
 
     # An exception on the engine thread becomes a `Failed` report and a dialog; the thread lives on.
     c.last_error = None
-    c.driver.apply_settings(dataclasses.replace(c.settings, page_rows=0))  # its slot raises
+    c.driver.apply_settings(dataclasses.replace(c.settings, page_rows=0))  # the request raises
     qtbot.waitUntil(lambda: c.last_error is not None, timeout=30_000)
     assert "ValueError" in c.last_error and "Page rows" in c.last_error
     assert c.driver.thread.isRunning()

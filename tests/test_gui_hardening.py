@@ -66,7 +66,7 @@ def transcripts(cards) -> list[str]:
 
 # 1. closing during a model load ------------------------------------------------------------------
 def assert_closes_at_once(w, c, during: str) -> None:
-    """Closing the window ends the client's thread within CLOSE_LIMIT_S."""
+    """Closing the window ends the driver's thread within CLOSE_LIMIT_S."""
     thread = c.driver.thread
     t0 = time.perf_counter()
     w.close()
