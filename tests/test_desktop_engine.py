@@ -30,7 +30,7 @@ QUESTIONS = ["Do you sell drills?", "Do you sell paint?", "Where are the screws?
 class Recorder:
     """Everything an engine reports, as lists: each step's job events, and each kind of report."""
 
-    KINDS = {"stats_updated": (Snapshot, None), "model_loaded": (ModelLoaded, "info"),
+    KINDS = {"snapshots": (Snapshot, None), "model_loaded": (ModelLoaded, "info"),
              "model_load_failed": (LoadFailed, "message"), "scheduler_reset": (SchedulerReset, "settings"),
              "run_finished": (RunFinished, None), "failed": (Failed, "message"),
              "probe_ready": (ProbeReady, "result"), "cache_flushed": (CacheFlushed, "pages"),
@@ -131,7 +131,7 @@ def test_tokens_come_batched_per_step_and_later_prompts_hit_the_cache(eng):
     assert done[ids[0]].n_cached == 0
     assert done[ids[1]].n_cached > 0 and done[ids[2]].n_cached > 0
     # Snapshots are copies: the last one matches the scheduler.
-    snap = rec.stats_updated[-1]
+    snap = rec.snapshots[-1]
     sched = eng.scheduler
     assert len(snap.timeline) == len(sched.timeline.rows)
     assert (snap.page_states == sched.page_states()).all()

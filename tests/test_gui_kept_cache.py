@@ -37,7 +37,7 @@ def test_kv_dtype_and_disk_tier_are_pool_settings_applied_by_a_new_scheduler(tin
     assert s is not first and not w.rec.failed, w.rec.failed
     assert s.pool.kv_dtype == "float16" and s.pool.bytes_per_page * 2 == first.pool.bytes_per_page
     assert s.cache.tier.capacity == 8
-    assert w.rec.stats_updated[-1].kv_dtype == "float16" and w.rec.stats_updated[-1].disk_capacity == 8
+    assert w.rec.snapshots[-1].kv_dtype == "float16" and w.rec.snapshots[-1].disk_capacity == 8
     bad = AppSettings(kv_dtype="bfloat16").errors()
     assert bad == ["KV page dtype must be one of float32, float16, got 'bfloat16'"]
 
