@@ -34,12 +34,12 @@ class DesktopServer:
         """Serve at host:port (ServeError when the port is taken; ValueError for a bad or taken
         KV-event endpoint); return the base URL. `kv_events`: also publish the cache there."""
         self.stop()
-        w = self.engine
+        e = self.engine
         if kv_events:
             self._publish(kv_events)
-        self.backend = Backend(w.loop, model=lambda: w.model if w.scheduler is not None else None,
-                               stats=lambda: latest_row(w.scheduler))
-        self.backend.watchers.append(w.job_event)
+        self.backend = Backend(e.loop, model=lambda: e.model if e.scheduler is not None else None,
+                               stats=lambda: latest_row(e.scheduler))
+        self.backend.watchers.append(e.job_event)
         try:
             self.http = HttpThread(create_app(self.backend, api_keys, cors, host=host), host, port,
                                    http=limited(JsonErrorsH11, ConnectionLimit())).start()
