@@ -337,17 +337,17 @@ def _close_and_delete(d) -> None:
     gui_settings."""
     import shiboken6
 
-    client = d.controller.client
+    driver = d.controller.driver
     d.window.close()
-    assert not client.thread.isRunning()
-    for obj in (d.window, client.worker, client.thread, d):
+    assert not driver.thread.isRunning()
+    for obj in (d.window, driver, driver.thread, d):
         if shiboken6.isValid(obj):
             shiboken6.delete(obj)
 
 
 @pytest.fixture
 def window(open_desktop, qtbot, real_model, monkeypatch):
-    """A shown desktop app whose worker loaded the bundled model (the session's `real_model`);
+    """A shown desktop app whose engine loaded the bundled model (the session's `real_model`);
     `window.errors` lists every error it reported."""
     from tests.gui_helpers import LOAD_TIMEOUT_MS, Errors, close_boxes
 

@@ -84,7 +84,7 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     assert chart == totals and sum(chart.values()) == sum(r.n_prompt for r in c.finished_records)
 
     # The charts hold exactly the scheduler's timeline; the page map counts match the pool.
-    sched = c.client.worker.scheduler
+    sched = c.driver.engine.scheduler
     qtbot.waitUntil(lambda: w.charts.row_count == len(sched.timeline.rows), timeout=10_000)
     rows = sched.timeline.rows
     for name in ("pages_free", "pages_cached", "prefill_saved", "hits", "chains"):
@@ -123,7 +123,7 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     assert follow.n_cached >= (first["n_prompt"] // page_rows) * page_rows
     assert len(cards[0].turns) == 2 and cards[0].answer_text().strip()
 
-    # The report is built in the worker and written in the UI thread.
+    # The report is built on the engine thread and written in the UI thread.
     path = tmp_path / "session.json"
     c.export_report(str(path), w.prompt_pane.system_prompt())
     qtbot.waitUntil(lambda: bool(c.last_report_paths or c.last_error), timeout=60_000)
@@ -136,7 +136,7 @@ def test_run_all_streams_answers_and_shares_the_system_prompt(window, qtbot, tmp
     c.flush_cache()
     w.tabs.setCurrentWidget(w.cache_panel)
     qtbot.waitUntil(lambda: w.cache_panel.page_map.counts_by_state()["cached"] == 0, timeout=30_000)
-    assert c.client.worker.scheduler is sched and not sched.cache.pages
+    assert c.driver.engine.scheduler is sched and not sched.cache.pages
     assert c.last_error is None
 
 
@@ -189,7 +189,7 @@ def test_stop_one_stop_all_then_close_mid_generation(window, qtbot, tmp_path, mo
     cards[1].run_button.click()
     qtbot.waitUntil(lambda: cards[1].running and len(cards[1].turns) == 2 and bool(cards[1].answer_text()),
                     timeout=RUN_TIMEOUT_MS)
-    thread = c.client.thread
+    thread = c.driver.thread
     w.close()
     assert not thread.isRunning()
     assert c.last_error is None
@@ -213,18 +213,18 @@ def test_broken_gguf_drop_shows_the_error_and_keeps_the_model(window, qtbot, tmp
     other.write_text("hello")
     assert drop_file(w, other) == (False, False)
 
-    # An exception inside the worker becomes `failed` and a dialog; the thread lives on.
+    # An exception on the engine thread becomes a `Failed` report and a dialog; the thread lives on.
     c.last_error = None
-    c.client.apply_settings(dataclasses.replace(c.settings, page_rows=0))  # its slot raises
+    c.driver.apply_settings(dataclasses.replace(c.settings, page_rows=0))  # the request raises
     qtbot.waitUntil(lambda: c.last_error is not None, timeout=30_000)
     assert "ValueError" in c.last_error and "Page rows" in c.last_error
-    assert c.client.thread.isRunning()
-    # New pool settings make a new Scheduler (the worker is idle); the charts start over.
-    old = c.client.worker.scheduler
+    assert c.driver.thread.isRunning()
+    # New pool settings make a new Scheduler (the engine is idle); the charts start over.
+    old = c.driver.engine.scheduler
     set_settings(d, page_rows=8, pool_pages=300)
-    qtbot.waitUntil(lambda: c.client.worker.scheduler is not old, timeout=30_000)
+    qtbot.waitUntil(lambda: c.driver.engine.scheduler is not old, timeout=30_000)
     qtbot.waitUntil(lambda: c.snapshot is not None and len(c.snapshot.page_states) == 300, timeout=30_000)
-    assert c.client.worker.scheduler.pool.page_rows == 8 and w.charts.row_count == 0
+    assert c.driver.engine.scheduler.pool.page_rows == 8 and w.charts.row_count == 0
 
     w.prompt_list.add_prompt("Do you sell drills?")
     assert d.probe_selected()

@@ -66,8 +66,8 @@ def transcripts(cards) -> list[str]:
 
 # 1. closing during a model load ------------------------------------------------------------------
 def assert_closes_at_once(w, c, during: str) -> None:
-    """Closing the window ends the client's thread within CLOSE_LIMIT_S."""
-    thread = c.client.thread
+    """Closing the window ends the driver's thread within CLOSE_LIMIT_S."""
+    thread = c.driver.thread
     t0 = time.perf_counter()
     w.close()
     took = time.perf_counter() - t0
@@ -182,7 +182,7 @@ def test_model_switch_while_streams_run_asks_and_keeps_every_transcript(window, 
     set_settings(d, max_new_tokens=300)
     cards = start_prompts(d, LONG_PROMPTS)
     qtbot.waitUntil(lambda: all(c.answer_text() for c in cards), timeout=RUN_TIMEOUT_MS)
-    model = c.client.worker.model
+    model = c.driver.engine.model
     info = dict(c.model_info)
 
     # "No": nothing changes, the streams go on.
@@ -194,7 +194,7 @@ def test_model_switch_while_streams_run_asks_and_keeps_every_transcript(window, 
     lengths = [len(c.answer_text()) for c in cards]
     qtbot.waitUntil(lambda: all(len(c.answer_text()) > n for c, n in zip(cards, lengths, strict=True)),
                     timeout=60_000)
-    assert all(c.running for c in cards) and c.client.worker.model is model
+    assert all(c.running for c in cards) and c.driver.engine.model is model
 
     # "Yes": the streams end as cancelled with their text, then the new model loads.
     monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or True)
@@ -228,7 +228,7 @@ def test_broken_gguf_drop_while_generating_leaves_the_streams_alone(window, qtbo
                                                                    monkeypatch):
     d, w, c = window, window.window, window.controller
     set_settings(d, max_new_tokens=48)
-    model = c.client.worker.model
+    model = c.driver.engine.model
     info = dict(c.model_info)
     asked: list[str] = []
     monkeypatch.setattr(w, "confirm", lambda title, text: asked.append(text) or False)
@@ -255,7 +255,7 @@ def test_broken_gguf_drop_while_generating_leaves_the_streams_alone(window, qtbo
     for card in cards:
         assert card.turns[-1].reason in ("stop", "length"), card.turns[-1].reason
         assert card.answer_text().strip() and "[stopped]" not in card.transcript_text()
-    assert c.client.worker.model is model and c.model_info == info
+    assert c.driver.engine.model is model and c.model_info == info
     assert len(d.errors) == 1 and len(asked) == 1
 
 
@@ -263,7 +263,7 @@ def test_broken_gguf_drop_while_generating_leaves_the_streams_alone(window, qtbo
 def test_a_failing_step_shows_an_error_and_the_app_runs_again(window, qtbot):
     d, w, c = window, window.window, window.controller
     set_settings(d, max_new_tokens=30)
-    sched = c.client.worker.scheduler
+    sched = c.driver.engine.scheduler
     real_step = sched.step
     calls = {"n": 0}
 
@@ -273,7 +273,7 @@ def test_a_failing_step_shows_an_error_and_the_app_runs_again(window, qtbot):
             raise RuntimeError("injected step failure")
         return real_step()
 
-    sched.step = step_once_broken  # set while the worker is idle
+    sched.step = step_once_broken  # set while the engine is idle
     cards = start_prompts(d, PROMPTS[:2])
     qtbot.waitUntil(lambda: bool(d.errors), timeout=RUN_TIMEOUT_MS)
     assert "injected step failure" in d.errors[-1]
@@ -281,7 +281,7 @@ def test_a_failing_step_shows_an_error_and_the_app_runs_again(window, qtbot):
     assert boxes and boxes[0].windowTitle() == "Engine error"
     qtbot.waitUntil(lambda: not c.running, timeout=60_000)
     assert all(c.turns[-1].reason == "cancelled" for c in cards)
-    assert c.client.thread.isRunning() and w.act_run_all.isEnabled()
+    assert c.driver.thread.isRunning() and w.act_run_all.isEnabled()
     close_boxes(w)
 
     set_settings(d, max_new_tokens=8)

@@ -44,7 +44,7 @@ def test_app_settings_bound_the_pool_for_a_model_unless_set(tiny_model):
 def test_the_window_starts_bounded_and_shows_the_budget(window, qtbot, real_model, tmp_path):
     d = window
     w, c = d.window, d.controller
-    sched = c.client.worker.scheduler
+    sched = c.driver.engine.scheduler
     rows = c.settings.page_rows
     pages = _default_pages(real_model, rows)
     assert c.settings.pool_pages == c.settings.cache_pages == 0  # nothing set by hand
@@ -60,8 +60,8 @@ def test_the_window_starts_bounded_and_shows_the_budget(window, qtbot, real_mode
 
     # A setting that needs no new pool keeps this one (and its cache): the budget is the same.
     set_settings(d, max_streams=3)
-    qtbot.waitUntil(lambda: c.client.worker.scheduler.settings.max_streams == 3, timeout=10_000)
-    assert c.client.worker.scheduler is sched
+    qtbot.waitUntil(lambda: c.driver.engine.scheduler.settings.max_streams == 3, timeout=10_000)
+    assert c.driver.engine.scheduler is sched
 
     # The session report lists the budget beside the pool's pages.
     path = tmp_path / "session.json"
@@ -75,22 +75,22 @@ def test_the_window_starts_bounded_and_shows_the_budget(window, qtbot, real_mode
 def test_explicit_pool_pages_win_and_zero_goes_back_to_the_budget(window, qtbot, real_model):
     d = window
     w, c = d.window, d.controller
-    worker, chip = c.client.worker, w.model_bar.chips["budget"]
+    engine, chip = c.driver.engine, w.model_bar.chips["budget"]
     pages = _default_pages(real_model, c.settings.page_rows)
     set_settings(d, pool_pages=600, cache_pages=200)
-    qtbot.waitUntil(lambda: worker.scheduler.settings.pool_pages == 600, timeout=10_000)
-    assert worker.scheduler.settings.cache_pages == 200 and worker.scheduler.pool.capacity == 600
+    qtbot.waitUntil(lambda: engine.scheduler.settings.pool_pages == 600, timeout=10_000)
+    assert engine.scheduler.settings.cache_pages == 200 and engine.scheduler.pool.capacity == 600
     qtbot.waitUntil(lambda: "(Settings): 600 pages" in chip.toolTip(), timeout=10_000)
     assert chip.text() == f"KV ≤ {format_bytes(600 * _page_bytes(real_model, c.settings.page_rows))}"
 
     set_settings(d, pool_pages=0, cache_pages=0)
-    qtbot.waitUntil(lambda: worker.scheduler.settings.pool_pages == pages, timeout=10_000)
-    assert worker.scheduler.settings.cache_pages == pages
+    qtbot.waitUntil(lambda: engine.scheduler.settings.pool_pages == pages, timeout=10_000)
+    assert engine.scheduler.settings.cache_pages == pages
     qtbot.waitUntil(lambda: f"(10% of RAM): {pages:,} pages" in chip.toolTip(), timeout=10_000)
 
     # A cache budget alone stays within the budget's pool: a live change, the pool (and cache) kept.
-    sched = worker.scheduler
+    sched = engine.scheduler
     set_settings(d, cache_pages=100)
     qtbot.waitUntil(lambda: sched.cache.max_pages == 100, timeout=10_000)
-    assert worker.scheduler is sched and sched.settings.pool_pages == pages
+    assert engine.scheduler is sched and sched.settings.pool_pages == pages
     qtbot.waitUntil(lambda: "the cache at most 100" in chip.toolTip(), timeout=10_000)

@@ -141,27 +141,28 @@ def test_the_serve_command_publishes_its_cache_as_kv_events():
     assert proc.returncode == 0, out
 
 
-def test_the_apps_server_toggle_publishes_the_workers_cache(qtbot, tiny_gguf_path):
+def test_the_apps_server_toggle_publishes_the_desktop_engines_cache(qtbot, tiny_gguf_path):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from app.desktop.engine_client import EngineClient
+    from app.desktop.desktop_engine import ModelLoaded
+    from app.desktop.engine_driver import EngineDriver
     from app.desktop.settings import AppSettings
     from app.serve.desktop import DesktopServer
 
     assert "Server KV events: not a ZeroMQ endpoint" in AppSettings(server_kv_events="nope").errors()[0]
-    client, loaded = EngineClient(), []
-    client.worker.model_loaded.connect(loaded.append)
-    server, watcher = DesktopServer(client.worker), None
+    driver, reports = EngineDriver(), []
+    driver.reported.connect(reports.append)
+    server, watcher = DesktopServer(driver), None
     try:
-        client.apply_settings(AppSettings(page_rows=4, max_streams=4))
-        client.load_model(tiny_gguf_path)
-        qtbot.waitUntil(lambda: bool(loaded), timeout=60_000)
+        driver.apply_settings(AppSettings(page_rows=4, max_streams=4))
+        driver.load_model(tiny_gguf_path)
+        qtbot.waitUntil(lambda: any(isinstance(r, ModelLoaded) for r in reports), timeout=60_000)
         url = server.start(port=0, kv_events="127.0.0.1:0")
         watcher = Watcher([server.publisher.endpoint])
         assert server.publisher.wait_for_subscriber(10)
         body = {"model": "m", "max_tokens": 3, "temperature": 0,
                 "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paint?"}]}
         assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
-        cache = client.worker.scheduler.cache
+        cache = driver.engine.scheduler.cache
         state = watcher.states[0]
         qtbot.waitUntil(lambda: watcher.poll(20) is not None and 0 < state.live == len(cache.pages),
                         timeout=20_000)
@@ -170,5 +171,5 @@ def test_the_apps_server_toggle_publishes_the_workers_cache(qtbot, tiny_gguf_pat
         server.stop()
         if watcher is not None:
             watcher.close()
-        client.shutdown()
+        driver.shutdown()
     assert server.publisher is None and cache.listeners == []

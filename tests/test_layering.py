@@ -45,6 +45,20 @@ def test_the_command_line_loads_no_server_or_gui_stack_until_asked():
     assert not loaded & {"fastapi", "starlette", "uvicorn", "pydantic", "PySide6", "pyqtgraph"}
 
 
+def test_the_desktops_engine_side_loads_no_qt():
+    # app/desktop/desktop_engine.py is the engine thread's work without its Qt driver: it is read
+    # and tested (tests/test_desktop_engine.py) with no Qt at all
+    code = ("import json, sys; import app.desktop.desktop_engine; "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "app.desktop.desktop_engine" in loaded and "engine.loop" in loaded
+    bad = sorted(m for m in loaded if _top(m) in ("PySide6", "shiboken6", "pyqtgraph", "ui"))
+    assert not bad, f"importing the desktop's engine side loaded {bad}"
+
+
 def test_prefixlab_run_imports_only_its_own_command():
     # every other command's parser pulls in its own stack (trace readers, the report, ZeroMQ)
     code = ("import json, sys; from app.cli import main; import app.run_headless as r; "

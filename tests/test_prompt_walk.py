@@ -59,8 +59,10 @@ def test_every_step_the_walk_names_exists_in_the_code():
     assert not missing, "docs/design.md §5's walk names steps the code does not have:\n" + "\n".join(missing)
     # the walk covers the whole way: card, loop, scheduler, sink, card again, in that order
     order = [f"{p}:{q}" for p, q in steps(numbered)]
-    hops = ["app/desktop/window.py:Desktop.run_prompt", "engine/loop.py:EngineLoop.submit",
-            "engine/scheduler.py:Scheduler.submit", "app/desktop/worker.py:EngineWorker.job_event",
+    hops = ["app/desktop/window.py:Desktop.run_prompt", "app/desktop/engine_driver.py:EngineDriver.submit",
+            "engine/loop.py:EngineLoop.submit", "app/desktop/engine_driver.py:EngineDriver._pump",
+            "app/desktop/desktop_engine.py:DesktopEngine.step", "engine/scheduler.py:Scheduler.submit",
+            "app/desktop/desktop_engine.py:DesktopEngine.job_event",
             "app/desktop/controller.py:Controller._on_job_events", "app/desktop/turns.py:TurnBook.close"]
     assert [h for h in order if h in hops] == hops, order
 
@@ -118,7 +120,7 @@ def test_one_prompt_walks_the_documented_path_under_one_ticket(monkeypatch, open
     ticket = job.ticket
     assert ticket > 0 and [args[2] for args in args_of("TurnBook.opened")] == [ticket]
     # loop -> sink: every event of the run came through the job's sink under that ticket
-    heard = args_of("EngineWorker.job_event")
+    heard = args_of("DesktopEngine.job_event")
     assert {args[1].ticket for args in heard} == {ticket}
     kinds = [type(args[2]) for args in heard]
     assert kinds[0] is Accepted and kinds[-1] is FinishEvent and TokenEvent in kinds

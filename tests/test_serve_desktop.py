@@ -1,4 +1,4 @@
-"""The app's Server toggle: HTTP requests run on the worker's own scheduler, beside typed prompts."""
+"""The app's Server toggle: HTTP requests run on the desktop engine's own scheduler, beside typed prompts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 
-from app.desktop.engine_client import EngineClient  # noqa: E402
+from app.desktop.desktop_engine import ModelLoaded, Served  # noqa: E402
+from app.desktop.engine_driver import EngineDriver  # noqa: E402
 from app.desktop.settings import AppSettings  # noqa: E402
-from app.desktop.worker import Served  # noqa: E402
 from app.serve.desktop import DesktopServer  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from engine.scheduler import FinishEvent  # noqa: E402
@@ -20,30 +20,30 @@ SYSTEM = "You help at a hardware store that sells drills, saws, screws and paint
 
 
 @pytest.fixture
-def client(qtbot, tiny_gguf_path):
-    c = EngineClient()
+def driver(qtbot, tiny_gguf_path):
+    c = EngineDriver()
     try:
-        # Signals of the worker's thread land in lists (waitSignal's timer may only stop in ours).
-        c.loaded, c.events = [], []
-        c.worker.model_loaded.connect(c.loaded.append)
-        c.worker.job_events.connect(c.events.extend)
+        # Signals of the engine's thread land in lists (waitSignal's timer may only stop in ours).
+        c.reports, c.events = [], []
+        c.reported.connect(c.reports.append)
+        c.job_events.connect(c.events.extend)
         c.apply_settings(AppSettings(page_rows=4, max_streams=4))
         c.load_model(tiny_gguf_path)
-        qtbot.waitUntil(lambda: bool(c.loaded), timeout=60_000)
+        qtbot.waitUntil(lambda: any(isinstance(r, ModelLoaded) for r in c.reports), timeout=60_000)
         yield c
     finally:
         c.shutdown()
 
 
-def test_http_requests_run_on_the_apps_scheduler_and_reach_the_window(qtbot, client):
-    server = DesktopServer(client.worker)
+def test_http_requests_run_on_the_apps_scheduler_and_reach_the_window(qtbot, driver):
+    server = DesktopServer(driver)
     url = server.start(port=0)
     def finished() -> dict:  # ticket -> its finish record
-        return {ticket: ev.record for ticket, ev in client.events if isinstance(ev, FinishEvent)}
+        return {ticket: ev.record for ticket, ev in driver.events if isinstance(ev, FinishEvent)}
 
     try:
         # A typed prompt first: its pages are in the scheduler the HTTP request then uses.
-        typed = client.submit({"system": SYSTEM, "user": "Do you sell drills?",
+        typed = driver.submit({"system": SYSTEM, "user": "Do you sell drills?",
                                "max_new_tokens": 4, "sampling": SamplingParams(temperature=0.0)})
         qtbot.waitUntil(lambda: len(finished()) == 1, timeout=60_000)
         first = finished()[typed]
@@ -56,7 +56,7 @@ def test_http_requests_run_on_the_apps_scheduler_and_reach_the_window(qtbot, cli
         qtbot.waitUntil(lambda: len(finished()) == 2)
     finally:
         server.stop()
-    (ticket, served), = [(t, ev) for t, ev in client.events if isinstance(ev, Served)]
+    (ticket, served), = [(t, ev) for t, ev in driver.events if isinstance(ev, Served)]
     assert served.client == "http 127.0.0.1 model=gpt-4o user=bob" and served.preview == "Paint?"
     record = finished()[ticket]  # the served job's finish comes under the same ticket
     assert record.id == served.request_id and ticket != typed

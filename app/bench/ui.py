@@ -23,17 +23,17 @@ TICK_MS = 10
 ROUNDS = 9  # a round's ratio varies by +-15% on a shared 2-core machine: the median of 5 moved 1.13-1.21
 
 
-def worker_available() -> str | None:
-    """None when app.desktop.worker and its EngineClient exist, else why not."""
-    if importlib.util.find_spec("app.desktop.worker") is None:
-        return "app/desktop/worker.py does not exist"
+def driver_available() -> str | None:
+    """None when app.desktop.engine_driver (the desktop's engine thread) exists, else why not."""
+    if importlib.util.find_spec("app.desktop.engine_driver") is None:
+        return "app/desktop/engine_driver.py does not exist"
     if importlib.util.find_spec("PySide6") is None:
         return "PySide6 is not installed"
     return None
 
 
 def ui_figures(model_path: str, quick: bool, cache_dir: str | None) -> tuple[dict, dict]:
-    why = worker_available()
+    why = driver_available()
     if why is not None:
         return {}, {"available": False, "reason": why}
     extra = {"QT_QPA_PLATFORM": "offscreen"}

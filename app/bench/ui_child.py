@@ -44,8 +44,7 @@ class _AppRunner:
         c.model_failed.connect(lambda: self._fail("the model did not load"))
         c.error.connect(lambda title, msg: self._fail(f"{title}: {msg}"))
         c.run_done.connect(self.loop.quit)
-        # emitted on the worker's thread: a slot of a UI-thread QObject, so the call is queued
-        c.client.worker.cache_flushed.connect(self.loop.quit)
+        c.cache_flushed.connect(self.loop.quit)
         self.clock = QElapsedTimer()
         self.ticks: list[int] = []
         self.timer = QTimer()

@@ -1,6 +1,6 @@
 """The main window's controller: every book the window keeps, with no widget in sight.
 
-It owns the engine client, the settings, the transcripts (one per prompt card), which open
+It owns the engine driver, the settings, the transcripts (one per prompt card), which open
 turn (by the engine loop's ticket) belongs to which card, the scripted turns of a scenario,
 the reports and the probe. Widgets never call the engine: `app.desktop` hands user actions to this object
 and draws what its signals say (plain data: uids, dicts, engine records and snapshots).
@@ -15,19 +15,34 @@ from PySide6.QtCore import QObject, QSettings, QTimer, Signal, Slot
 
 from engine.loop import Accepted, Refused
 from engine.scheduler import POOL_FIELDS, FinishEvent, TokenEvent
+from engine.snapshot import Snapshot
 
 from ..report import load_report, snapshot_from_report
-from .engine_client import EngineClient
+from .desktop_engine import (
+    CacheFlushed,
+    CacheNote,
+    Failed,
+    KvBudget,
+    LoadFailed,
+    ModelChecked,
+    ModelLoaded,
+    ProbeReady,
+    ReportReady,
+    RunFinished,
+    SchedulerReset,
+    Served,
+    TraceSaved,
+)
+from .engine_driver import EngineDriver
 from .settings import AppSettings, add_recent_model, kept_cache_root
 from .transcript import Transcript
 from .turns import TurnBook
-from .worker import Served
 
-FLUSH_INTERVAL_MS = 100  # text to the cards 10x a second: UI Python stalls the worker (docs/design.md §7)
+FLUSH_INTERVAL_MS = 100  # text to the cards 10x a second: UI Python stalls the engine (docs/design.md §7)
 
 
 class Controller(QObject):
-    """The window's state and its dealings with the engine worker (a QObject, no widgets)."""
+    """The window's state and its dealings with the engine (a QObject, no widgets)."""
 
     model_loading = Signal(str)           # what is loading, for people
     model_loaded = Signal(dict)           # app.model_info.model_info
@@ -49,6 +64,8 @@ class Controller(QObject):
     scheduler_reset = Signal()
     kv_budget = Signal(dict)              # the KV budget the pool runs under (AppSettings.kv_budget)
     probe_ready = Signal(dict)
+    cache_flushed = Signal(int)           # pages flushed
+    trace_saved = Signal(str, str)        # path, "" when written, else why not
     report_opened = Signal(object, object, str)  # Report, its Snapshot, the path
     run_done = Signal()
 
@@ -56,7 +73,7 @@ class Controller(QObject):
         super().__init__(parent)
         self.store = store
         self.settings = AppSettings.load(store)
-        self.client = EngineClient(self)
+        self.driver = EngineDriver()
         self.model_info: dict | None = None
         self.loading = False
         self._loading_path: str | None = None
@@ -72,30 +89,15 @@ class Controller(QObject):
         self._rows_seen = 0
         self._showing_report = False
         self.closed = False
-        self._connect_worker()
+        # Bound methods of this QObject: Qt queues the calls into the UI thread.
+        self.driver.job_events.connect(self._on_job_events)
+        self.driver.reported.connect(self._on_report)
         self._flush_timer = QTimer(self)
         self._flush_timer.setInterval(FLUSH_INTERVAL_MS)
         self._flush_timer.timeout.connect(self.flush_text)
         self._flush_timer.start()
-        self.client.set_cache_root(kept_cache_root(store))
-        self.client.apply_settings(self.settings)
-
-    def _connect_worker(self) -> None:
-        w = self.client.worker
-        # Bound methods of this QObject: Qt queues the calls into the UI thread.
-        w.model_loaded.connect(self._on_model_loaded)
-        w.model_load_failed.connect(self._on_model_load_failed)
-        w.model_checked.connect(self._on_model_checked)
-        w.job_events.connect(self._on_job_events)
-        w.stats_updated.connect(self._on_stats)
-        w.scheduler_reset.connect(self._on_scheduler_reset)
-        w.kv_budget.connect(self.kv_budget)  # signal to signal: queued into the UI thread too
-        w.run_finished.connect(self._on_run_finished)
-        w.failed.connect(lambda message: self.report_error("Engine error", message))
-        w.probe_ready.connect(self._on_probe_ready)
-        w.cache_flushed.connect(lambda n: self.status.emit(f"Flushed {n} cached page(s)", 5000))
-        w.report_ready.connect(self._on_report_ready)
-        w.cache_note.connect(lambda line: self.status.emit(line, 10000))
+        self.driver.set_cache_root(kept_cache_root(store))
+        self.driver.apply_settings(self.settings)
 
     # state ------------------------------------------------------------------------
     @property
@@ -122,22 +124,22 @@ class Controller(QObject):
 
     # the model ----------------------------------------------------------------------
     def load_model(self, path: str | None) -> None:
-        """Load a model in the worker (None: the bundled one); the caller asked about running streams."""
+        """Load a model on the engine thread (None: the bundled one); the caller asked about running
+        streams."""
         self.loading = True
         self._loading_path = path
         self.model_loading.emit(os.path.basename(path) if path else "the bundled model")
         self._changed()
-        self.client.load_model(path)
+        self.driver.load_model(path)
 
     def check_model(self, path: str) -> None:
         """Ask whether a file opens as a model; `model_checked` or an error answers."""
         self.status.emit(f"Checking {os.path.basename(path)}…", 4000)
-        self.client.check_model(os.path.abspath(path))
+        self.driver.check_model(os.path.abspath(path))
 
     def _still_using(self) -> str:
         return f"\n\nStill using {self.model_info['name']}." if self.model_info else ""
 
-    @Slot(dict)
     def _on_model_loaded(self, info: dict) -> None:
         self.model_info = info
         self.loading = False
@@ -151,7 +153,6 @@ class Controller(QObject):
             self.status.emit(f"Loaded {info['file']} in {info['load_seconds']:.2f} s", 6000)
         self._changed()
 
-    @Slot(str)
     def _on_model_load_failed(self, message: str) -> None:
         self.loading = False
         self._loading_path = None
@@ -159,7 +160,6 @@ class Controller(QObject):
         self._changed()
         self.report_error("Could not load the model", message + self._still_using())
 
-    @Slot(str, str)
     def _on_model_checked(self, path: str, why: str) -> None:
         if self.closed:
             return
@@ -228,20 +228,53 @@ class Controller(QObject):
         """Stop every stream; what they produced stays."""
         self.book.drop_scripts()
         if self.running:
-            self.client.cancel(self.book.open_tickets())
+            self.driver.cancel(self.book.open_tickets())
             self.status.emit(f"Stopping {self.running} stream(s)…", 3000)
 
     def stop_stream(self, uid: str) -> None:
         """Stop a card's running turn (typed or served: its client sees the answer end)."""
         self.book.drop_scripts(uid)
-        self.client.cancel(self.book.open_tickets(uid))
+        self.driver.cancel(self.book.open_tickets(uid))
 
     def _submit(self, t: Transcript, chat_args: dict) -> None:
         """Hand a card's turn to the engine loop and file it under the ticket the loop gives."""
-        self.book.opened(t, self.client.submit(chat_args))
+        self.book.opened(t, self.driver.submit(chat_args))
         self.turn_started.emit(t.uid)
 
-    # worker events ----------------------------------------------------------------------
+    # what the engine says ---------------------------------------------------------------
+    @Slot(object)
+    def _on_report(self, report) -> None:
+        """One report of the engine's (desktop_engine.py), in the order it was made."""
+        match report:
+            case Snapshot():
+                self._on_stats(report)
+            case ModelLoaded(info):
+                self._on_model_loaded(info)
+            case LoadFailed(message):
+                self._on_model_load_failed(message)
+            case ModelChecked(path, why):
+                self._on_model_checked(path, why)
+            case SchedulerReset(settings):
+                self._on_scheduler_reset(settings)
+            case KvBudget(budget):
+                self.kv_budget.emit(budget)
+            case RunFinished():
+                self._changed()
+                self.run_done.emit()
+            case Failed(message):
+                self.report_error("Engine error", message)
+            case ProbeReady(result):
+                self._on_probe_ready(result)
+            case CacheFlushed(pages):
+                self.status.emit(f"Flushed {pages} cached page(s)", 5000)
+                self.cache_flushed.emit(pages)
+            case ReportReady(path, data):
+                self._on_report_ready(path, data)
+            case TraceSaved(path, why):
+                self.trace_saved.emit(path, why)
+            case CacheNote(line):
+                self.status.emit(line, 10000)
+
     @Slot(list)
     def _on_job_events(self, events: list) -> None:
         """One step's events of the jobs, in order, each under its ticket."""
@@ -308,7 +341,6 @@ class Controller(QObject):
             if text is not None:
                 self._submit(t, self.book.turn(t, text, self.settings))
 
-    @Slot(object)
     def _on_stats(self, snap) -> None:
         self.snapshot = snap
         rows = snap.timeline[self._rows_seen:]
@@ -321,7 +353,6 @@ class Controller(QObject):
             if t is not None:
                 self.turn_live.emit(t.uid, r)
 
-    @Slot(dict)
     def _on_scheduler_reset(self, settings: dict) -> None:
         self._rows_seen = 0
         self.snapshot = None
@@ -329,12 +360,6 @@ class Controller(QObject):
         self.status.emit(f"New KV pool: {settings.get('page_rows')} rows per page, "
                          f"{settings.get('pool_pages') or 'growing'} pages; the cache is empty", 6000)
 
-    @Slot()
-    def _on_run_finished(self) -> None:
-        self._changed()
-        self.run_done.emit()
-
-    @Slot(dict)
     def _on_probe_ready(self, result: dict) -> None:
         self.last_probe = result
         self.probe_ready.emit(result)
@@ -343,13 +368,13 @@ class Controller(QObject):
 
     # cache, probe, settings ------------------------------------------------------
     def flush_cache(self) -> None:
-        self.client.flush_cache()
+        self.driver.flush_cache()
     def probe(self, system: str, user: str | None) -> bool:
-        """Ask the worker how far (system, user) would match the cache."""
+        """Ask the engine how far (system, user) would match the cache."""
         if user is None or self.model_info is None:
             self.status.emit("Select a prompt to probe", 4000)
             return False
-        self.client.probe(system, user, self.settings.namespace)
+        self.driver.probe(system, user, self.settings.namespace)
         return True
 
     def apply_settings(self, s: AppSettings) -> None:
@@ -358,17 +383,16 @@ class Controller(QObject):
         pool_change = any(getattr(s, f) != getattr(self.settings, f) for f in POOL_FIELDS)
         self.settings = s
         s.save(self.store)
-        self.client.apply_settings(s)
+        self.driver.apply_settings(s)
         self.settings_changed.emit(s.to_dict())
         if pool_change and self.running:
             self.status.emit("The new pool starts when the running streams finish", 6000)
 
     # reports ----------------------------------------------------------------------------
     def export_report(self, path: str, system: str) -> None:
-        """Build the report in the worker; it is written (any format) when it comes back."""
-        self.client.make_report(path, system)
+        """Build the report in the engine thread; it is written (any format) when it comes back."""
+        self.driver.make_report(path, system)
 
-    @Slot(str, object)
     def _on_report_ready(self, path: str, report) -> None:
         from ..report.render import export_report  # Qt rendering, loaded on the first export
 
@@ -411,4 +435,4 @@ class Controller(QObject):
             return
         self.closed = True
         self._flush_timer.stop()
-        self.client.shutdown()
+        self.driver.shutdown()

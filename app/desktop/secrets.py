@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QSettings
+if TYPE_CHECKING:  # only a type here: the engine side imports this module without Qt
+    from PySide6.QtCore import QSettings
 
 SERVICE = "PrefixLab"
 USERNAME = "server_api_key"

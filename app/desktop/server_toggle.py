@@ -1,6 +1,6 @@
 """The window's Server toggle: serve the app's own scheduler over HTTP, one card per request.
 
-HTTP requests run on the worker's scheduler (through app.serve.desktop), so they share
+HTTP requests run on the engine's scheduler (through app.serve.desktop), so they share
 the pool and the cache with typed prompts and enter the charts, the page map, the chains
 table and reports like them; each one gets a card labelled with its client (the controller
 makes it from the served job's events, under the job's ticket like a typed turn).
@@ -22,7 +22,7 @@ class ServerToggle(QObject):
     def __init__(self, controller, parent: QObject | None = None):
         super().__init__(parent)
         self.controller = controller
-        self.server = DesktopServer(controller.client.worker)
+        self.server = DesktopServer(controller.driver)
         self._address: tuple | None = None     # (host, port, key, KV events) the running server uses
         controller.settings_changed.connect(self._on_settings)
 

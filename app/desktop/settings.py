@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import asdict, dataclass, fields, replace
-
-from PySide6.QtCore import QSettings
+from typing import TYPE_CHECKING
 
 from engine.block_manager import pages_for
 from engine.sampler import SamplingParams
@@ -18,6 +17,9 @@ from ..serve.budget import DEFAULT_KV_BUDGET, budget_info, headline, parse_budge
 from ..settings_table import SETTINGS, TABLE, default
 from .secrets import load_api_key, save_api_key
 
+if TYPE_CHECKING:  # the engine side (desktop_engine.py) uses AppSettings without Qt
+    from PySide6.QtCore import QSettings
+
 ORGANIZATION = "PrefixLab"
 APPLICATION = "PrefixLab"
 MAX_RECENT_MODELS = 8
@@ -25,6 +27,8 @@ MAX_RECENT_MODELS = 8
 
 def qsettings() -> QSettings:
     """The app's settings store: an INI file in the user scope (tests redirect it with setPath)."""
+    from PySide6.QtCore import QSettings
+
     return QSettings(QSettings.Format.IniFormat, QSettings.Scope.UserScope, ORGANIZATION, APPLICATION)
 
 

@@ -163,9 +163,9 @@ class Tour(QObject):
             self.desktop.controller.model_loaded.disconnect(self._start)
         if not self.active:
             return  # skipped while the model loaded
-        # The worker loaded this model in its thread; the tour thread only evaluates on it (its
+        # The engine thread loaded this model; the tour thread only evaluates on it (its
         # weights are read-only), on a pool and cache of its own.
-        model = self.desktop.controller.client.worker.model
+        model = self.desktop.controller.driver.engine.model
         sc = self.scenario
         self.panel.show_working("Preparing the tutorial's two prompts")
         self._begin.emit(model, sc.system, sc.prompts[0], sc.prompts[1])

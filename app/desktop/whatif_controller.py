@@ -4,8 +4,8 @@ It owns no widget: it connects a `ui.whatif_panel.WhatIfPanel`'s signals to the
 Qt-free data layer (`app.replay.whatif`) and runs each plan or sweep on a
 background thread (the sweep itself fans out to processes), handing results back
 through queued signals. The window gives it two callables: one that asks the user
-for a trace file, and one that asks the worker to save the running session's
-trace (the worker's answer goes to `on_session_trace`).
+for a trace file, and one that asks the engine to save the running session's
+trace (the engine's answer goes to `on_session_trace`).
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ class WhatIfController(QObject):
             self._start(self._plan_job, path, os.path.basename(path))
 
     def take_session(self) -> None:
-        """Ask the worker for the running session's trace; `session_trace_saved` plans it."""
+        """Ask the engine for the running session's trace; `session_trace_saved` plans it."""
         if self.request_session_trace is not None and not self.busy:
             self._set_busy(True)
             self.request_session_trace(os.path.join(self._tmp.name, "session.jsonl"))
 
     def on_session_trace(self, path: str, error: str) -> None:
-        """The worker's answer to `request_session_trace`: plan the trace, or show why not."""
+        """The engine's answer to `request_session_trace`: plan the trace, or show why not."""
         if error:
             self._on_failed(error)
             return

@@ -46,8 +46,8 @@ class Desktop(QObject):
         self._wire_controller()
         self.whatif = WhatIfController(
             w.whatif, lambda: w.ask_open_path("Open a trace", "", "Traces (*.jsonl *.json);;All (*)"),
-            c.client.save_trace, parent=self)
-        c.client.worker.trace_saved.connect(self.whatif.on_session_trace)
+            c.driver.save_trace, parent=self)
+        c.trace_saved.connect(self.whatif.on_session_trace)
         self.advisor = AdvisorController(
             w.advisor, lambda: w.ask_open_path("Open a chat log or a proxy recording", "",
                                                "Traces (*.jsonl);;All (*)"), self._tokenizer, parent=self)
@@ -65,7 +65,7 @@ class Desktop(QObject):
 
     def _tokenizer(self):
         """The loaded model's tokenizer (the Advisor tokenizes with it), or None."""
-        scheduler = self.controller.client.worker.scheduler
+        scheduler = self.controller.driver.engine.scheduler
         return scheduler.model.tokenizer if scheduler is not None else None
 
     # wiring -----------------------------------------------------------------------------
@@ -79,7 +79,7 @@ class Desktop(QObject):
         w.act_run_selected.triggered.connect(self.run_selected)
         w.act_stop_all.triggered.connect(c.stop_all)
         w.act_flush.triggered.connect(c.flush_cache)
-        w.act_save_cache.triggered.connect(c.client.save_cache)
+        w.act_save_cache.triggered.connect(c.driver.save_cache)
         w.act_probe.triggered.connect(self.probe_selected)
         w.act_settings.triggered.connect(self.open_settings)
         w.act_server.toggled.connect(self.server.set_on)
@@ -119,7 +119,7 @@ class Desktop(QObject):
         c.scheduler_reset.connect(w.charts.clear)
         c.kv_budget.connect(w.show_kv_budget)
         c.probe_ready.connect(w.cache_panel.show_probe)
-        w.cache_panel.pin_requested.connect(c.client.pin_chain)  # the worker pins; snapshots show it
+        w.cache_panel.pin_requested.connect(c.driver.pin_chain)  # the engine pins; snapshots show it
         c.report_opened.connect(w.show_report)
         c.run_done.connect(self._save_session)
         c.run_done.connect(w.charts.settle)

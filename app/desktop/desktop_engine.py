@@ -1,15 +1,14 @@
-"""The engine's one long-lived worker thread (docs/design.md §7).
+"""The desktop app's engine side (docs/design.md §7): plain Python, no Qt.
 
-`EngineWorker` is a QObject moved to a parentless QThread. It holds the Model
-and drives the one engine loop (engine/loop.py) that owns the Scheduler; nothing
-else touches them. Prompts typed in the window and HTTP requests (the Server
-toggle) enter that loop the same way, as `Job`s through its thread-safe `submit`,
-and cancels through its `cancel`; the loop wakes this thread by a queued signal.
-Each job's sink (and, while serving, each served job's events) lands in one list per step,
-sent to the UI thread as `job_events` under the job's ticket: the one id a card's turn
-has from its submit to its finish. Other requests (load, settings, reports) come as calls
-queued into this thread by `EngineClient`, which lives in the UI thread; plain data goes
-back by signals: the job events, and a Snapshot copy at most 4 times a second.
+`DesktopEngine` holds the Model and drives the one engine loop (engine/loop.py) that owns the
+Scheduler; nothing else touches them. It runs on the engine thread that `EngineDriver`
+(engine_driver.py) owns, and is called only there, except `submit`, `cancel` and
+`request_shutdown`, which are thread-safe. Prompts typed in the window and HTTP requests (the
+Server toggle) enter the loop the same way, as `Job`s through its `submit`. What it has to say
+goes out through two callables it is given: each step's job events, as one list of
+(ticket, event) under the job's ticket (the one id a card's turn has from its submit to its
+finish), and every other report, one typed object at a time (below, and a Snapshot copy at
+most 4 times a second).
 """
 
 from __future__ import annotations
@@ -18,9 +17,8 @@ import functools
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-
-from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 import engine
 from engine.loop import Accepted, EngineLoop, Job, StepFailed
@@ -34,22 +32,72 @@ from .blas_share import leave_core_for_ui
 from .cache_keeper import CacheKeeper
 from .settings import AppSettings
 
-STATS_INTERVAL_S = 0.25       # stats_updated at most 4 times a second: each costs both threads time
+STATS_INTERVAL_S = 0.25       # a Snapshot at most 4 times a second: each costs both threads time
 LOAD_POLL_S = 0.05            # a load in progress looks this often whether the app quits
 
 
-def guarded(fn):
-    """Run a worker slot; any exception becomes the `failed` signal, never a dead thread."""
+# What the engine reports besides job events and Snapshots -------------------------------------
+@dataclass(frozen=True)
+class ModelLoaded:
+    info: dict                # app.model_info.model_info(model)
 
-    @functools.wraps(fn)
-    def wrapper(self, *args):
-        try:
-            return fn(self, *args)
-        except Exception as e:  # noqa: BLE001 - reported to the user, the thread lives on
-            self.failed.emit(f"{fn.__name__}: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
-            return None
 
-    return wrapper
+@dataclass(frozen=True)
+class LoadFailed:
+    message: str
+
+
+@dataclass(frozen=True)
+class ModelChecked:
+    path: str
+    why: str                  # "" when it opens as a model, else why it does not
+
+
+@dataclass(frozen=True)
+class SchedulerReset:
+    settings: dict            # a new Scheduler (new pool, empty cache): its settings
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    budget: dict              # the KV budget it runs under: AppSettings.kv_budget
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    pass
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str              # an exception in a request or a step; the thread lives on
+
+
+@dataclass(frozen=True)
+class ProbeReady:
+    result: dict              # app.probe.probe_prompt
+
+
+@dataclass(frozen=True)
+class CacheFlushed:
+    pages: int
+
+
+@dataclass(frozen=True)
+class ReportReady:
+    path: str
+    report: object            # report data (built here, rendered in the UI thread)
+
+
+@dataclass(frozen=True)
+class TraceSaved:
+    path: str
+    why: str                  # "" when written, else why not
+
+
+@dataclass(frozen=True)
+class CacheNote:
+    line: str                 # the kept cache loaded, saved, or refused and why
 
 
 @dataclass
@@ -60,54 +108,51 @@ class Served(Accepted):
     preview: str = ""
 
 
-class EngineWorker(QObject):
-    """Holds the Model and the Scheduler; steps the scheduler while there is work."""
+def failure(where: str, e: Exception) -> Failed:
+    """An exception as the user reads it: where, what, and its last frames."""
+    return Failed(f"{where}: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
 
-    job_events = Signal(list)            # [(ticket, event), ...] in order, one list per step
-    stats_updated = Signal(object)       # engine.snapshot.Snapshot (a copy)
-    model_loaded = Signal(dict)          # app.model_info.model_info(model)
-    model_load_failed = Signal(str)
-    model_checked = Signal(str, str)     # path, "" when it opens as a model, else why it does not
-    scheduler_reset = Signal(dict)       # a new Scheduler (new pool, empty cache): its settings
-    kv_budget = Signal(dict)             # the KV budget it runs under: AppSettings.kv_budget
-    run_finished = Signal()
-    failed = Signal(str)
-    probe_ready = Signal(dict)
-    cache_flushed = Signal(int)
-    report_ready = Signal(str, object)   # path, report data (built here, rendered in the UI thread)
-    trace_saved = Signal(str, str)       # path, "" when written, else why not
-    cache_note = Signal(str)             # one line: the kept cache loaded, saved, or refused and why
-    _woken = Signal()                    # a job or a cancel reached the loop (emitted on any thread)
 
-    def __init__(self):
-        super().__init__()
+def guarded(fn):
+    """Run a request; any exception becomes a `Failed` report, never a dead thread."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args):
+        try:
+            return fn(self, *args)
+        except Exception as e:  # noqa: BLE001 - reported to the user, the thread lives on
+            self.on_report(failure(fn.__name__, e))
+            return None
+
+    return wrapper
+
+
+class DesktopEngine:
+    """Holds the Model and the loop's Scheduler; steps the loop while there is work."""
+
+    def __init__(self, on_events: Callable[[list], None], on_report: Callable[[object], None]):
+        self.on_events = on_events         # one step's [(ticket, event), ...], in order
+        self.on_report = on_report         # every other report (the classes above, a Snapshot)
         self.model = None
         self.loop = EngineLoop()
-        self.loop.wake = self._woken.emit  # queued into this thread
-        self._events: list = []            # this step's (ticket, event)s, for `job_events`
+        self._events: list = []            # this step's (ticket, event)s, for `on_events`
         self._settings = AppSettings()
         self._pending_settings: AppSettings | None = None
         self._maker, self._maker_of = SnapshotMaker(), None
         self.keeper = CacheKeeper()        # "Keep the cache across restarts": its folder, once set
         self._last_stats = 0.0
         self.busy = False
-        self._quitting = False
-        # A zero-interval timer (a child, so it moves to the thread with us): each step is
-        # one timer event, and queued submit/cancel/settings events run between steps.
-        self._timer = QTimer(self)
-        self._timer.setInterval(0)
-        self._timer.timeout.connect(self.pump)
-        self._woken.connect(self._wake)
+        self.quitting = False
 
     @property
     def scheduler(self) -> Scheduler | None:
         return self.loop.scheduler
 
-    # thread-safe (called from the UI thread) --------------------------------
+    # thread-safe ------------------------------------------------------------------------------
     def submit(self, chat_args: dict) -> int:
         """Hand a typed turn (`ChatFrontEnd.request` arguments) to the engine loop, the door
-        HTTP requests use too; return its ticket. Its events come back under the ticket in
-        `job_events`: `Accepted` or `Refused`, its tokens, its `FinishEvent`."""
+        HTTP requests use too; return its ticket. Its events come back under the ticket
+        through `on_events`: `Accepted` or `Refused`, its tokens, its `FinishEvent`."""
         job = Job(dict(chat_args))
         job.sink = functools.partial(self.job_event, job)
         return self.loop.submit(job)
@@ -118,24 +163,19 @@ class EngineWorker(QObject):
             self.loop.cancel(ticket)
 
     def request_shutdown(self) -> None:
-        """Stop stepping at once; the queued `shutdown` slot then ends the thread."""
-        self._quitting = True
+        """Stop stepping at once (and end a load's wait); `close` then finishes."""
+        self.quitting = True
 
-    # requests, each queued into this thread by EngineClient -----------------
-    @Slot(object)
-    def run_call(self, call) -> None:
-        """Run one queued request (a `functools.partial` of a method below) in this thread."""
-        call()
-
+    # requests, on the engine thread -----------------------------------------------------------
     @guarded
     def load_model(self, path: str) -> None:
         """Load a GGUF (the bundled model for ""); on failure keep the current model.
 
         The load runs in a helper thread that this one joins in short slices, so a quit
         (`request_shutdown`) ends the wait at once instead of after a big GGUF's load; the
-        abandoned load is a daemon thread and touches no Qt object.
+        abandoned load is a daemon thread.
         """
-        if self._quitting:
+        if self.quitting:
             return
         self._stop_everything()
         result: dict = {}
@@ -150,20 +190,20 @@ class EngineWorker(QObject):
         loader.start()
         while loader.is_alive():
             loader.join(LOAD_POLL_S)
-            if self._quitting:
+            if self.quitting:
                 return
         error, model = result.get("error"), result.get("model")
         if isinstance(error, engine.ModelLoadError):
-            self.model_load_failed.emit(str(error))
+            self.on_report(LoadFailed(str(error)))
             return
         if model is None:  # any broken file must leave the old model
-            self.model_load_failed.emit(f"{path or 'the bundled model'}: {type(error).__name__}: {error}")
+            self.on_report(LoadFailed(f"{path or 'the bundled model'}: {type(error).__name__}: {error}"))
             return
         self.model = model
         note = self._new_scheduler()
-        self.model_loaded.emit(model_info(model))
+        self.on_report(ModelLoaded(model_info(model)))
         if note:  # after "Loaded ...", so the window's status bar ends on it
-            self.cache_note.emit(note)
+            self.on_report(CacheNote(note))
 
     @guarded
     def check_model(self, path: str) -> None:
@@ -178,7 +218,7 @@ class EngineWorker(QObject):
             why = f"{path}: {type(e).__name__}: {e}"
         else:
             why = ""
-        self.model_checked.emit(path, why)
+        self.on_report(ModelChecked(path, why))
 
     @guarded
     def apply_settings(self, values: dict) -> None:
@@ -198,7 +238,7 @@ class EngineWorker(QObject):
             return
         if live != s.settings:
             s.update_settings(live)
-            self.kv_budget.emit(new.kv_budget(s))
+            self.on_report(KvBudget(new.kv_budget(s)))
             self._emit_stats(force=True)
 
     @guarded
@@ -206,7 +246,7 @@ class EngineWorker(QObject):
         if self.scheduler is None:
             return
         n = self.scheduler.flush_cache()
-        self.cache_flushed.emit(n)
+        self.on_report(CacheFlushed(n))
         self._emit_stats(force=True)
 
     def set_cache_root(self, root: str) -> None:
@@ -217,9 +257,9 @@ class EngineWorker(QObject):
     def save_cache(self) -> None:
         """Save the cache now (Run → Save the cache now), whether or not it is kept at quit."""
         if self.scheduler is None:
-            self.cache_note.emit("Cache not saved: no model is loaded")
+            self.on_report(CacheNote("Cache not saved: no model is loaded"))
             return
-        self.cache_note.emit(self.keeper.save(self.scheduler))
+        self.on_report(CacheNote(self.keeper.save(self.scheduler)))
 
     @guarded
     def pin_chain(self, chain_id: int, pinned: bool) -> None:
@@ -232,8 +272,8 @@ class EngineWorker(QObject):
         """How far a prompt (system + user) would match the cache, and where it differs."""
         if self.scheduler is None or self.model is None:
             return
-        self.probe_ready.emit(probe_prompt(self.scheduler, request.get("system", ""),
-                                           request.get("user", ""), request.get("namespace", "")))
+        self.on_report(ProbeReady(probe_prompt(self.scheduler, request.get("system", ""),
+                                            request.get("user", ""), request.get("namespace", ""))))
 
     @guarded
     def make_report(self, request: dict) -> None:
@@ -244,7 +284,7 @@ class EngineWorker(QObject):
                               self._settings.sampling(), request.get("title", ""),
                               namespace=self._settings.namespace,
                               kv_budget=self._settings.kv_budget(self.scheduler)["line"])
-        self.report_ready.emit(request["path"], report)
+        self.on_report(ReportReady(request["path"], report))
 
     def save_trace(self, path: str) -> None:
         """Write the session's ended requests as a trace (the What-if tab's "This session")."""
@@ -254,49 +294,45 @@ class EngineWorker(QObject):
                 raise RuntimeError("no model is loaded yet, so there is no session to replay")
             save_session_trace(path, self.scheduler, self.model.name)
         except Exception as e:  # noqa: BLE001 - the tab shows why; the thread lives on
-            self.trace_saved.emit(path, str(e))
+            self.on_report(TraceSaved(path, str(e)))
             return
-        self.trace_saved.emit(path, "")
+        self.on_report(TraceSaved(path, ""))
 
-    def shutdown(self) -> None:
-        """Stop stepping, keep the cache when asked to, and end the thread's event loop (the UI
-        thread then waits)."""
-        self._quitting = True
-        self._timer.stop()
+    def close(self) -> None:
+        """Stop stepping and keep the cache when asked to (the app is quitting)."""
+        self.quitting = True
         if self._settings.keep_cache and self.scheduler is not None:
-            self.cache_note.emit(self.keeper.save(self.scheduler))
-        QThread.currentThread().quit()
+            self.on_report(CacheNote(self.keeper.save(self.scheduler)))
 
-    # stepping ---------------------------------------------------------------
-    @Slot()
-    def pump(self) -> None:
-        """One loop step, then back to the event loop (the timer calls us again)."""
-        if self._quitting:
-            self._timer.stop()
-            return
+    # stepping ---------------------------------------------------------------------------------
+    def begin_run(self) -> bool:
+        """A job or a cancel reached an idle loop: whether to start stepping (not when quitting)."""
+        if self.quitting:
+            return False
+        leave_core_for_ui()
+        self.busy = True
+        return True
+
+    def step(self) -> bool:
+        """One loop step; whether to step again (False: the run is over, or the app quits)."""
+        if self.quitting:
+            return False
         try:
             self.loop.step()
         except StepFailed as e:  # the loop recovered (its jobs were refused); say so
-            self.failed.emit(f"scheduler step: {e}")
+            self.on_report(Failed(f"scheduler step: {e}"))
             self._after_recovery()
         except Exception as e:  # noqa: BLE001 - a broken step must not kill the thread
-            self.failed.emit(f"scheduler step: {type(e).__name__}: {e}\n\n{traceback.format_exc(limit=6)}")
+            self.on_report(failure("scheduler step", e))
         self._emit_events()
         if not self.loop.has_work():
-            self._timer.stop()
             self._run_done()
-        else:
-            self._emit_stats()
-
-    @Slot()
-    def _wake(self) -> None:
-        if not self._quitting and not self._timer.isActive():
-            leave_core_for_ui()
-            self.busy = True
-            self._timer.start()
+            return False
+        self._emit_stats()
+        return True
 
     def job_event(self, job: Job, event) -> None:
-        """A job's event (this thread): a typed job's sink, and the served jobs' watcher while
+        """A job's event (engine thread): a typed job's sink, and the served jobs' watcher while
         the app serves. A served job's `Accepted` comes as `Served`, which opens its card."""
         if job.client and isinstance(event, Accepted):
             self.busy = True
@@ -307,7 +343,7 @@ class EngineWorker(QObject):
     def _emit_events(self) -> None:
         if self._events:
             events, self._events = self._events, []
-            self.job_events.emit(events)
+            self.on_events(events)
 
     def _run_done(self) -> None:
         self._emit_stats(force=True)
@@ -316,7 +352,7 @@ class EngineWorker(QObject):
             if self._pending_settings is not None:
                 self._pending_settings = None
                 self._note(self._new_scheduler())
-            self.run_finished.emit()
+            self.on_report(RunFinished())
 
     def _stop_everything(self) -> None:
         """Cancel every request and reap them (finish events go out as `cancelled`)."""
@@ -324,7 +360,6 @@ class EngineWorker(QObject):
             return
         self.loop.stop()
         self._emit_events()
-        self._timer.stop()
         self._run_done()
 
     def _after_recovery(self) -> None:
@@ -347,13 +382,13 @@ class EngineWorker(QObject):
 
     def _note(self, line: str) -> None:
         if line:
-            self.cache_note.emit(line)
+            self.on_report(CacheNote(line))
 
     def _scheduler_changed(self) -> None:
         self._emit_events()  # the jobs the old scheduler refused as it went
         self._maker, self._maker_of = SnapshotMaker(), self.scheduler
-        self.kv_budget.emit(self._settings.kv_budget(self.scheduler))
-        self.scheduler_reset.emit(self.scheduler.settings.to_dict())
+        self.on_report(KvBudget(self._settings.kv_budget(self.scheduler)))
+        self.on_report(SchedulerReset(self.scheduler.settings.to_dict()))
         self._emit_stats(force=True)
 
     def _emit_stats(self, force: bool = False) -> None:
@@ -361,4 +396,4 @@ class EngineWorker(QObject):
         if self.scheduler is None or (not force and now - self._last_stats < STATS_INTERVAL_S):
             return
         self._last_stats = now
-        self.stats_updated.emit(self._maker.take(self.scheduler))
+        self.on_report(self._maker.take(self.scheduler))
