@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import openai
 import pytest
 
@@ -99,6 +100,34 @@ def test_a_tenant_sees_only_its_own_traffic(real_model):
     assert all(re.fullmatch(r"chatcmpl-[0-9a-f]{24}", i) for i in ids) and len(set(ids)) == len(ids)
     values = [int(i.removeprefix("chatcmpl-"), 16) for i in ids]
     assert all(abs(x - y) > 2**32 for x, y in zip(values, values[1:])), ids
+
+
+def test_metrics_count_every_tenant_so_only_the_operator_reads_them(real_model):
+    load = scheduler_on(real_model, page_rows=ROWS, max_streams=1)
+    for metrics_key in ("ops-key", None):
+        srv = start_server(load, api_keys=KEYS, metrics_key=metrics_key)
+        try:
+            ask(openai.OpenAI(base_url=srv.url + "/v1", api_key=KEYS[0], max_retries=0), QUESTIONS[0])
+            scrape = [httpx.get(srv.url + "/metrics", headers=auth) for auth in (
+                {}, {"authorization": f"Bearer {KEYS[1]}"}, {"authorization": f"Bearer {metrics_key}"})]
+        finally:
+            srv.stop()
+        for r in scrape[:2] + ([] if metrics_key else scrape[2:]):   # a tenant never reads Alice's
+            assert r.status_code == 401 and "requests_finished" not in r.text
+            assert "--metrics-key" in r.json()["error"]["message"]
+        if metrics_key:
+            assert scrape[2].status_code == 200
+            assert 'prefixlab_requests_finished_total{finish_reason="length"} 1' in scrape[2].text
+
+
+def test_the_serve_command_takes_a_metrics_key():
+    import argparse
+
+    from app.serve.cli import add_parser
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert parser.parse_args(["serve", "--metrics-key", "k"]).metrics_key == "k"
+    assert parser.parse_args(["serve"]).metrics_key is None
 
 
 def test_completion_ids_are_bounded_per_namespace_and_per_scheduler():

@@ -155,9 +155,11 @@ def model_id(model) -> str:
 
 def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool = False, *,
                host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_key: str | None = None) -> FastAPI:
     """The server's ASGI app; `api_keys` empty: no authentication. It answers Host names of this
-    machine and `host` (plus `allowed_hosts`; "*": any) and bodies up to `max_body_bytes`."""
+    machine and `host` (plus `allowed_hosts`; "*": any) and bodies up to `max_body_bytes`.
+    `/metrics` counts every tenant's traffic: with `api_keys` (or `metrics_key`) it answers the
+    bearer of `metrics_key` only."""
     app = FastAPI(title="PrefixLab", docs_url=None, redoc_url=None, openapi_url=None)
     keys = {k: tenant_of(k) for k in (api_keys or [])}
     app.add_middleware(Guard, allowed_hosts=local_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes)
@@ -165,7 +167,7 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     _answer_errors_as_objects(app)
-    _add_routes(app, backend, keys)
+    _add_routes(app, backend, keys, metrics_key)
     return app
 
 
@@ -196,8 +198,7 @@ def _tenant_checker(keys: dict[str, str]) -> Callable[[Request], str]:
     def tenant(request: Request) -> str:
         if not keys:
             return ""
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        given = _bearer(request)
         for key, name in keys.items():
             if hmac.compare_digest(given.encode(), key.encode()):
                 return name
@@ -207,9 +208,33 @@ def _tenant_checker(keys: dict[str, str]) -> Callable[[Request], str]:
     return tenant
 
 
-def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
+def _bearer(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+
+def _operator_checker(keys: dict[str, str], metrics_key: str | None) -> Callable[[Request], None]:
+    """A 401 for a /metrics scrape without `metrics_key` when one is set or tenants are: its
+    counts of requests, tokens and queued requests are every tenant's traffic."""
+
+    def operator(request: Request) -> None:
+        if not keys and not metrics_key:
+            return
+        if not metrics_key:
+            raise ApiError(401, "with --api-key, /metrics serves the operator only: start the server "
+                           "with --metrics-key KEY and scrape with 'Authorization: Bearer KEY'",
+                           None, "invalid_api_key")
+        if not hmac.compare_digest(_bearer(request).encode(), metrics_key.encode()):
+            raise ApiError(401, "/metrics needs the --metrics-key: send 'Authorization: Bearer <key>'",
+                           None, "invalid_api_key")
+
+    return operator
+
+
+def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str], metrics_key: str | None) -> None:
     """The endpoints; `keys` maps each API key to its tenant (empty: no authentication)."""
     tenant = _tenant_checker(keys)
+    operator = _operator_checker(keys, metrics_key)
 
     def loaded_model():
         model = backend.model()
@@ -229,7 +254,8 @@ def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
         return {"status": "ok", **backend.info()}
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
+        operator(request)
         text = metrics.render(backend.stats(), backend.ttft, backend.model() is not None)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
