@@ -194,12 +194,16 @@ class SeenIndex:
     def saw(self, free: int, parent: int | None, tokens: tuple, namespace: str, key: int,
             request: int | None) -> None:
         """A page is cached (inserted, loaded back or adopted) in `namespace` under `key`."""
+        if self.own is None and self.namespaces and namespace not in self.namespaces:
+            (first,) = self.namespaces   # a second namespace: each one's children sorted apart from now
+            self.own = {(p, first): list(kids) for p, kids in self.children.items()}
         seen = self.pages.get(free)
         if seen is None:
             self.pages[free] = seen = Seen(parent, tokens, namespace, key, request)
+            self.namespaces.add(namespace)
             if tokens:
                 bisect.insort(self.children.setdefault(parent, []), (tokens, free))
-            self._sighted(seen, free, namespace)
+            self._link(seen, free, namespace)
             if len(self.pages) > self.max_pages:
                 self._drop()
             return
@@ -207,26 +211,14 @@ class SeenIndex:
         sighting = seen.of(namespace)
         if sighting is None:
             seen.add(namespace, key, request)
-            self._sighted(seen, free, namespace)
+            self.namespaces.add(namespace)
+            self._link(seen, free, namespace)
         else:
             sighting.evicted = None
 
-    def _sighted(self, seen: Seen, free: int, namespace: str) -> None:
-        """`namespace` cached the page for the first time: it joins that namespace's children
-        (with the second namespace, every namespace's children are sorted on their own)."""
-        if namespace not in self.namespaces:
-            self.namespaces.add(namespace)
-            if len(self.namespaces) == 2:
-                self.own = {}
-                for other_free, other in self.pages.items():
-                    for ns in other.names():
-                        self._link(other, other_free, ns)
-                return
-        if self.own is not None:
-            self._link(seen, free, namespace)
-
     def _link(self, seen: Seen, free: int, namespace: str) -> None:
-        if seen.tokens:
+        """`namespace` cached the page: it joins that namespace's sorted children (once there are two)."""
+        if self.own is not None and seen.tokens:
             bisect.insort(self.own.setdefault((seen.parent, namespace), []), (seen.tokens, free))
 
     def evicted(self, free: int, namespace: str, eviction: Eviction) -> None:
