@@ -158,13 +158,19 @@ class Seen(Sighting):
             self.others = {}
         self.others[namespace] = Sighting(key, request)
 
+    def names(self) -> list[str]:
+        """Every namespace that cached this page."""
+        return [self.namespace, *(self.others or ())]
+
 
 class SeenIndex:
     """Every page ever cached, up to `max_pages` of them (least recently cached or evicted go first), by
     its namespace-free chained key (the key the page would have in the default namespace), with
     each namespace's sighting; plus each parent's children sorted by their tokens, so the token
     where a prompt departs inside a page is found in O(log siblings): the longest common prefix
-    of a query with a sorted set is its neighbour's, before or after it."""
+    of a query with a sorted set is its neighbour's, before or after it. Once a second namespace
+    caches a page, each namespace's children are also sorted on their own (`own`), so where a
+    tenant's prompt departs is found among its own pages, whatever others sent."""
 
     def __init__(self, max_pages: int = SEEN_PAGES):
         if not isinstance(max_pages, int) or max_pages < 1:
@@ -172,6 +178,7 @@ class SeenIndex:
         self.max_pages = max_pages
         self.pages: OrderedDict[int, Seen] = OrderedDict()
         self.children: dict[int | None, list[tuple[tuple, int]]] = {}  # parent -> sorted (tokens, key)
+        self.own: dict[tuple[int | None, str], list[tuple[tuple, int]]] | None = None  # (parent, ns) -> same
         self.namespaces: set[str] = set()   # every namespace that cached a page
 
     def __len__(self) -> int:
@@ -187,12 +194,16 @@ class SeenIndex:
     def saw(self, free: int, parent: int | None, tokens: tuple, namespace: str, key: int,
             request: int | None) -> None:
         """A page is cached (inserted, loaded back or adopted) in `namespace` under `key`."""
+        if self.own is None and self.namespaces and namespace not in self.namespaces:
+            (first,) = self.namespaces   # a second namespace: each one's children sorted apart from now
+            self.own = {(p, first): list(kids) for p, kids in self.children.items()}
         seen = self.pages.get(free)
         if seen is None:
-            self.pages[free] = Seen(parent, tokens, namespace, key, request)
+            self.pages[free] = seen = Seen(parent, tokens, namespace, key, request)
             self.namespaces.add(namespace)
             if tokens:
                 bisect.insort(self.children.setdefault(parent, []), (tokens, free))
+            self._link(seen, free, namespace)
             if len(self.pages) > self.max_pages:
                 self._drop()
             return
@@ -201,8 +212,14 @@ class SeenIndex:
         if sighting is None:
             seen.add(namespace, key, request)
             self.namespaces.add(namespace)
+            self._link(seen, free, namespace)
         else:
             sighting.evicted = None
+
+    def _link(self, seen: Seen, free: int, namespace: str) -> None:
+        """`namespace` cached the page: it joins that namespace's sorted children (once there are two)."""
+        if self.own is not None and seen.tokens:
+            bisect.insort(self.own.setdefault((seen.parent, namespace), []), (seen.tokens, free))
 
     def evicted(self, free: int, namespace: str, eviction: Eviction) -> None:
         """A page left the pool: it stays within reach longest from now (a page is "seen" when
@@ -216,14 +233,14 @@ class SeenIndex:
     def _drop(self) -> None:
         free, seen = self.pages.popitem(last=False)
         if seen.tokens:
-            kids = self.children[seen.parent]
-            del kids[bisect.bisect_left(kids, (seen.tokens, free))]
-            if not kids:
-                del self.children[seen.parent]
+            _unlink(self.children, seen.parent, (seen.tokens, free))
+            for ns in seen.names() if self.own is not None else ():
+                _unlink(self.own, (seen.parent, ns), (seen.tokens, free))
 
     def clear(self) -> None:
         self.pages.clear()
         self.children.clear()
+        self.own = None
         self.namespaces.clear()
 
     def only(self, namespace: str) -> bool:
@@ -233,28 +250,30 @@ class SeenIndex:
 
     def nearest(self, parent: int | None, piece, namespace: str | None) -> tuple[int, Sighting | None]:
         """Longest common prefix of `piece` with a seen page under `parent` (in `namespace`, or
-        in any with None), and that page's sighting: the nearest such sibling on each side of
-        `piece` in sorted order (at most 64 steps each way past other namespaces' pages)."""
-        kids = self.children.get(parent) if len(piece) else None
-        if not kids:
+        in any with None), and that page's sighting: the nearest sibling on each side of `piece`
+        in sorted order among that namespace's pages (every namespace's with None)."""
+        if namespace is None or (self.own is None and namespace in self.namespaces):
+            kids = self.children.get(parent)   # every page, or the one namespace's
+        else:
+            kids = self.own.get((parent, namespace)) if self.own is not None else None
+        if not kids or not len(piece):
             return 0, None
         query = tuple(int(t) for t in piece)
         at = bisect.bisect_left(kids, (query,))
         best, found = 0, None
-        for step in (-1, 1):
-            i = at - 1 if step < 0 else at
-            for _ in range(64):
-                if not 0 <= i < len(kids):
-                    break
-                tokens, free = kids[i]
-                sighting = self.pages[free].of(namespace)
-                if sighting is not None:
-                    n = _common(tokens, query)
-                    if n > best:
-                        best, found = n, sighting
-                    break
-                i += step
+        for tokens, free in kids[max(at - 1, 0):at + 1]:
+            n = _common(tokens, query)
+            if n > best:
+                best, found = n, self.pages[free].of(namespace)
         return best, found
+
+
+def _unlink(lists: dict, key, item: tuple) -> None:
+    """Take `item` out of the sorted list `lists[key]`, and the list once empty."""
+    kids = lists[key]
+    del kids[bisect.bisect_left(kids, item)]
+    if not kids:
+        del lists[key]
 
 
 def _common(a: tuple, b: tuple) -> int:

@@ -169,3 +169,32 @@ def test_the_scheduler_counts_pages_shared_in_flight_as_lent(tiny_model):
     assert far.parts == TokenParts(lent=64, new=2) and far.record.diverged_from == ids[0]
     for ev in finished.values():
         assert ev.parts.cached + ev.parts.lent == ev.record.n_cached
+
+
+def test_a_tenants_departure_never_depends_on_another_namespaces_pages():
+    """Another namespace's pages sorting between a tenant's prompt and its own page must not hide
+    where it departs (that would tell the tenant of the other's traffic)."""
+    def bob_after(alice_requests: int):
+        run = Run()
+        run.request(SYSTEM + [1, 2, 3, 500, 7], namespace="bob")
+        for x in range(alice_requests):   # fourth pages that sort between Bob's query and his page
+            run.request(SYSTEM + [1, 2, 3, 10 + x, 7], namespace="alice")
+        return run.request(SYSTEM + [1, 2, 3, 5, 7], namespace="bob")[1]
+
+    alone = bob_after(0)
+    assert alone.parts == TokenParts(cached=12, rounding=3, new=2) and alone.diverged_at == 15
+    assert bob_after(100) == alone
+
+
+def test_each_namespaces_sorted_children_follow_the_index_bound():
+    idx = SeenIndex(3)
+    for k in range(10):
+        idx.saw(k, None, (k, 0), "ab"[k % 2], k, k)
+    idx.saw(9, None, (9, 0), "a", 9, 9)                       # page 9 in both namespaces
+    assert sorted(idx.pages) == [7, 8, 9]
+    assert {key: [f for _, f in kids] for key, kids in idx.own.items()} == {
+        (None, "a"): [8, 9], (None, "b"): [7, 9]}
+    assert idx.nearest(None, (7, 5), "a") == (0, None) and idx.nearest(None, (7, 5), "b")[0] == 1
+    for k in (10, 11, 12):
+        idx.saw(k, None, (k, 0), "a", k, k)
+    assert {key: [f for _, f in kids] for key, kids in idx.own.items()} == {(None, "a"): [10, 11, 12]}

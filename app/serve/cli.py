@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help="answer limit of a request that sets no max_tokens (default: the context, "
                         "as OpenAI's; a bounded --pool-pages reserves every page of it at admission)")
+    p.add_argument("--metrics-key", metavar="KEY", default=None,
+                   help="bearer key /metrics asks for (it counts every tenant's traffic, so with "
+                        "--api-key it answers only this key); also read from PREFIXLAB_METRICS_KEY")
     p.add_argument("--metrics-isolated", action="store_true",
                    help="count prompt tokens another namespace had as 'isolated' in /metrics (default: "
                         "as 'new', so one tenant's scrape says nothing of another's traffic)")
@@ -91,7 +94,8 @@ def run(args) -> int:
                         args.host, args.port, api_keys=keys, cors=args.cors,
                         default_max_tokens=args.default_max_tokens, allowed_hosts=args.allowed_hosts,
                         max_body_bytes=args.max_body_bytes, prepare=prepare,
-                        max_connections=args.max_connections, idle_timeout_s=args.idle_timeout)
+                        max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
+                        metrics_key=args.metrics_key or os.environ.get("PREFIXLAB_METRICS_KEY") or None)
         server.backend.ttft.show_isolated = args.metrics_isolated
         server.start()
     except ServeError as e:

@@ -279,22 +279,24 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(record) -> dict:
+def usage(record, diverged_from: str | None) -> dict:
     """OpenAI's usage with cached tokens, from a finished RequestRecord, plus `prefixlab`: where
     its prompt tokens went (docs/design.md §15)."""
     return {"prompt_tokens": record.n_prompt, "completion_tokens": record.n_gen,
             "total_tokens": record.n_prompt + record.n_gen,
             "prompt_tokens_details": {"cached_tokens": record.n_cached},
-            "prefixlab": token_parts(record)}
+            "prefixlab": token_parts(record, diverged_from)}
 
 
-def token_parts(record) -> dict:
+def token_parts(record, diverged_from: str | None) -> dict:
     """The tenant's own account (never another namespace's traffic: `isolated` is `new` and
-    `diverged_at` looks only within its namespace); an eviction names its budget, not when or
-    during whose request."""
+    `diverged_at` looks only within its namespace); `diverged_from` is the completion id of the
+    tenant's own earlier request its prompt departs from (the server maps the scheduler's
+    request id, which counts every tenant's requests); an eviction names its budget, not when
+    or during whose request."""
     tenant = record.tenant or Account(TokenParts(new=record.n_prompt))
     out = {"tokens": tenant.parts.as_dict(), "diverged_at": tenant.diverged_at,
-           "diverged_from": tenant.diverged_from}
+           "diverged_from": diverged_from}
     if tenant.evicted_by is not None:
         out["evicted_by"] = {"cause": tenant.evicted_by.cause, "budget_pages": tenant.evicted_by.budget_pages}
     return out
@@ -315,7 +317,8 @@ def timings(record) -> dict:
     }
 
 
-def response(req: ParsedRequest, rid: str, model_id: str, text: str, finish: str, record) -> dict:
+def response(req: ParsedRequest, rid: str, model_id: str, text: str, finish: str, record,
+             diverged_from: str | None) -> dict:
     """The whole (non-streaming) answer."""
     if req.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -324,7 +327,7 @@ def response(req: ParsedRequest, rid: str, model_id: str, text: str, finish: str
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     return {"id": rid, "object": "chat.completion" if req.chat else "text_completion",
             "created": int(time.time()), "model": model_id, "choices": [choice],
-            "system_fingerprint": None, "usage": usage(record), "timings": timings(record)}
+            "system_fingerprint": None, "usage": usage(record, diverged_from), "timings": timings(record)}
 
 
 def chunk(req: ParsedRequest, rid: str, model_id: str, text: str | None = None,
@@ -342,11 +345,11 @@ def chunk(req: ParsedRequest, rid: str, model_id: str, text: str | None = None,
     return out
 
 
-def usage_chunk(req: ParsedRequest, rid: str, model_id: str, record) -> dict:
+def usage_chunk(req: ParsedRequest, rid: str, model_id: str, record, diverged_from: str | None) -> dict:
     """The last chunk when `stream_options.include_usage` asks: no choices, the usage and timings."""
     return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": int(time.time()), "model": model_id, "choices": [], "system_fingerprint": None,
-            "usage": usage(record), "timings": timings(record)}
+            "usage": usage(record, diverged_from), "timings": timings(record)}
 
 
 class StopFilter:

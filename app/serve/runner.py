@@ -118,13 +118,13 @@ class Server:
                  cors: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  allowed_hosts: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  prepare=None, max_connections: int | None = None,
-                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S):
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, metrics_key: str | None = None):
         self.engine = LoopThread(load, prepare)
         self.backend = Backend(self.engine.loop, model=self._model, stats=self._stats,
                                load_error=lambda: self.engine.load_error, state=self.engine.state,
                                default_max_tokens=default_max_tokens, info=self._info)
         app = create_app(self.backend, api_keys, cors, host=host, allowed_hosts=allowed_hosts,
-                         max_body_bytes=max_body_bytes)
+                         max_body_bytes=max_body_bytes, metrics_key=metrics_key)
         self.connections = ConnectionLimit(max_connections, idle_timeout_s)
         self.http = HttpThread(app, host, port, http=limited(JsonErrorsH11, self.connections))
 

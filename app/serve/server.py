@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.loop import EngineLoop, Job, Refused
+from engine.loop import Accepted, EngineLoop, Job, Refused
 from engine.scheduler import FinishEvent, TokenEvent
 
 from . import metrics
@@ -45,7 +47,45 @@ from .protocol import (
 )
 
 DISCONNECT_POLL_S = 0.5
+# Completion ids a later answer may name as `diverged_from`: the most recently served or named
+# 16,384 (at most about 10 MB with 256-character salts); an older request is named null.
+COMPLETION_IDS = 16_384
 log = logging.getLogger("prefixlab.serve")
+
+
+class CompletionIds:
+    """Served requests' completion ids by the scheduler's request id, so an answer names the
+    earlier request it diverged from by the id its own tenant was given, never by the scheduler's
+    id, which counts every tenant's requests. Bounded to `size` (least recently added or named go
+    first); one scheduler's (a new one after a reset starts it over, as its ids do). Engine
+    thread only: it adds at `Accepted` and names at `FinishEvent`."""
+
+    def __init__(self, size: int = COMPLETION_IDS):
+        self.size = size
+        self._ids: OrderedDict[int, tuple[str, str]] = OrderedDict()  # request id -> (namespace, id)
+        self._scheduler = lambda: None   # a weak reference to the scheduler the ids are of
+
+    def _of(self, scheduler) -> OrderedDict[int, tuple[str, str]]:
+        if self._scheduler() is not scheduler:
+            self._ids.clear()
+            self._scheduler = weakref.ref(scheduler)
+        return self._ids
+
+    def add(self, scheduler, request_id: int, namespace: str, completion_id: str) -> None:
+        ids = self._of(scheduler)
+        ids[request_id] = (namespace, completion_id)
+        if len(ids) > self.size:
+            ids.popitem(last=False)
+
+    def name(self, scheduler, request_id: int | None, namespace: str) -> str | None:
+        """The completion id `request_id` was answered with, when it was served in `namespace`
+        and is still remembered; else None."""
+        ids = self._of(scheduler)
+        known = ids.get(request_id) if request_id is not None else None
+        if known is None or known[0] != namespace:
+            return None
+        ids.move_to_end(request_id)
+        return known[1]
 
 
 @dataclass
@@ -64,6 +104,7 @@ class Backend:
     # every served job's events, after the server's own books (engine thread): the desktop's
     # cards, the Advisor tab's recording
     watchers: list[Callable[[Job, object], None]] = field(default_factory=list)
+    completions: CompletionIds = field(default_factory=CompletionIds)
 
     def __post_init__(self):
         self.friendliness = Friendliness(lambda: getattr(self.model(), "tokenizer", None))
@@ -114,9 +155,11 @@ def model_id(model) -> str:
 
 def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool = False, *,
                host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_key: str | None = None) -> FastAPI:
     """The server's ASGI app; `api_keys` empty: no authentication. It answers Host names of this
-    machine and `host` (plus `allowed_hosts`; "*": any) and bodies up to `max_body_bytes`."""
+    machine and `host` (plus `allowed_hosts`; "*": any) and bodies up to `max_body_bytes`.
+    `/metrics` counts every tenant's traffic: with `api_keys` (or `metrics_key`) it answers the
+    bearer of `metrics_key` only."""
     app = FastAPI(title="PrefixLab", docs_url=None, redoc_url=None, openapi_url=None)
     keys = {k: tenant_of(k) for k in (api_keys or [])}
     app.add_middleware(Guard, allowed_hosts=local_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes)
@@ -124,7 +167,7 @@ def create_app(backend: Backend, api_keys: list[str] | None = None, cors: bool =
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     _answer_errors_as_objects(app)
-    _add_routes(app, backend, keys)
+    _add_routes(app, backend, keys, metrics_key)
     return app
 
 
@@ -155,8 +198,7 @@ def _tenant_checker(keys: dict[str, str]) -> Callable[[Request], str]:
     def tenant(request: Request) -> str:
         if not keys:
             return ""
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        given = _bearer(request)
         for key, name in keys.items():
             if hmac.compare_digest(given.encode(), key.encode()):
                 return name
@@ -166,9 +208,33 @@ def _tenant_checker(keys: dict[str, str]) -> Callable[[Request], str]:
     return tenant
 
 
-def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
+def _bearer(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+
+def _operator_checker(keys: dict[str, str], metrics_key: str | None) -> Callable[[Request], None]:
+    """A 401 for a /metrics scrape without `metrics_key` when one is set or tenants are: its
+    counts of requests, tokens and queued requests are every tenant's traffic."""
+
+    def operator(request: Request) -> None:
+        if not keys and not metrics_key:
+            return
+        if not metrics_key:
+            raise ApiError(401, "with --api-key, /metrics serves the operator only: start the server "
+                           "with --metrics-key KEY and scrape with 'Authorization: Bearer KEY'",
+                           None, "invalid_api_key")
+        if not hmac.compare_digest(_bearer(request).encode(), metrics_key.encode()):
+            raise ApiError(401, "/metrics needs the --metrics-key: send 'Authorization: Bearer <key>'",
+                           None, "invalid_api_key")
+
+    return operator
+
+
+def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str], metrics_key: str | None) -> None:
     """The endpoints; `keys` maps each API key to its tenant (empty: no authentication)."""
     tenant = _tenant_checker(keys)
+    operator = _operator_checker(keys, metrics_key)
 
     def loaded_model():
         model = backend.model()
@@ -188,7 +254,8 @@ def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
         return {"status": "ok", **backend.info()}
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
+        operator(request)
         text = metrics.render(backend.stats(), backend.ttft, backend.model() is not None)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -216,16 +283,16 @@ def _add_routes(app: FastAPI, backend: Backend, keys: dict[str, str]) -> None:
         check_logit_bias(req, model.config.vocab_size)
         remote = request.client.host if request.client else "?"
         client = f"http {remote} model={req.model[:MAX_LABEL_CHARS] or '-'} user={req.user or '-'}"
-        call = _Call(backend, asyncio.get_running_loop())
         namespace = namespace_of(ns_tenant, req.cache_salt)
         chat_args = await asyncio.to_thread(_chat_args, req, model, namespace, backend.default_max_tokens)
+        answer = _Answer(req, new_id(chat), model_id(model))
+        call = _Call(backend, asyncio.get_running_loop(), answer.rid, namespace)
         # the job carries the caller's tenant: views of served traffic show each tenant its own
         call.submit(Job(chat_args, client=client, arrival=arrival, tenant=ns_tenant))
         first = await call.next()
         if isinstance(first, Refused):
             raise ApiError(first.status, first.message, None,
                            "server_busy" if first.status == 503 else "invalid_request")
-        answer = _Answer(req, new_id(chat), model_id(model))
         if req.stream:
             return StreamingResponse(_stream(call, answer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -268,15 +335,26 @@ def _chat_args(req: ParsedRequest, model, namespace: str, default_max_tokens: in
 
 
 class _Call:
-    """One request's link to the engine thread: events arrive on an asyncio queue."""
+    """One request's link to the engine thread: events arrive on an asyncio queue. Its
+    completion id goes into the backend's books when the scheduler accepts it, and at its finish
+    `diverged_from` names the caller's own earlier completion its prompt departs from."""
 
-    def __init__(self, backend: Backend, loop: asyncio.AbstractEventLoop):
+    def __init__(self, backend: Backend, loop: asyncio.AbstractEventLoop, completion_id: str, namespace: str):
         self.backend, self.loop = backend, loop
+        self.completion_id, self.namespace = completion_id, namespace
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ticket = 0
         self.done = False
+        self.diverged_from: str | None = None
 
-    def sink(self, event) -> None:  # engine thread
+    def sink(self, event) -> None:  # engine thread: the scheduler whose ids these are is current
+        scheduler = self.backend.loop.scheduler
+        if isinstance(event, Accepted):
+            self.backend.completions.add(scheduler, event.request_id, self.namespace, self.completion_id)
+        elif isinstance(event, FinishEvent):
+            tenant = event.record.tenant
+            self.diverged_from = self.backend.completions.name(
+                scheduler, tenant.diverged_from if tenant is not None else None, self.namespace)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     def submit(self, job: Job) -> None:
@@ -333,7 +411,7 @@ async def _stream(call: _Call, answer: _Answer):
                     yield sse(chunk(req, rid, model, tail))
                 yield sse(chunk(req, rid, model, finish=reason))
                 if req.include_usage:
-                    yield sse(usage_chunk(req, rid, model, event.record))
+                    yield sse(usage_chunk(req, rid, model, event.record, call.diverged_from))
                 yield "data: [DONE]\n\n"
                 return
             elif isinstance(event, Refused):
@@ -361,7 +439,7 @@ async def _whole(request: Request, call: _Call, answer: _Answer) -> Response:
             elif isinstance(event, FinishEvent):
                 _, reason = answer.finish(event)
                 return JSONResponse(response(answer.req, answer.rid, answer.model, "".join(answer.parts),
-                                             reason, event.record))
+                                             reason, event.record, call.diverged_from))
             elif isinstance(event, Refused):
                 raise ApiError(event.status, event.message)
     finally:
