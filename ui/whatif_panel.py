@@ -1,13 +1,14 @@
-"""The What-if tab: pick a trace and the knobs, see hit ratio vs capacity per policy.
+"""The What-if tab: pick a trace and the knobs, see hit ratio vs capacity per policy and,
+beside it, the twin's predicted TTFT at the same capacities.
 
-A plain widget: it shows what it is given (the trace's description, suggested knobs,
-progress, result rows, errors) and asks for work through signals; the app's
-controller parses the knobs, runs the replay off the UI thread and hands rows back.
+A plain widget: it shows what it is given (the trace's description, suggested knobs, the step
+cost in use, progress, result rows, errors) and asks for work through signals; the app's
+controller parses the knobs, runs the replay and the twin off the UI thread and hands rows back.
 """
 
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QFormLayout,
@@ -25,8 +26,10 @@ from PySide6.QtWidgets import (
 from .flow_layout import FlowLayout
 from .whatif import POLICY_COLORS, WhatIfChart
 from .whatif_cluster import CLUSTER_COLUMNS, ClusterChart, ClusterControls, cluster_cells
+from .whatif_ttft import TtftChart
 
 COLUMNS = ("page size", "budget", "disk tier", "policy", "token hit ratio", "tokens saved", "hits", "evicted")
+TTFT_COLUMNS = ("TTFT p50 (s)", "TTFT p90 (s)", "goodput (req/s)")
 
 
 def _budget_text(budget: int | None) -> str:
@@ -38,7 +41,9 @@ class WhatIfPanel(QWidget):
 
     load_requested = Signal()           # "Load trace…": the controller opens a file dialog
     session_requested = Signal()        # "This session": replay what the app just ran
-    run_requested = Signal(str, str, list, str)  # page sizes, budgets, policy names, disk tiers text
+    run_requested = Signal(str, str, list, str, str)  # page sizes, budgets, policies, disk tiers, TTFT SLO
+    cost_requested = Signal()           # "Load cost file…": the controller opens a file dialog
+    stop_requested = Signal()           # "Stop": the twin's prediction stops between two requests
     cluster_requested = Signal(str, str, list)  # replicas text, budgets text, router names
 
     def __init__(self, parent: QWidget | None = None, policies=tuple(POLICY_COLORS)):
@@ -56,7 +61,17 @@ class WhatIfPanel(QWidget):
         self.disk_budgets.setToolTip("Pages of a disk tier under each capacity: evicted pages move there "
                                      "and hit again; one curve per tier, beside the one-tier curve")
         self.policies = {name: QCheckBox(name) for name in policies}
+        self.cost_label = QLabel()
+        self.cost_label.setWordWrap(True)
+        self.cost_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)  # copy the command
+        self.cost_button = QPushButton("Load cost file…")
+        self.cost_button.setToolTip("A step-cost JSON (`prefixlab calibrate` writes one; docs/twin.md)")
+        self.slo_ttft = QLineEdit()
+        self.slo_ttft.setPlaceholderText("none; e.g. 2.0")
+        self.slo_ttft.setToolTip("Goodput: requests per second whose predicted TTFT is at most this")
         self.run_button = QPushButton("Run")
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setVisible(False)
         self.progress = QProgressBar()
         self.progress.setVisible(False)
         self.error = QLabel()
@@ -67,6 +82,10 @@ class WhatIfPanel(QWidget):
         self.cluster = ClusterControls(self)  # replicas behind routers (docs/design.md §13)
         self.cluster_chart = ClusterChart(self)
         self.cluster_chart.setVisible(False)
+        self.ttft_chart = TtftChart(self)
+        self.ttft_chart.setVisible(False)
+        self._rows: list[dict] = []
+        self._ttft_rows: list[dict] = []
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
         self.table.verticalHeader().setVisible(False)
@@ -86,23 +105,35 @@ class WhatIfPanel(QWidget):
         run_row = QHBoxLayout()
         run_row.addWidget(self.progress, 1)
         run_row.addStretch(1)
+        run_row.addWidget(self.stop_button)
         run_row.addWidget(self.run_button)
+        cost_row = QHBoxLayout()
+        cost_row.addWidget(self.cost_label, 1)
+        cost_row.addWidget(self.cost_button)
         form.addRow("Eviction policies", checks)
+        form.addRow("Predicted TTFT", cost_row)
+        form.addRow("TTFT SLO (s)", self.slo_ttft)
         form.addRow("", run_row)
         form.addRow("Cluster", self.cluster)
         layout = QVBoxLayout(self)
         layout.addLayout(top)
         layout.addLayout(form)
         layout.addWidget(self.error)
-        layout.addWidget(self.chart, 1)
+        charts = QHBoxLayout()  # the predicted TTFT beside the hit ratios, at the same capacities
+        charts.addWidget(self.chart, 1)
+        charts.addWidget(self.ttft_chart, 1)
+        layout.addLayout(charts, 1)
         layout.addWidget(self.cluster_chart, 1)
         layout.addWidget(self.table)
 
         self.load_button.clicked.connect(self.load_requested)
         self.session_button.clicked.connect(self.session_requested)
         self.run_button.clicked.connect(self._run)
+        self.cost_button.clicked.connect(self.cost_requested)
+        self.stop_button.clicked.connect(self.stop_requested)
         self.cluster.run_requested.connect(self.cluster_requested)
         self.set_trace(None)
+        self.set_cost(None)
 
     # what the controller tells it ------------------------------------------------------
     def set_trace(self, description: str | None, page_size_applies: bool = True) -> None:
@@ -120,7 +151,15 @@ class WhatIfPanel(QWidget):
         for name, box in self.policies.items():
             box.setChecked(name in policies)
 
-    def set_busy(self, busy: bool) -> None:
+    def set_cost(self, text: str | None) -> None:
+        """Say which step cost the twin predicts with, or (None) that there is none and how to get one."""
+        self.cost_label.setText(text or "No step cost: run `prefixlab calibrate` for the loaded model, or "
+                                        "load a cost file; the hit ratios run without one")
+
+    def set_busy(self, busy: bool, stoppable: bool = False) -> None:
+        """Busy: the knobs wait; `stoppable`: the work in progress can be stopped (the twin)."""
+        self.stop_button.setVisible(busy and stoppable)
+        self.cost_button.setEnabled(not busy)
         self.run_button.setEnabled(not busy and self._has_trace)
         self.cluster.run_button.setEnabled(not busy and self._has_trace)
         self.load_button.setEnabled(not busy)
@@ -140,12 +179,32 @@ class WhatIfPanel(QWidget):
     def set_rows(self, rows: list[dict]) -> None:
         """Draw the sweep's rows (as `prefixlab replay --json` writes them) and list them."""
         self.show_error(None)
+        self._rows, self._ttft_rows = list(rows), []
         self.chart.set_rows(rows)
-        self._show_table(COLUMNS, [(str(r["page_rows"]), _budget_text(r["budget"]),
-                                    f"{r['disk_budget']:,}" if r.get("disk_budget") else "-", r["policy"],
-                                    f"{r['token_hit_ratio']:.2%}", f"{r['tokens_saved']:,}",
-                                    f"{r['hits']:,} / {r['requests']:,}", f"{r['evicted']:,}") for r in rows])
+        self._show_sweep_table()
         self._show_chart(self.chart)
+
+    def set_ttft_rows(self, rows: list[dict]) -> None:
+        """Draw the twin's rows (as `app.replay.whatif_twin.run` returns them) beside the hit ratios,
+        and add their TTFT and goodput to the configurations' rows they predict."""
+        self._ttft_rows = list(rows)
+        self.ttft_chart.set_rows(rows)
+        self._show_sweep_table()
+        self._show_chart(self.chart)
+
+    def _show_sweep_table(self) -> None:
+        twin = {(t["page_rows"], t["budget"], t["policy"]): t for t in self._ttft_rows}
+        cells = []
+        for r in self._rows:
+            t = None if r.get("disk_budget") else twin.get((r["page_rows"], r["budget"], r["policy"]))
+            predicted = ("-",) * len(TTFT_COLUMNS) if t is None else (
+                f"{t['ttft_s']['p50']:.3f}", f"{t['ttft_s']['p90']:.3f}",
+                "-" if t["slo_ttft_s"] is None else f"{t['goodput_rps']:.3f}")
+            cells.append((str(r["page_rows"]), _budget_text(r["budget"]),
+                          f"{r['disk_budget']:,}" if r.get("disk_budget") else "-", r["policy"],
+                          f"{r['token_hit_ratio']:.2%}", f"{r['tokens_saved']:,}",
+                          f"{r['hits']:,} / {r['requests']:,}", f"{r['evicted']:,}", *predicted))
+        self._show_table(COLUMNS + (TTFT_COLUMNS if self._ttft_rows else ()), cells)
 
     def set_cluster_rows(self, rows: list[dict]) -> None:
         """Draw a cluster sweep's rows (as `prefixlab replay --replicas ... --json` writes them)."""
@@ -156,6 +215,7 @@ class WhatIfPanel(QWidget):
 
     def _show_chart(self, chart: QWidget) -> None:
         self.chart.setVisible(chart is self.chart)
+        self.ttft_chart.setVisible(chart is self.chart and bool(self._ttft_rows))
         self.cluster_chart.setVisible(chart is self.cluster_chart)
 
     def _show_table(self, columns, rows) -> None:
@@ -170,4 +230,5 @@ class WhatIfPanel(QWidget):
     # what it asks for ------------------------------------------------------------------
     def _run(self) -> None:
         chosen = [name for name, box in self.policies.items() if box.isChecked()]
-        self.run_requested.emit(self.page_rows.text(), self.budgets.text(), chosen, self.disk_budgets.text())
+        self.run_requested.emit(self.page_rows.text(), self.budgets.text(), chosen, self.disk_budgets.text(),
+                                self.slo_ttft.text())

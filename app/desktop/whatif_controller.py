@@ -1,11 +1,14 @@
 """The What-if tab's controller: a trace in, a sweep off the UI thread, rows to the panel.
 
 It owns no widget: it connects a `ui.whatif_panel.WhatIfPanel`'s signals to the
-Qt-free data layer (`app.replay.whatif`) and runs each plan or sweep on a
-background thread (the sweep itself fans out to processes), handing results back
-through queued signals. The window gives it two callables: one that asks the user
-for a trace file, and one that asks the worker to save the running session's
-trace (the worker's answer goes to `on_session_trace`).
+Qt-free data layer (`app.replay.whatif`, `app.replay.whatif_twin`) and runs each plan,
+sweep or twin prediction on a background thread (the sweep itself fans out to
+processes), handing results back through queued signals. After a sweep, when it has a
+step cost (a file the user loaded, else the calibration kept for the loaded model), it
+predicts TTFT at the same capacities with the twin; Stop ends that between two requests.
+The window gives it callables: one that asks the user for a trace file, one that asks
+the worker to save the running session's trace (the worker's answer goes to
+`on_session_trace`), one for a cost file, and one naming the loaded model's file.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from ..replay import whatif, whatif_cluster
+from ..replay import whatif, whatif_cluster, whatif_twin
+from ..replay.stepcost import StepCost
 from ..replay.trace import TraceError, open_trace
 
 
@@ -25,33 +29,46 @@ class WhatIfController(QObject):
     """Trace -> plan -> knobs on the panel; Run -> sweep -> rows on the panel."""
 
     _planned = Signal(object, str)        # Plan, description
-    _swept = Signal(list)
+    _swept = Signal(list, object)       # rows, the knobs they were swept at
+    _predicted = Signal(list)
     _cluster_swept = Signal(list)
     _progress = Signal(int, int)
     _failed = Signal(str)
 
     def __init__(self, panel, ask_trace_path: Callable[[], str],
                  request_session_trace: Callable[[str], None] | None = None,
-                 workers: int | None = None, parent: QObject | None = None, service=None):
+                 workers: int | None = None, parent: QObject | None = None, service=None,
+                 ask_cost_path: Callable[[], str] | None = None,
+                 model_path: Callable[[], str | None] | None = None):
         super().__init__(parent)
         self.panel = panel
         self.ask_trace_path = ask_trace_path
         self.request_session_trace = request_session_trace
+        self.ask_cost_path = ask_cost_path
+        self.model_path = model_path or (lambda: None)
         self.workers = workers
         self.service = service  # the cluster's ServiceModel; None: this machine's measured rates
         self.plan: whatif.Plan | None = None
         self.busy = False
+        self.cost: StepCost | None = None
+        self.loaded_cost: tuple[StepCost, str] | None = None  # a file the user chose wins over the kept one
+        self.slo_ttft_s: float | None = None
+        self._stop = threading.Event()
         self._tmp = tempfile.TemporaryDirectory(prefix="prefixlab-whatif-")
         panel.load_requested.connect(self.load_trace)
         panel.session_requested.connect(self.take_session)
         panel.run_requested.connect(self.run)
         panel.cluster_requested.connect(self.run_cluster)
+        panel.cost_requested.connect(self.load_cost)
+        panel.stop_requested.connect(self._stop.set)
         panel.session_button.setEnabled(request_session_trace is not None)
         self._planned.connect(self._on_planned)
         self._swept.connect(self._on_swept)
+        self._predicted.connect(self._on_predicted)
         self._cluster_swept.connect(self._on_cluster_swept)
         self._progress.connect(panel.set_progress)
         self._failed.connect(self._on_failed)
+        self.refresh_cost()
 
     # asks -------------------------------------------------------------------------------
     def load_trace(self, path: str | None = None) -> None:
@@ -74,8 +91,37 @@ class WhatIfController(QObject):
         self._set_busy(False)
         self._start(self._plan_job, path, "this session")
 
-    def run(self, page_rows: str, budgets: str, policies: list, disk_budgets: str = "") -> None:
-        """Sweep the loaded trace at the knobs the panel shows (disk tiers: two-tier curves)."""
+    def load_cost(self, path: str | None = None) -> None:
+        """Predict with this step-cost file (asking for one when no path is given) from now on."""
+        path = path or (self.ask_cost_path() if self.ask_cost_path else "")
+        if not path:
+            return
+        try:
+            self.loaded_cost = (StepCost.load(path), path)
+        except ValueError as e:
+            self.panel.show_error(str(e))
+            return
+        self.panel.show_error(None)
+        self.refresh_cost()
+
+    def refresh_cost(self) -> None:
+        """Pick the step cost (the loaded file, else the loaded model's calibration) and say which."""
+        try:
+            cost, where = self.loaded_cost or whatif_twin.kept_cost(self.model_path())
+        except ValueError as e:  # a kept file that no longer reads: say so, predict nothing
+            cost, where = None, str(e)
+        self.cost = cost
+        self.panel.set_cost(whatif_twin.cost_text(cost, where) if cost else where)
+
+    def run(self, page_rows: str, budgets: str, policies: list, disk_budgets: str = "", slo_ttft: str = "") -> None:
+        """Sweep the loaded trace at the knobs the panel shows (disk tiers: two-tier curves), then
+        predict its TTFT at those capacities when there is a step cost."""
+        try:
+            self.slo_ttft_s = whatif_twin.parse_slo(slo_ttft)
+        except ValueError as e:
+            self.panel.show_error(str(e))
+            return
+        self.refresh_cost()
         self._sweep(self._sweep_job, whatif.knobs_from_text, page_rows, budgets, list(policies), disk_budgets)
 
     def run_cluster(self, replicas: str, budgets: str, routers: list) -> None:
@@ -98,8 +144,8 @@ class WhatIfController(QObject):
         self._tmp.cleanup()
 
     # jobs (background threads) ---------------------------------------------------------
-    def _start(self, job, *args) -> None:
-        self._set_busy(True)
+    def _start(self, job, *args, stoppable: bool = False) -> None:
+        self._set_busy(True, stoppable)
         self.panel.show_error(None)
         threading.Thread(target=self._guard, args=(job, *args), daemon=True, name="whatif").start()
 
@@ -108,6 +154,8 @@ class WhatIfController(QObject):
             job(*args)
         except (TraceError, ValueError, RuntimeError, OSError) as e:
             self._failed.emit(str(e))
+        except whatif_twin.Cancelled:
+            self._failed.emit("Stopped: the predicted TTFT is not drawn (Run again to predict it)")
 
     def _plan_job(self, path: str, name: str) -> None:
         plan = whatif.plan(open_trace(path))
@@ -117,8 +165,14 @@ class WhatIfController(QObject):
                                  f"cached at infinite capacity, hit ratio {plan.bound:.1%}")
 
     def _sweep_job(self, source, knobs) -> None:
-        self._swept.emit(whatif.run(source, knobs, workers=self.workers,
-                                    progress=lambda done, total: self._progress.emit(done, total)))
+        rows = whatif.run(source, knobs, workers=self.workers,
+                          progress=lambda done, total: self._progress.emit(done, total))
+        self._swept.emit(rows, knobs)
+
+    def _twin_job(self, source, configs, cost, slo_ttft_s) -> None:
+        self._predicted.emit(whatif_twin.run(
+            source, configs, cost, self.plan.requests, slo_ttft_s,
+            progress=lambda done, total: self._progress.emit(done, total), cancelled=self._stop.is_set))
 
     def _cluster_job(self, source, knobs) -> None:
         if self.service is None:
@@ -136,9 +190,17 @@ class WhatIfController(QObject):
         k = plan.knobs
         self.panel.set_knobs(k.page_rows, k.budgets, k.policies)
 
-    def _on_swept(self, rows: list) -> None:
+    def _on_swept(self, rows: list, knobs: whatif.Knobs) -> None:
         self._set_busy(False)
         self.panel.set_rows(rows)
+        if self.cost is not None:
+            configs = whatif_twin.configurations(knobs, self.plan.page_rows, self.plan.source.hashed)
+            self._stop.clear()
+            self._start(self._twin_job, self.plan.source, configs, self.cost, self.slo_ttft_s, stoppable=True)
+
+    def _on_predicted(self, rows: list) -> None:
+        self._set_busy(False)
+        self.panel.set_ttft_rows(rows)
 
     def _on_cluster_swept(self, rows: list) -> None:
         self._set_busy(False)
@@ -148,8 +210,8 @@ class WhatIfController(QObject):
         self._set_busy(False)
         self.panel.show_error(message)
 
-    def _set_busy(self, busy: bool) -> None:
+    def _set_busy(self, busy: bool, stoppable: bool = False) -> None:
         self.busy = busy
-        self.panel.set_busy(busy)
+        self.panel.set_busy(busy, stoppable)
         if not busy:
             self.panel.session_button.setEnabled(self.request_session_trace is not None)
