@@ -173,13 +173,16 @@ def test_predicted_ttft_curves_beside_the_hit_ratios(qtbot, tab, tmp_path):
     panel.budgets.setText("inf, 4, 2")
     panel.slo_ttft.setText("0.3")
     qtbot.mouseClick(panel.run_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: panel.ttft_chart.isVisibleTo(panel) and panel.run_button.isEnabled(), timeout=30_000)
+    qtbot.waitUntil(lambda: bool(panel.chart.ttft_rows) and panel.run_button.isEnabled(), timeout=30_000)
 
     expected = {b: twin_expected(path, cost, b, 0.3) for b in (None, 4, 2)}
     drawn = {}
-    for item in panel.ttft_chart.plot.getPlotItem().listDataItems():
+    for item in panel.chart.ttft.vb.addedItems:  # the capacity plot's right axis: seconds
         xs, ys = item.getOriginalDataset()
         drawn[item.name()] = (list(xs), list(ys))
+    legend = [label.text for _, label in panel.chart.capacity.getPlotItem().legend.items]
+    assert {"leaf-lru", "TTFT p50", "TTFT p90"} <= set(legend)
+    assert panel.chart.capacity.getPlotItem().getAxis("right").labelText == "predicted TTFT (s)"
     assert drawn["TTFT p50"] == ([2, 4], [expected[2].ttft_s["p50"], expected[4].ttft_s["p50"]])
     assert drawn["TTFT p90"] == ([2, 4], [expected[2].ttft_s["p90"], expected[4].ttft_s["p90"]])
     bound = next(v for k, v in drawn.items() if k.startswith("TTFT p50, infinite capacity"))
@@ -244,7 +247,7 @@ def test_stop_ends_the_prediction(qtbot, tab, tmp_path):
     qtbot.waitUntil(lambda: panel.progress.value() > 0, timeout=60_000)
     qtbot.mouseClick(panel.stop_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: panel.run_button.isEnabled(), timeout=30_000)
-    assert "Stopped" in panel.error.text() and not panel.ttft_chart.isVisibleTo(panel)
+    assert "Stopped" in panel.error.text() and not panel.chart.ttft_rows
     assert not panel.stop_button.isVisibleTo(panel) and panel.table.rowCount() > 0  # the hit ratios stay
 
 

@@ -26,7 +26,6 @@ from PySide6.QtWidgets import (
 from .flow_layout import FlowLayout
 from .whatif import POLICY_COLORS, WhatIfChart
 from .whatif_cluster import CLUSTER_COLUMNS, ClusterChart, ClusterControls, cluster_cells
-from .whatif_ttft import TtftChart
 
 COLUMNS = ("page size", "budget", "disk tier", "policy", "token hit ratio", "tokens saved", "hits", "evicted")
 TTFT_COLUMNS = ("TTFT p50 (s)", "TTFT p90 (s)", "goodput (req/s)")
@@ -63,11 +62,13 @@ class WhatIfPanel(QWidget):
         self.policies = {name: QCheckBox(name) for name in policies}
         self.cost_label = QLabel()
         self.cost_label.setWordWrap(True)
-        self.cost_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)  # copy the command
+        # Selectable: the note's `prefixlab calibrate --model ...` is a command to copy.
+        self.cost_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.cost_button = QPushButton("Load cost file…")
         self.cost_button.setToolTip("A step-cost JSON (`prefixlab calibrate` writes one; docs/twin.md)")
         self.slo_ttft = QLineEdit()
         self.slo_ttft.setPlaceholderText("none; e.g. 2.0")
+        self.slo_ttft.setMaximumWidth(110)
         self.slo_ttft.setToolTip("Goodput: requests per second whose predicted TTFT is at most this")
         self.run_button = QPushButton("Run")
         self.stop_button = QPushButton("Stop")
@@ -82,10 +83,6 @@ class WhatIfPanel(QWidget):
         self.cluster = ClusterControls(self)  # replicas behind routers (docs/design.md §13)
         self.cluster_chart = ClusterChart(self)
         self.cluster_chart.setVisible(False)
-        self.ttft_chart = TtftChart(self)
-        self.ttft_chart.setVisible(False)
-        self._rows: list[dict] = []
-        self._ttft_rows: list[dict] = []
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
         self.table.verticalHeader().setVisible(False)
@@ -105,6 +102,8 @@ class WhatIfPanel(QWidget):
         run_row = QHBoxLayout()
         run_row.addWidget(self.progress, 1)
         run_row.addStretch(1)
+        run_row.addWidget(QLabel("TTFT SLO (s)"))
+        run_row.addWidget(self.slo_ttft)
         run_row.addWidget(self.stop_button)
         run_row.addWidget(self.run_button)
         cost_row = QHBoxLayout()
@@ -112,17 +111,13 @@ class WhatIfPanel(QWidget):
         cost_row.addWidget(self.cost_button)
         form.addRow("Eviction policies", checks)
         form.addRow("Predicted TTFT", cost_row)
-        form.addRow("TTFT SLO (s)", self.slo_ttft)
         form.addRow("", run_row)
         form.addRow("Cluster", self.cluster)
         layout = QVBoxLayout(self)
         layout.addLayout(top)
         layout.addLayout(form)
         layout.addWidget(self.error)
-        charts = QHBoxLayout()  # the predicted TTFT beside the hit ratios, at the same capacities
-        charts.addWidget(self.chart, 1)
-        charts.addWidget(self.ttft_chart, 1)
-        layout.addLayout(charts, 1)
+        layout.addWidget(self.chart, 1)
         layout.addWidget(self.cluster_chart, 1)
         layout.addWidget(self.table)
 
@@ -179,7 +174,6 @@ class WhatIfPanel(QWidget):
     def set_rows(self, rows: list[dict]) -> None:
         """Draw the sweep's rows (as `prefixlab replay --json` writes them) and list them."""
         self.show_error(None)
-        self._rows, self._ttft_rows = list(rows), []
         self.chart.set_rows(rows)
         self._show_sweep_table()
         self._show_chart(self.chart)
@@ -187,15 +181,14 @@ class WhatIfPanel(QWidget):
     def set_ttft_rows(self, rows: list[dict]) -> None:
         """Draw the twin's rows (as `app.replay.whatif_twin.run` returns them) beside the hit ratios,
         and add their TTFT and goodput to the configurations' rows they predict."""
-        self._ttft_rows = list(rows)
-        self.ttft_chart.set_rows(rows)
+        self.chart.set_ttft_rows(rows)
         self._show_sweep_table()
         self._show_chart(self.chart)
 
     def _show_sweep_table(self) -> None:
-        twin = {(t["page_rows"], t["budget"], t["policy"]): t for t in self._ttft_rows}
+        twin = {(t["page_rows"], t["budget"], t["policy"]): t for t in self.chart.ttft_rows}
         cells = []
-        for r in self._rows:
+        for r in self.chart.rows:
             t = None if r.get("disk_budget") else twin.get((r["page_rows"], r["budget"], r["policy"]))
             predicted = ("-",) * len(TTFT_COLUMNS) if t is None else (
                 f"{t['ttft_s']['p50']:.3f}", f"{t['ttft_s']['p90']:.3f}",
@@ -204,7 +197,7 @@ class WhatIfPanel(QWidget):
                           f"{r['disk_budget']:,}" if r.get("disk_budget") else "-", r["policy"],
                           f"{r['token_hit_ratio']:.2%}", f"{r['tokens_saved']:,}",
                           f"{r['hits']:,} / {r['requests']:,}", f"{r['evicted']:,}", *predicted))
-        self._show_table(COLUMNS + (TTFT_COLUMNS if self._ttft_rows else ()), cells)
+        self._show_table(COLUMNS + (TTFT_COLUMNS if self.chart.ttft_rows else ()), cells)
 
     def set_cluster_rows(self, rows: list[dict]) -> None:
         """Draw a cluster sweep's rows (as `prefixlab replay --replicas ... --json` writes them)."""
@@ -215,7 +208,6 @@ class WhatIfPanel(QWidget):
 
     def _show_chart(self, chart: QWidget) -> None:
         self.chart.setVisible(chart is self.chart)
-        self.ttft_chart.setVisible(chart is self.chart and bool(self._ttft_rows))
         self.cluster_chart.setVisible(chart is self.cluster_chart)
 
     def _show_table(self, columns, rows) -> None:

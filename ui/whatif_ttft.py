@@ -1,22 +1,23 @@
-"""The What-if tab's predicted TTFT vs cache capacity, beside the hit-ratio curves.
+"""The twin's predicted TTFT on the hit-ratio plot's own capacities: a second y axis (seconds,
+on the right) over the same log capacity axis, so each capacity's hit ratio and its predicted
+latency sit one above the other without a plot of their own (the tab must fit 1280x800).
 
 Plain data in: rows as `app.replay.whatif_twin.run` returns them (page_rows, budget (None:
 infinite), ttft_s with p50 and p90 in seconds). p50 is a solid line, p90 a dashed one in the
-same colour; the infinite-capacity run is a flat line of its own, as on the hit-ratio plot.
+same colour; the infinite-capacity run a dotted flat line, as the hit ratio's bound is dashed.
 """
 
 from __future__ import annotations
 
-import math
-
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QWidget
 
-from .colors import theme_for
-from .whatif import BOUND_LABEL, PlotStack, policy_color
+from .colors import Theme
 
+# Purple: no policy wears it (ui/whatif.py's POLICY_COLORS), so a latency line is never read as one.
+TTFT_COLOR = "#8e6bd8"
 PERCENTILE_STYLES = (("p50", Qt.PenStyle.SolidLine), ("p90", Qt.PenStyle.DashLine))
+AXIS_LABEL = "predicted TTFT (s)"
 
 
 def ttft_curves(rows: list[dict]) -> dict[tuple[int, str], tuple[list[int], list[float]]]:
@@ -30,44 +31,57 @@ def ttft_curves(rows: list[dict]) -> dict[tuple[int, str], tuple[list[int], list
     return out
 
 
-class TtftChart(PlotStack):
-    """One plot: the twin's TTFT p50 and p90 (seconds) against the cache's capacity (log pages)."""
+class TtftAxis:
+    """A right axis and its own view box on a capacity plot (log x), x linked to the plot's."""
 
-    def __init__(self, parent: QWidget | None = None):
-        super().__init__((("Predicted TTFT vs cache capacity (the twin)", "capacity (pages, log)",
-                           "TTFT (s)"),), parent)
-        self.plot = self.plots[0]
-        self.plot.getPlotItem().setLogMode(x=True, y=False)
-        self.apply_theme(theme_for(self))
+    def __init__(self, pw: pg.PlotWidget):
+        self.item = item = pw.getPlotItem()
+        self.vb = pg.ViewBox()
+        item.scene().addItem(self.vb)
+        item.showAxis("right")
+        self.axis = item.getAxis("right")
+        self.axis.linkToView(self.vb)
+        self.axis.setLabel(AXIS_LABEL)
+        self.axis.enableAutoSIPrefix(False)
+        self.vb.setXLink(item.vb)
+        item.vb.sigResized.connect(self._follow)
+        self.curves: list[pg.PlotDataItem] = []
+        item.hideAxis("right")
 
-    def set_rows(self, rows: list[dict]) -> None:
-        self.rows = list(rows)
-        self._draw()
+    def _follow(self) -> None:
+        self.vb.setGeometry(self.item.vb.sceneBoundingRect())
+        self.vb.linkedViewChanged(self.item.vb, self.vb.XAxis)
 
-    def _draw(self) -> None:
-        self._clear()
-        several_sizes = len({r["page_rows"] for r in self.rows}) > 1
-        sizes = sorted({r["page_rows"] for r in self.rows})
+    def draw(self, rows: list[dict], theme: Theme, lo: float, hi: float) -> None:
+        """Draw these twin rows (none: no axis); `lo`..`hi`: the capacities the flat lines span.
+        Each curve goes into the plot's legend under its name."""
+        for c in self.curves:
+            self.vb.removeItem(c)
+        self.curves = []
+        if not rows:
+            self.item.hideAxis("right")
+            return
+        self.item.showAxis("right")
+        self.axis.setPen(pg.mkPen(theme.grid))
+        self.axis.setTextPen(pg.mkPen(TTFT_COLOR))
+        several_sizes = len({r["page_rows"] for r in rows}) > 1
         styles = dict(PERCENTILE_STYLES)
-        lines = ttft_curves(self.rows)
-        for (rows, pct), (budgets, seconds) in sorted(lines.items()):
-            color = policy_color(self.rows[0]["policy"], 0) if not several_sizes else \
-                policy_color("", sizes.index(rows) + 1)
-            pen = pg.mkPen(color, width=2.2, style=styles[pct])
-            name = f"TTFT {pct}, {rows}-token pages" if several_sizes else f"TTFT {pct}"
-            self.plot.plot(budgets, seconds, pen=pen, symbol="o", symbolSize=6, symbolBrush=color,
-                           symbolPen=None, name=name)
-        xs = [b for bs, _ in lines.values() for b in bs]
-        lo, hi = (min(xs), max(xs)) if xs else (1, 10)
-        for r in (r for r in self.rows if r["budget"] is None):
+        for (page_rows, pct), (budgets, seconds) in sorted(ttft_curves(rows).items()):
+            name = f"TTFT {pct}, {page_rows}-token pages" if several_sizes else f"TTFT {pct}"
+            self._add(budgets, seconds, pg.mkPen(TTFT_COLOR, width=2.2, style=styles[pct]), name, symbol="s")
+        for r in (r for r in rows if r["budget"] is None):
             value = r["ttft_s"]["p50"]
-            label = f"{BOUND_LABEL}, {r['page_rows']}-token pages" if several_sizes else BOUND_LABEL
-            pen = pg.mkPen(self.theme.foreground, width=1.5, style=Qt.PenStyle.DotLine)
-            self.plot.plot([lo, hi], [value, value], pen=pen, name=f"TTFT p50, {label} ({value:.3g} s)")
-        item = self.plot.getPlotItem()
-        ticks = [(math.log10(b), f"{b:,}") for b in sorted(set(xs))]
-        item.getAxis("bottom").setTicks([ticks] if ticks else None)
-        item.legend.setColumnCount(max(1, min(3, len(item.legend.items))))
-        top = max((r["ttft_s"]["p90"] for r in self.rows), default=0.0)
-        item.vb.setYRange(0, max(top, 1e-3), padding=0.05)
-        item.vb.enableAutoRange(x=True)
+            where = "infinite capacity" + (f", {r['page_rows']}-token pages" if several_sizes else "")
+            self._add([lo, hi], [value, value], pg.mkPen(TTFT_COLOR, width=1.5, style=Qt.PenStyle.DotLine),
+                      f"TTFT p50, {where} ({value:.3g} s)")
+        top = max(r["ttft_s"]["p90"] for r in rows)
+        self.vb.setYRange(0, max(top, 1e-3), padding=0.05)
+        self._follow()
+
+    def _add(self, xs, ys, pen, name: str, symbol: str | None = None) -> None:
+        curve = pg.PlotDataItem(xs, ys, pen=pen, symbol=symbol, symbolSize=6,
+                                symbolBrush=pen.color() if symbol else None, symbolPen=None, name=name)
+        curve.setLogMode(True, False)  # the plot's log capacity axis; this box is not the plot's own
+        self.vb.addItem(curve)
+        self.item.legend.addItem(curve, name)
+        self.curves.append(curve)

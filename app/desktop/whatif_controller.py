@@ -113,7 +113,8 @@ class WhatIfController(QObject):
         self.cost = cost
         self.panel.set_cost(whatif_twin.cost_text(cost, where) if cost else where)
 
-    def run(self, page_rows: str, budgets: str, policies: list, disk_budgets: str = "", slo_ttft: str = "") -> None:
+    def run(self, page_rows: str, budgets: str, policies: list, disk_budgets: str = "",
+            slo_ttft: str = "") -> None:
         """Sweep the loaded trace at the knobs the panel shows (disk tiers: two-tier curves), then
         predict its TTFT at those capacities when there is a step cost."""
         try:

@@ -59,7 +59,8 @@ def twin_config(cost: StepCost, page_rows: int, budget: int | None, slo_ttft_s: 
                 settings: SchedulerSettings | None = None) -> TwinConfig:
     """The twin of one configuration: the cache's budget in pages (None: unbounded)."""
     base = settings or SchedulerSettings()
-    return TwinConfig(cost, replace(base, page_rows=page_rows, cache_pages=budget or 0), slo_ttft_s=slo_ttft_s)
+    settings = replace(base, page_rows=page_rows, cache_pages=budget or 0)
+    return TwinConfig(cost, settings, slo_ttft_s=slo_ttft_s)
 
 
 def parse_slo(text: str) -> float | None:
