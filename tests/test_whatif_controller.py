@@ -131,6 +131,11 @@ def test_the_apps_whatif_tab_replays_this_session(open_desktop, qtbot, tiny_gguf
     qtbot.waitUntil(lambda: c.model_info is not None, timeout=LOAD_TIMEOUT_MS)
     panel = w.whatif
     assert w.tabs.tabText(w.tabs.indexOf(panel)) == "What-if"
+    # the loaded model's kept calibration, or the command that makes one
+    from app.replay.whatif_twin import cost_text, kept_cost
+    cost, where = kept_cost(c.model_info["path"])
+    assert panel.cost_label.text() == (cost_text(cost, where) if cost else where)
+    assert f"--model {c.model_info['path']}" in where or cost is not None
     qtbot.mouseClick(panel.session_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: panel.error.isVisibleTo(panel), timeout=10_000)
     assert "no requests" in panel.error.text()
@@ -170,10 +175,18 @@ def test_predicted_ttft_curves_beside_the_hit_ratios(qtbot, tab, tmp_path):
     assert cost_file in panel.cost_label.text() and "a test's" in panel.cost_label.text()
     controller.load_trace()
     qtbot.waitUntil(lambda: panel.run_button.isEnabled(), timeout=10_000)
+    assert not panel.predict_button.isEnabled()  # no sweep to predict yet
     panel.budgets.setText("inf, 4, 2")
-    panel.slo_ttft.setText("0.3")
     qtbot.mouseClick(panel.run_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: panel.predict_button.isEnabled(), timeout=30_000)
+    assert panel.table.columnCount() == 8 and not panel.chart.ttft_rows  # the hit ratios alone, as before
+    panel.slo_ttft.setText("soon")
+    qtbot.mouseClick(panel.predict_button, Qt.MouseButton.LeftButton)
+    assert "TTFT SLO" in panel.error.text() and "'soon'" in panel.error.text()
+    panel.slo_ttft.setText("0.3")
+    qtbot.mouseClick(panel.predict_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: bool(panel.chart.ttft_rows) and panel.run_button.isEnabled(), timeout=30_000)
+    assert not panel.error.isVisibleTo(panel)
 
     expected = {b: twin_expected(path, cost, b, 0.3) for b in (None, 4, 2)}
     drawn = {}
@@ -221,8 +234,6 @@ def test_the_kept_calibration_or_how_to_get_one(qtbot, tab, tmp_path, monkeypatc
         assert panel.cost_label.text() == f"Step cost: {kept} (measured on this one)"
         controller.load_cost(str(tmp_path / "missing.json"))
         assert "missing.json" in panel.error.text() and controller.cost is not None  # the kept one stays
-        controller.run("", "inf", ["leaf-lru"], "", "soon")
-        assert "TTFT SLO" in panel.error.text() and "'soon'" in panel.error.text()
     finally:
         controller.close()
 
@@ -243,6 +254,9 @@ def test_stop_ends_the_prediction(qtbot, tab, tmp_path):
     for name, box in panel.policies.items():
         box.setChecked(name == "leaf-lru")
     qtbot.mouseClick(panel.run_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: panel.predict_button.isEnabled(), timeout=60_000)
+    assert not panel.stop_button.isVisibleTo(panel)  # a sweep has no Stop
+    qtbot.mouseClick(panel.predict_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: panel.stop_button.isVisibleTo(panel), timeout=60_000)
     qtbot.waitUntil(lambda: panel.progress.value() > 0, timeout=60_000)
     qtbot.mouseClick(panel.stop_button, Qt.MouseButton.LeftButton)

@@ -40,8 +40,9 @@ class WhatIfPanel(QWidget):
 
     load_requested = Signal()           # "Load trace…": the controller opens a file dialog
     session_requested = Signal()        # "This session": replay what the app just ran
-    run_requested = Signal(str, str, list, str, str)  # page sizes, budgets, policies, disk tiers, TTFT SLO
+    run_requested = Signal(str, str, list, str)  # page sizes, budgets, policy names, disk tiers text
     cost_requested = Signal()           # "Load cost file…": the controller opens a file dialog
+    predict_requested = Signal(str)     # "Predict TTFT" at the latest sweep's capacities: the TTFT SLO text
     stop_requested = Signal()           # "Stop": the twin's prediction stops between two requests
     cluster_requested = Signal(str, str, list)  # replicas text, budgets text, router names
 
@@ -70,6 +71,9 @@ class WhatIfPanel(QWidget):
         self.slo_ttft.setPlaceholderText("none; e.g. 2.0")
         self.slo_ttft.setMaximumWidth(110)
         self.slo_ttft.setToolTip("Goodput: requests per second whose predicted TTFT is at most this")
+        self.predict_button = QPushButton("Predict TTFT")
+        self.predict_button.setToolTip("The twin at the latest sweep's capacities (slow on a long trace: "
+                                       "it runs the engine's scheduler for every token; Stop ends it)")
         self.run_button = QPushButton("Run")
         self.stop_button = QPushButton("Stop")
         self.stop_button.setVisible(False)
@@ -104,13 +108,14 @@ class WhatIfPanel(QWidget):
         run_row.addStretch(1)
         run_row.addWidget(QLabel("TTFT SLO (s)"))
         run_row.addWidget(self.slo_ttft)
+        run_row.addWidget(self.predict_button)
         run_row.addWidget(self.stop_button)
         run_row.addWidget(self.run_button)
         cost_row = QHBoxLayout()
         cost_row.addWidget(self.cost_label, 1)
         cost_row.addWidget(self.cost_button)
         form.addRow("Eviction policies", checks)
-        form.addRow("Predicted TTFT", cost_row)
+        form.addRow("Step cost", cost_row)
         form.addRow("", run_row)
         form.addRow("Cluster", self.cluster)
         layout = QVBoxLayout(self)
@@ -126,9 +131,11 @@ class WhatIfPanel(QWidget):
         self.run_button.clicked.connect(self._run)
         self.cost_button.clicked.connect(self.cost_requested)
         self.stop_button.clicked.connect(self.stop_requested)
+        self.predict_button.clicked.connect(lambda: self.predict_requested.emit(self.slo_ttft.text()))
         self.cluster.run_requested.connect(self.cluster_requested)
+        self._busy = False
         self.set_trace(None)
-        self.set_cost(None)
+        self.set_cost(None, False)
 
     # what the controller tells it ------------------------------------------------------
     def set_trace(self, description: str | None, page_size_applies: bool = True) -> None:
@@ -146,15 +153,20 @@ class WhatIfPanel(QWidget):
         for name, box in self.policies.items():
             box.setChecked(name in policies)
 
-    def set_cost(self, text: str | None) -> None:
-        """Say which step cost the twin predicts with, or (None) that there is none and how to get one."""
+    def set_cost(self, text: str | None, known: bool) -> None:
+        """Say which step cost the twin predicts with, or (`known` false) that there is none and how
+        to get one (None: the general note)."""
         self.cost_label.setText(text or "No step cost: run `prefixlab calibrate` for the loaded model, or "
                                         "load a cost file; the hit ratios run without one")
+        self._has_cost = known
+        self._enable_predict()
 
     def set_busy(self, busy: bool, stoppable: bool = False) -> None:
         """Busy: the knobs wait; `stoppable`: the work in progress can be stopped (the twin)."""
         self.stop_button.setVisible(busy and stoppable)
+        self._busy = busy
         self.cost_button.setEnabled(not busy)
+        self._enable_predict()
         self.run_button.setEnabled(not busy and self._has_trace)
         self.cluster.run_button.setEnabled(not busy and self._has_trace)
         self.load_button.setEnabled(not busy)
@@ -175,6 +187,7 @@ class WhatIfPanel(QWidget):
         """Draw the sweep's rows (as `prefixlab replay --json` writes them) and list them."""
         self.show_error(None)
         self.chart.set_rows(rows)
+        self._enable_predict()
         self._show_sweep_table()
         self._show_chart(self.chart)
 
@@ -184,6 +197,10 @@ class WhatIfPanel(QWidget):
         self.chart.set_ttft_rows(rows)
         self._show_sweep_table()
         self._show_chart(self.chart)
+
+    def _enable_predict(self) -> None:
+        """Predict needs a step cost and a sweep whose capacities it predicts."""
+        self.predict_button.setEnabled(not self._busy and self._has_cost and bool(self.chart.rows))
 
     def _show_sweep_table(self) -> None:
         twin = {(t["page_rows"], t["budget"], t["policy"]): t for t in self.chart.ttft_rows}
@@ -222,5 +239,4 @@ class WhatIfPanel(QWidget):
     # what it asks for ------------------------------------------------------------------
     def _run(self) -> None:
         chosen = [name for name, box in self.policies.items() if box.isChecked()]
-        self.run_requested.emit(self.page_rows.text(), self.budgets.text(), chosen, self.disk_budgets.text(),
-                                self.slo_ttft.text())
+        self.run_requested.emit(self.page_rows.text(), self.budgets.text(), chosen, self.disk_budgets.text())

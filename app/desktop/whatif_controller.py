@@ -3,9 +3,9 @@
 It owns no widget: it connects a `ui.whatif_panel.WhatIfPanel`'s signals to the
 Qt-free data layer (`app.replay.whatif`, `app.replay.whatif_twin`) and runs each plan,
 sweep or twin prediction on a background thread (the sweep itself fans out to
-processes), handing results back through queued signals. After a sweep, when it has a
-step cost (a file the user loaded, else the calibration kept for the loaded model), it
-predicts TTFT at the same capacities with the twin; Stop ends that between two requests.
+processes), handing results back through queued signals. Predict TTFT runs the twin at the
+latest sweep's capacities with the step cost it shows (a file the user loaded, else the
+calibration kept for the loaded model); Stop ends that between two requests.
 The window gives it callables: one that asks the user for a trace file, one that asks
 the worker to save the running session's trace (the worker's answer goes to
 `on_session_trace`), one for a cost file, and one naming the loaded model's file.
@@ -52,7 +52,7 @@ class WhatIfController(QObject):
         self.busy = False
         self.cost: StepCost | None = None
         self.loaded_cost: tuple[StepCost, str] | None = None  # a file the user chose wins over the kept one
-        self.slo_ttft_s: float | None = None
+        self.swept: tuple[whatif.Plan, whatif.Knobs] | None = None  # the latest sweep's trace and knobs
         self._stop = threading.Event()
         self._tmp = tempfile.TemporaryDirectory(prefix="prefixlab-whatif-")
         panel.load_requested.connect(self.load_trace)
@@ -60,6 +60,7 @@ class WhatIfController(QObject):
         panel.run_requested.connect(self.run)
         panel.cluster_requested.connect(self.run_cluster)
         panel.cost_requested.connect(self.load_cost)
+        panel.predict_requested.connect(self.predict)
         panel.stop_requested.connect(self._stop.set)
         panel.session_button.setEnabled(request_session_trace is not None)
         self._planned.connect(self._on_planned)
@@ -111,19 +112,25 @@ class WhatIfController(QObject):
         except ValueError as e:  # a kept file that no longer reads: say so, predict nothing
             cost, where = None, str(e)
         self.cost = cost
-        self.panel.set_cost(whatif_twin.cost_text(cost, where) if cost else where)
+        self.panel.set_cost(whatif_twin.cost_text(cost, where) if cost else where, cost is not None)
 
-    def run(self, page_rows: str, budgets: str, policies: list, disk_budgets: str = "",
-            slo_ttft: str = "") -> None:
-        """Sweep the loaded trace at the knobs the panel shows (disk tiers: two-tier curves), then
-        predict its TTFT at those capacities when there is a step cost."""
+    def run(self, page_rows: str, budgets: str, policies: list, disk_budgets: str = "") -> None:
+        """Sweep the loaded trace at the knobs the panel shows (disk tiers: two-tier curves)."""
+        self._sweep(self._sweep_job, whatif.knobs_from_text, page_rows, budgets, list(policies), disk_budgets)
+
+    def predict(self, slo_ttft: str = "") -> None:
+        """The twin's TTFT at the latest sweep's page sizes and capacities (goodput under the SLO)."""
+        if self.swept is None or self.cost is None or self.busy:
+            return
         try:
-            self.slo_ttft_s = whatif_twin.parse_slo(slo_ttft)
+            slo = whatif_twin.parse_slo(slo_ttft)
         except ValueError as e:
             self.panel.show_error(str(e))
             return
-        self.refresh_cost()
-        self._sweep(self._sweep_job, whatif.knobs_from_text, page_rows, budgets, list(policies), disk_budgets)
+        plan, knobs = self.swept
+        configs = whatif_twin.configurations(knobs, plan.page_rows, plan.source.hashed)
+        self._stop.clear()
+        self._start(self._twin_job, plan, configs, self.cost, slo, stoppable=True)
 
     def run_cluster(self, replicas: str, budgets: str, routers: list) -> None:
         """Replay the loaded trace over clusters of replicas behind routers (docs/design.md §13)."""
@@ -170,9 +177,9 @@ class WhatIfController(QObject):
                           progress=lambda done, total: self._progress.emit(done, total))
         self._swept.emit(rows, knobs)
 
-    def _twin_job(self, source, configs, cost, slo_ttft_s) -> None:
+    def _twin_job(self, plan, configs, cost, slo_ttft_s) -> None:
         self._predicted.emit(whatif_twin.run(
-            source, configs, cost, self.plan.requests, slo_ttft_s,
+            plan.source, configs, cost, plan.requests, slo_ttft_s,
             progress=lambda done, total: self._progress.emit(done, total), cancelled=self._stop.is_set))
 
     def _cluster_job(self, source, knobs) -> None:
@@ -193,11 +200,9 @@ class WhatIfController(QObject):
 
     def _on_swept(self, rows: list, knobs: whatif.Knobs) -> None:
         self._set_busy(False)
+        self.swept = (self.plan, knobs)
+        self.refresh_cost()  # a calibration made since the app started
         self.panel.set_rows(rows)
-        if self.cost is not None:
-            configs = whatif_twin.configurations(knobs, self.plan.page_rows, self.plan.source.hashed)
-            self._stop.clear()
-            self._start(self._twin_job, self.plan.source, configs, self.cost, self.slo_ttft_s, stoppable=True)
 
     def _on_predicted(self, rows: list) -> None:
         self._set_busy(False)
