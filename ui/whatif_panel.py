@@ -28,7 +28,7 @@ from .whatif import POLICY_COLORS, WhatIfChart
 from .whatif_cluster import CLUSTER_COLUMNS, ClusterChart, ClusterControls, cluster_cells
 
 COLUMNS = ("page size", "budget", "disk tier", "policy", "token hit ratio", "tokens saved", "hits", "evicted")
-TTFT_COLUMNS = ("TTFT p50 (s)", "TTFT p90 (s)", "goodput (req/s)")
+TTFT_COLUMNS = ("TTFT p50 (s)", "TTFT p90 (s)", "goodput (req/s)")  # the last names its SLO when given
 
 
 def _budget_text(budget: int | None) -> str:
@@ -214,7 +214,9 @@ class WhatIfPanel(QWidget):
                           f"{r['disk_budget']:,}" if r.get("disk_budget") else "-", r["policy"],
                           f"{r['token_hit_ratio']:.2%}", f"{r['tokens_saved']:,}",
                           f"{r['hits']:,} / {r['requests']:,}", f"{r['evicted']:,}", *predicted))
-        self._show_table(COLUMNS + (TTFT_COLUMNS if self.chart.ttft_rows else ()), cells)
+        slo = next((t["slo_ttft_s"] for t in self.chart.ttft_rows), None)
+        predicted = (*TTFT_COLUMNS[:2], f"goodput, TTFT <= {slo:g} s (req/s)" if slo else TTFT_COLUMNS[2])
+        self._show_table(COLUMNS + (predicted if self.chart.ttft_rows else ()), cells)
 
     def set_cluster_rows(self, rows: list[dict]) -> None:
         """Draw a cluster sweep's rows (as `prefixlab replay --replicas ... --json` writes them)."""

@@ -163,7 +163,7 @@ class WhatIfController(QObject):
         except (TraceError, ValueError, RuntimeError, OSError) as e:
             self._failed.emit(str(e))
         except whatif_twin.Cancelled:
-            self._failed.emit("Stopped: the predicted TTFT is not drawn (Run again to predict it)")
+            self._failed.emit("Stopped: the predicted TTFT is not drawn (Predict TTFT starts it again)")
 
     def _plan_job(self, path: str, name: str) -> None:
         plan = whatif.plan(open_trace(path))
