@@ -170,7 +170,7 @@ def test_predicted_ttft_curves_beside_the_hit_ratios(qtbot, tab, tmp_path):
     cost_file = str(tmp_path / "cost.json")
     cost.save(cost_file)
     controller = make(lambda: path)
-    assert "No step cost" in panel.cost_label.text() and "prefixlab calibrate" in panel.cost_label.text()
+    assert panel.cost_label.text().startswith("None: ") and "prefixlab calibrate" in panel.cost_label.text()
     controller.load_cost(cost_file)
     assert cost_file in panel.cost_label.text() and "a test's" in panel.cost_label.text()
     controller.load_trace()
@@ -225,13 +225,13 @@ def test_the_kept_calibration_or_how_to_get_one(qtbot, tab, tmp_path, monkeypatc
     model.write_bytes(b"GGUF")
     controller = WhatIfController(panel, lambda: "", None, workers=1, model_path=lambda: str(model))
     try:
-        assert "No calibration kept for m.gguf" in panel.cost_label.text()
+        assert "None kept for m.gguf on this machine" in panel.cost_label.text()
         assert f"prefixlab calibrate --model {model}" in panel.cost_label.text()
         kept = cost_path(str(model))
         os.makedirs(os.path.dirname(kept))  # where `prefixlab calibrate` keeps it
         StepCost(c0=0.02, c_decode=1e-3, machine="this one").save(kept)
         controller.refresh_cost()
-        assert panel.cost_label.text() == f"Step cost: {kept} (measured on this one)"
+        assert panel.cost_label.text() == f"{kept} (measured on this one)"
         controller.load_cost(str(tmp_path / "missing.json"))
         assert "missing.json" in panel.error.text() and controller.cost is not None  # the kept one stays
     finally:

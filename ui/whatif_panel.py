@@ -156,8 +156,8 @@ class WhatIfPanel(QWidget):
     def set_cost(self, text: str | None, known: bool) -> None:
         """Say which step cost the twin predicts with, or (`known` false) that there is none and how
         to get one (None: the general note)."""
-        self.cost_label.setText(text or "No step cost: run `prefixlab calibrate` for the loaded model, or "
-                                        "load a cost file; the hit ratios run without one")
+        self.cost_label.setText(text or "None: run `prefixlab calibrate` for the loaded model, or load a "
+                                        "cost file; the hit ratios run without one")
         self._has_cost = known
         self._enable_predict()
 

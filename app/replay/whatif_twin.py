@@ -34,18 +34,18 @@ def kept_cost(model_path: str | None) -> tuple[StepCost | None, str]:
     saying how to get one when there is none."""
     from .calibrate import cost_path
     if not model_path:
-        return None, ("No step cost: load a model that was calibrated (`prefixlab calibrate --model "
-                      "FILE`), or load a cost file")
+        return None, ("None: load a model that was calibrated (`prefixlab calibrate --model FILE`), "
+                      "or load a cost file")
     path = cost_path(model_path)
     if not os.path.exists(path):
-        return None, (f"No calibration kept for {os.path.basename(model_path)} on this machine: run "
+        return None, (f"None kept for {os.path.basename(model_path)} on this machine: run "
                       f"`prefixlab calibrate --model {model_path}`, or load a cost file")
     return StepCost.load(path), path
 
 
 def cost_text(cost: StepCost, where: str) -> str:
-    """What the tab says about the cost it predicts with."""
-    return f"Step cost: {where} (measured on {cost.machine or 'an unnamed machine'})"
+    """What the tab says about the cost it predicts with (beside the words "Step cost")."""
+    return f"{where} (measured on {cost.machine or 'an unnamed machine'})"
 
 
 def configurations(knobs: Knobs, trace_page_rows: int, hashed: bool) -> list[tuple[int, int | None]]:
