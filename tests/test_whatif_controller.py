@@ -171,6 +171,7 @@ def test_predicted_ttft_curves_beside_the_hit_ratios(qtbot, tab, tmp_path):
     cost.save(cost_file)
     controller = make(lambda: path)
     assert panel.cost_label.text().startswith("None: ") and "prefixlab calibrate" in panel.cost_label.text()
+    assert not panel.calibrate_button.isEnabled()  # no model loaded to calibrate
     controller.load_cost(cost_file)
     assert cost_file in panel.cost_label.text() and "a test's" in panel.cost_label.text()
     controller.load_trace()
@@ -269,3 +270,20 @@ def _cost_file(tmp_path, cost) -> str:
     path = str(tmp_path / "cost.json")
     cost.save(path)
     return path
+
+
+def test_calibrate_runs_prefixlab_calibrate_on_the_loaded_model(qtbot, tab, tiny_gguf_path, tmp_path,
+                                                                 monkeypatch):
+    """Calibrate runs `prefixlab calibrate --model` in a child process; the tiny test model's
+    512-token context is too short for its workloads, so the tab says why and keeps no cost."""
+    monkeypatch.setenv("PREFIXLAB_CACHE_DIR", str(tmp_path / "cache"))
+    panel, _ = tab
+    controller = WhatIfController(panel, lambda: "", None, workers=1, model_path=lambda: tiny_gguf_path)
+    try:
+        assert f"--model {tiny_gguf_path}" in panel.cost_label.text() and panel.calibrate_button.isEnabled()
+        qtbot.mouseClick(panel.calibrate_button, Qt.MouseButton.LeftButton)
+        qtbot.waitUntil(lambda: panel.error.isVisibleTo(panel), timeout=120_000)
+        assert "prefixlab calibrate failed" in panel.error.text() and "context is 512" in panel.error.text()
+        assert panel.calibrate_button.isEnabled() and controller.cost is None
+    finally:
+        controller.close()

@@ -42,6 +42,7 @@ class WhatIfPanel(QWidget):
     session_requested = Signal()        # "This session": replay what the app just ran
     run_requested = Signal(str, str, list, str)  # page sizes, budgets, policy names, disk tiers text
     cost_requested = Signal()           # "Load cost file…": the controller opens a file dialog
+    calibrate_requested = Signal()      # "Calibrate": `prefixlab calibrate` for the loaded model
     predict_requested = Signal(str)     # "Predict TTFT" at the latest sweep's capacities: the TTFT SLO text
     stop_requested = Signal()           # "Stop": the twin's prediction stops between two requests
     cluster_requested = Signal(str, str, list)  # replicas text, budgets text, router names
@@ -67,6 +68,9 @@ class WhatIfPanel(QWidget):
         self.cost_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.cost_button = QPushButton("Load cost file…")
         self.cost_button.setToolTip("A step-cost JSON (`prefixlab calibrate` writes one; docs/twin.md)")
+        self.calibrate_button = QPushButton("Calibrate")
+        self.calibrate_button.setToolTip("Time real passes of the loaded model on this machine and keep the "
+                                         "fit beside its weights (`prefixlab calibrate`, a few seconds)")
         self.slo_ttft = QLineEdit()
         self.slo_ttft.setPlaceholderText("none; e.g. 2.0")
         self.slo_ttft.setMaximumWidth(110)
@@ -113,6 +117,7 @@ class WhatIfPanel(QWidget):
         run_row.addWidget(self.run_button)
         cost_row = QHBoxLayout()
         cost_row.addWidget(self.cost_label, 1)
+        cost_row.addWidget(self.calibrate_button)
         cost_row.addWidget(self.cost_button)
         form.addRow("Eviction policies", checks)
         form.addRow("Step cost", cost_row)
@@ -130,12 +135,13 @@ class WhatIfPanel(QWidget):
         self.session_button.clicked.connect(self.session_requested)
         self.run_button.clicked.connect(self._run)
         self.cost_button.clicked.connect(self.cost_requested)
+        self.calibrate_button.clicked.connect(self.calibrate_requested)
         self.stop_button.clicked.connect(self.stop_requested)
         self.predict_button.clicked.connect(lambda: self.predict_requested.emit(self.slo_ttft.text()))
         self.cluster.run_requested.connect(self.cluster_requested)
         self._busy = False
         self.set_trace(None)
-        self.set_cost(None, False)
+        self.set_cost(None, False, False)
 
     # what the controller tells it ------------------------------------------------------
     def set_trace(self, description: str | None, page_size_applies: bool = True) -> None:
@@ -153,12 +159,12 @@ class WhatIfPanel(QWidget):
         for name, box in self.policies.items():
             box.setChecked(name in policies)
 
-    def set_cost(self, text: str | None, known: bool) -> None:
+    def set_cost(self, text: str | None, known: bool, can_calibrate: bool) -> None:
         """Say which step cost the twin predicts with, or (`known` false) that there is none and how
-        to get one (None: the general note)."""
+        to get one (None: the general note); `can_calibrate`: a model is loaded to calibrate."""
         self.cost_label.setText(text or "None: run `prefixlab calibrate` for the loaded model, or load a "
                                         "cost file; the hit ratios run without one")
-        self._has_cost = known
+        self._has_cost, self._can_calibrate = known, can_calibrate
         self._enable_predict()
 
     def set_busy(self, busy: bool, stoppable: bool = False) -> None:
@@ -166,6 +172,7 @@ class WhatIfPanel(QWidget):
         self.stop_button.setVisible(busy and stoppable)
         self._busy = busy
         self.cost_button.setEnabled(not busy)
+        self.calibrate_button.setEnabled(not busy and self._can_calibrate)
         self._enable_predict()
         self.run_button.setEnabled(not busy and self._has_trace)
         self.cluster.run_button.setEnabled(not busy and self._has_trace)
@@ -201,6 +208,7 @@ class WhatIfPanel(QWidget):
     def _enable_predict(self) -> None:
         """Predict needs a step cost and a sweep whose capacities it predicts."""
         self.predict_button.setEnabled(not self._busy and self._has_cost and bool(self.chart.rows))
+        self.calibrate_button.setEnabled(not self._busy and self._can_calibrate)
 
     def _show_sweep_table(self) -> None:
         twin = {(t["page_rows"], t["budget"], t["policy"]): t for t in self.chart.ttft_rows}

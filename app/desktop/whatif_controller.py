@@ -14,6 +14,8 @@ the worker to save the running session's trace (the worker's answer goes to
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -24,6 +26,8 @@ from ..replay import whatif, whatif_cluster, whatif_twin
 from ..replay.stepcost import StepCost
 from ..replay.trace import TraceError, open_trace
 
+CALIBRATE_TIMEOUT_S = 600   # the fit takes seconds; a child stuck this long is killed and reported
+
 
 class WhatIfController(QObject):
     """Trace -> plan -> knobs on the panel; Run -> sweep -> rows on the panel."""
@@ -31,6 +35,7 @@ class WhatIfController(QObject):
     _planned = Signal(object, str)        # Plan, description
     _swept = Signal(list, object)       # rows, the knobs they were swept at
     _predicted = Signal(list)
+    _calibrated = Signal()
     _cluster_swept = Signal(list)
     _progress = Signal(int, int)
     _failed = Signal(str)
@@ -60,12 +65,14 @@ class WhatIfController(QObject):
         panel.run_requested.connect(self.run)
         panel.cluster_requested.connect(self.run_cluster)
         panel.cost_requested.connect(self.load_cost)
+        panel.calibrate_requested.connect(self.calibrate)
         panel.predict_requested.connect(self.predict)
         panel.stop_requested.connect(self._stop.set)
         panel.session_button.setEnabled(request_session_trace is not None)
         self._planned.connect(self._on_planned)
         self._swept.connect(self._on_swept)
         self._predicted.connect(self._on_predicted)
+        self._calibrated.connect(self._on_calibrated)
         self._cluster_swept.connect(self._on_cluster_swept)
         self._progress.connect(panel.set_progress)
         self._failed.connect(self._on_failed)
@@ -107,12 +114,21 @@ class WhatIfController(QObject):
 
     def refresh_cost(self) -> None:
         """Pick the step cost (the loaded file, else the loaded model's calibration) and say which."""
+        model = self.model_path()
         try:
-            cost, where = self.loaded_cost or whatif_twin.kept_cost(self.model_path())
+            cost, where = self.loaded_cost or whatif_twin.kept_cost(model)
         except ValueError as e:  # a kept file that no longer reads: say so, predict nothing
             cost, where = None, str(e)
         self.cost = cost
-        self.panel.set_cost(whatif_twin.cost_text(cost, where) if cost else where, cost is not None)
+        self.panel.set_cost(whatif_twin.cost_text(cost, where) if cost else where, cost is not None,
+                            bool(model))
+
+    def calibrate(self) -> None:
+        """`prefixlab calibrate` for the loaded model in a child process (its own copy of the weights,
+        so the app's engine is not touched), then predict with the fit it keeps."""
+        model = self.model_path()
+        if model and not self.busy:
+            self._start(self._calibrate_job, model)
 
     def run(self, page_rows: str, budgets: str, policies: list, disk_budgets: str = "") -> None:
         """Sweep the loaded trace at the knobs the panel shows (disk tiers: two-tier curves)."""
@@ -182,6 +198,19 @@ class WhatIfController(QObject):
             plan.source, configs, cost, plan.requests, slo_ttft_s,
             progress=lambda done, total: self._progress.emit(done, total), cancelled=self._stop.is_set))
 
+    def _calibrate_job(self, model: str) -> None:
+        cmd = [sys.executable, "-m", "app.cli", "calibrate", "--model", model, "--quiet"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=CALIBRATE_TIMEOUT_S,
+                                  check=False)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"prefixlab calibrate took over {CALIBRATE_TIMEOUT_S} s: stopped") from None
+        if done.returncode != 0:
+            said = (done.stderr.strip() or done.stdout.strip()).splitlines()
+            why = said[-1] if said else f"exit status {done.returncode}"
+            raise RuntimeError(f"prefixlab calibrate failed: {why}")
+        self._calibrated.emit()
+
     def _cluster_job(self, source, knobs) -> None:
         if self.service is None:
             from ..replay.rates import default_service
@@ -203,6 +232,11 @@ class WhatIfController(QObject):
         self.swept = (self.plan, knobs)
         self.refresh_cost()  # a calibration made since the app started
         self.panel.set_rows(rows)
+
+    def _on_calibrated(self) -> None:
+        self._set_busy(False)
+        self.loaded_cost = None  # the fresh calibration is what the user asked for
+        self.refresh_cost()
 
     def _on_predicted(self, rows: list) -> None:
         self._set_busy(False)
