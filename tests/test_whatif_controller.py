@@ -287,3 +287,37 @@ def test_calibrate_runs_prefixlab_calibrate_on_the_loaded_model(qtbot, tab, tiny
         assert panel.calibrate_button.isEnabled() and controller.cost is None
     finally:
         controller.close()
+
+
+@pytest.mark.parametrize("size", [(1280, 800), (1600, 1000)])
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_the_tab_with_predicted_ttft_fits(qtbot, tmp_path, theme, size):
+    """The step-cost row, Predict/Stop and the TTFT axis and columns leave nothing cut."""
+    from PySide6.QtCore import QSettings
+
+    from app.replay import whatif_twin
+    from app.replay.stepcost import StepCost
+    from tests.test_ui_panes_fit import cut_children
+    from ui.main_window import MainWindow
+    path = hash_trace(tmp_path)
+    knobs = whatif.Knobs([None], [None, 4, 2, 1], ["leaf-lru", "lru", "fifo"])
+    rows = whatif.run(open_trace(path), knobs, workers=1)
+    ttft = whatif_twin.run(open_trace(path), whatif_twin.configurations(knobs, 512, True),
+                           StepCost(c0=0.01, c_prefill=1e-4, c_decode=1e-3), 24, 0.3)
+    w = MainWindow(QSettings(str(tmp_path / "w.ini"), QSettings.Format.IniFormat))
+    qtbot.addWidget(w)
+    w.set_theme(theme)
+    w.show()
+    qtbot.waitExposed(w)
+    w.reset_layout()
+    w.resize(*size)
+    w.tabs.setCurrentWidget(w.whatif)
+    panel = w.whatif
+    panel.set_trace("t.jsonl: 24 requests")
+    panel.set_cost(f"{tmp_path}/a-long-folder-name/cost.json (measured on AMD EPYC, 2 cores)", True, True)
+    panel.set_rows(rows)
+    panel.set_ttft_rows(ttft)
+    panel.set_busy(True, stoppable=True)
+    qtbot.wait(50)
+    assert (w.width(), w.height()) == size
+    assert panel.stop_button.isVisible() and not cut_children(panel), cut_children(panel)
