@@ -1,4 +1,5 @@
-"""What-if charts of a trace replay: hit ratio vs cache capacity per policy, and over time.
+"""What-if charts of a trace replay: hit ratio vs cache capacity per policy, and over time;
+the twin's predicted TTFT at the same capacities on the first plot's right axis.
 
 Plain data in: rows as `prefixlab replay --json` writes them (page_rows, budget
 (None: infinite), policy, token_hit_ratio, over_time). The infinite-capacity
@@ -17,6 +18,7 @@ from PySide6.QtWidgets import QVBoxLayout, QWidget
 from engine.eviction import DEFAULT_POLICY
 
 from .colors import LIGHT, Theme, theme_for
+from .whatif_ttft import TtftAxis
 
 # Okabe-Ito hues, one per policy (colour-blind safe); other names cycle through the rest.
 POLICY_COLORS = {"leaf-lru": "#1fa774", "lru": "#d55e00", "lfu": "#3d85c6", "fifo": "#cc5fa0"}
@@ -107,7 +109,8 @@ class PlotStack(QWidget):
 
 
 class WhatIfChart(PlotStack):
-    """Two plots: hit ratio vs capacity (log pages) per policy, and hit ratio over the trace."""
+    """Two plots: hit ratio vs capacity (log pages) per policy (with the predicted TTFT on its right
+    axis), and hit ratio over the trace."""
 
     def __init__(self, parent: QWidget | None = None):
         y = "token hit ratio (%)"
@@ -116,16 +119,23 @@ class WhatIfChart(PlotStack):
         self.capacity, self.over_time = self.plots
         self.capacity.getPlotItem().setLogMode(x=True, y=False)
         self.over_time_budget: int | None = None
+        self.ttft = TtftAxis(self.capacity)
+        self.ttft_rows: list[dict] = []
         self.apply_theme(theme_for(self))
 
     def set_rows(self, rows: list[dict], over_time_budget: int | None = None) -> None:
         """Draw these replay rows; the lower plot shows each policy at `over_time_budget`
         (default: the middle finite budget) against the infinite bound."""
-        self.rows = list(rows)
+        self.rows, self.ttft_rows = list(rows), []  # a prediction belongs to the sweep it followed
         finite = sorted({r["budget"] for r in self.rows if r["budget"] is not None})
         if over_time_budget is None and finite:
             over_time_budget = finite[(len(finite) - 1) // 2]
         self.over_time_budget = over_time_budget
+        self._draw()
+
+    def set_ttft_rows(self, rows: list[dict]) -> None:
+        """The twin's rows (`app.replay.whatif_twin.run`) for the capacities these rows sweep."""
+        self.ttft_rows = list(rows)
         self._draw()
 
     def _draw(self) -> None:
@@ -151,6 +161,7 @@ class WhatIfChart(PlotStack):
         # Log axis: label the budgets themselves, not every power of ten's minor ticks.
         ticks = [(math.log10(b), f"{b:,}") for b in sorted(set(xs))]
         self.capacity.getPlotItem().getAxis("bottom").setTicks([ticks] if ticks else None)
+        self.ttft.draw(self.ttft_rows, self.theme, lo, hi)
         self._draw_over_time()
         for pw in (self.capacity, self.over_time):
             legend = pw.getPlotItem().legend

@@ -46,8 +46,11 @@ class Desktop(QObject):
         self._wire_controller()
         self.whatif = WhatIfController(
             w.whatif, lambda: w.ask_open_path("Open a trace", "", "Traces (*.jsonl *.json);;All (*)"),
-            c.driver.save_trace, parent=self)
+            c.driver.save_trace, parent=self,
+            ask_cost_path=lambda: w.ask_open_path("Open a step-cost file", "", "Step cost (*.json);;All (*)"),
+            model_path=lambda: (c.model_info or {}).get("path"))
         c.trace_saved.connect(self.whatif.on_session_trace)
+        c.model_loaded.connect(lambda _info: self.whatif.refresh_cost())  # the new model's calibration
         self.advisor = AdvisorController(
             w.advisor, lambda: w.ask_open_path("Open a chat log or a proxy recording", "",
                                                "Traces (*.jsonl);;All (*)"), self._tokenizer, parent=self)
