@@ -21,21 +21,24 @@ def unnormalized_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def row_sums(w: np.ndarray) -> np.ndarray:
-    # w [..., S] -> [..., 1], taken as a GEMV (15 us where w.sum took 60 at S=149)
-    return w @ ones(w.shape[-1])
+    # w [..., S] -> [..., 1], as a GEMM against two columns of ones, not a GEMV: the GEMV's
+    # blocking over S follows S itself, so a row's sum changed with the keys that follow it
+    # (masked zeros) and a cached prefix differed from a miss's own rows (docs/design.md §7);
+    # the GEMM sums each row in the same order for any S, as `weights @ v` does (2-5 us a layer)
+    return (w @ ones(w.shape[-1]))[..., :1]
 
 
 def ones(n: int) -> np.ndarray:
-    # [n, 1] float32 ones: a view of one array that grows, not a new one per layer (each
+    # [n, 2] float32 ones: a view of one array that grows, not a new one per layer (each
     # thread slices the array it checked, so another thread's growing cannot shrink it)
     global _ones
     have = _ones
     if len(have) < n:
-        have = _ones = np.ones((max(n, 2 * len(have)), 1), dtype=np.float32)
+        have = _ones = np.ones((max(n, 2 * len(have)), 2), dtype=np.float32)
     return have[:n]
 
 
-_ones = np.ones((1024, 1), dtype=np.float32)
+_ones = np.ones((1024, 2), dtype=np.float32)
 
 
 def causal_bias(T: int, S: int, n_past: int, key_start: int = 0, window: int = 0) -> np.ndarray:

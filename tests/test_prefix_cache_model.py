@@ -105,6 +105,39 @@ def test_a_hit_gives_the_same_logits_and_continuation_as_a_miss(m, kv_dtype):
     assert pool.num_used_pages == 0
 
 
+LONG_Q2 = "Please tell me, in as much detail as you can manage, " * 6 + Q2
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_hit_whose_prefix_came_from_a_pass_of_another_length_equals_the_miss_exactly(m, kv_dtype):
+    # The cached system prompt is computed in Q1's pass (87 rows), the miss computes it in its
+    # own (161 rows): a row's softmax sum once depended on the masked keys after it, so the
+    # cached K/V and the logits differed (float32 4e-5, float16 2.5e-3). The tail (97 rows) is
+    # long enough that BLAS takes the same GEMM kernel as the miss (docs/perf-notes.md).
+    pool = dl.create_kv_pool(m, page_rows=ROWS, kv_dtype=kv_dtype)
+    cache = dl.create_prefix_cache()
+    p1, p2 = chat(m, SYSTEM, Q1), chat(m, SYSTEM, LONG_Q2)
+    assert len(p2) - len(p1) > 64
+    a = dl.create_session(m, pool)
+    dl.eval(m, a, p1)
+    dl.prefix_insert(cache, pool, a, p1, "system")
+    dl.release_kv_pages(a)
+    miss = dl.create_session(m, pool)
+    logits_miss = dl.eval(m, miss, p2)
+    hit = dl.create_session(m, pool)
+    matched = dl.prefix_attach(cache, pool, hit, p2)
+    assert matched >= 3 * ROWS and len(p2) - matched > 64
+    logits_hit = dl.eval(m, hit, p2[matched:])
+    for i, page in enumerate(hit.page_table[:matched // ROWS]):
+        assert np.array_equal(pool.k[:, page], pool.k[:, miss.page_table[i]])
+        assert np.array_equal(pool.v[:, page], pool.v[:, miss.page_table[i]])
+    assert np.array_equal(logits_hit, logits_miss), float(np.max(np.abs(logits_hit - logits_miss)))
+    for s in (miss, hit):
+        dl.release_kv_pages(s)
+    dl.prefix_release(cache, pool)
+    assert pool.num_used_pages == 0
+
+
 def test_the_tutorial_facts(m):
     pool = dl.create_kv_pool(m, page_rows=ROWS)
     cache = dl.create_prefix_cache()
