@@ -11,7 +11,7 @@ over its budget gives pages back at once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -208,6 +208,10 @@ class BlockManager:
     def tokens(self, s: Session) -> list[int]:
         """A live session's evaluated tokens themselves (read-only for callers; no copy)."""
         return self._seqs[s.id].tokens
+
+    def session_pages(self) -> Iterator[int]:
+        """Every live session's pages (a page two sessions share comes twice)."""
+        return (page for seq in self._seqs.values() for page in seq.pages)
 
     def reserve(self, s: Session, n_positions: int) -> None:
         """Allocate pages until the session's table covers `n_positions`; all or nothing."""

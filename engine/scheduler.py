@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from .admission import can_take, plan_prefill
-from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch, prefix_insert
+from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch
 from .block_manager import BlockManager
 from .lending import account_loan, can_lend, in_flight_share, lend, settle_borrowers
 from .loader import Model
@@ -328,8 +328,8 @@ class Scheduler:
         """Offer the session's full pages of `tokens` to the cache, into this request's chain."""
         chain = s.record.chain_donated if s.record.chain_donated in self.cache.chains else None
         self.cache.actor = s.id
-        prefix_insert(self.cache, self.pool, s.session, tokens, s.record.preview, s.record.namespace,
-                      chain_id=chain)
+        s.published = self.cache.insert(self.pool, s.session, tokens, s.record.preview,
+                                        s.record.namespace, chain_id=chain, known=s.published).path
         if s.record.chain_donated is None:
             s.record.chain_donated = self._own_chain(s)
 
@@ -362,7 +362,7 @@ class Scheduler:
         return events
 
     def _sample(self, s: Stream, logits: np.ndarray) -> list[TokenEvent]:
-        token = s.sampler.sample(logits, s.prompt + s.generated)
+        token = s.sampler.sample(logits, s.recent(s.sampler.params.repeat_last_n))
         return s.accept(token, time.perf_counter(), self.model.config.context_length)
 
     # finish -----------------------------------------------------------
@@ -415,6 +415,8 @@ class Scheduler:
     # metrics ----------------------------------------------------------
     def _record(self, step_s: float, batch: int) -> None:
         self._steps += 1
+        if not self.timeline.keep:  # a timeline that keeps nothing (the twin's): no row to build
+            return
         self.timeline.append(timeline_row(
             self.pool, self.cache, step=self._steps, wall_s=time.perf_counter() - self._t0,
             prefill_computed=self.prefill_computed, prefill_saved=self.prefill_saved,
