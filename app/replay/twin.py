@@ -191,7 +191,7 @@ class Twin:
             raise RuntimeError("the twin's scheduler ran a pass with nothing in it while requests wait")
         self.now = start + self.runner.last_s
         self.steps += 1
-        if self._queued:
+        if len(self._queued) > sched.queue_depth():  # some were admitted: find which (O(queue))
             waiting = {rid for rid, _, _ in sched.queued()}
             for rid in [rid for rid in self._queued if rid not in waiting]:
                 self._queued.pop(rid).admitted_s = start
