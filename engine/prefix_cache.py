@@ -122,6 +122,8 @@ class PrefixCache:
         self.seen = SeenIndex(seen_pages)
         self.actor: int | None = None
         self._cause = "flush"
+        self._pin_changes = 0   # pins change what is evictable without a page changing
+        self._evictable: tuple = (None, 0)   # (the state it was counted in, num_evictable)
 
     # listeners --------------------------------------------------------
     def add_listener(self, fn: Callable[[CacheEvent], None]) -> None:
@@ -491,6 +493,7 @@ class PrefixCache:
             raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
                              f"(its pages were evicted or released)")
         chain.pinned = pinned
+        self._pin_changes += 1
         if not pinned:
             self.enforce_budget()  # an unpinned chain over the budget goes now
 
@@ -548,6 +551,9 @@ class PrefixCache:
         chains' pages, when a chain is pinned), not from every cached page: an admission
         under a full pool asks this, and a twin's pool holds thousands of cached pages."""
         by_page, pages = self.by_page, self.pages
+        memo = (self.pool.version, len(pages), self._pin_changes)
+        if self._evictable[0] == memo:  # a request waiting for pages asks every pass
+            return self._evictable[1]
         held = [by_page[p] for p in self.pool.session_pages() if p in by_page]
         if any(c.pinned for c in self.chains.values()):
             held += [e.key for e in pages.values() if self.chains[e.chain_id].pinned]
@@ -559,7 +565,8 @@ class PrefixCache:
                 if entry is None or entry.parent is None:
                     break
                 key = entry.parent
-        return len(pages) - len(blocked)
+        self._evictable = (memo, len(pages) - len(blocked))
+        return self._evictable[1]
 
     def enforce_budget(self) -> int:
         """Evict down to the budget as far as pages can be given back (after inserts and releases);

@@ -104,6 +104,7 @@ class Scheduler:
         self.max_ended_records = MAX_ENDED_RECORDS    # the twin keeps fewer (app/replay/twin.py)
         self.timeline = Timeline()
         self.waiting_for_pages: int | None = None  # the queued request that waits for free pages
+        self._cancel_asked = False  # a cancel since the last schedule: the queue is scanned for it
         self._ids = itertools.count(1)
         self._t0 = time.perf_counter()
         self._steps = 0
@@ -196,11 +197,13 @@ class Scheduler:
         if s is None or s.finish_reason is not None:
             return False
         s.cancel_requested = s.cancel_requested or reason
+        self._cancel_asked = True
         return True
 
     def cancel_all(self) -> None:
         for s in itertools.chain(self._queue, self._active):
             s.cancel_requested = s.cancel_requested or "cancelled"
+        self._cancel_asked = True
 
     def has_work(self, closing: bool = True) -> bool:
         return bool(self._queue or self._active or (closing and self._closing))
@@ -232,9 +235,11 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Take cancelled requests out, admit queued ones, and plan this step's forward pass."""
         batch = Batch(closing=list(self._closing))
-        for s in [s for s in self._queue if s.cancel_requested]:
-            self._queue.remove(s)
-            batch.cancelled.append(s)
+        if self._cancel_asked:  # a deep queue is not scanned every step, only after a cancel
+            self._cancel_asked = False
+            for s in [s for s in self._queue if s.cancel_requested]:
+                self._queue.remove(s)
+                batch.cancelled.append(s)
         for s in self._active:
             if s.cancel_requested and s.finish_reason is None:
                 batch.cancelled.append(s)
@@ -254,6 +259,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         self.waiting_for_pages, rows = None, self.settings.page_rows
+        if len(self._active) >= self.settings.max_streams:
+            return  # before copying the queue: under load it is long and every stream is busy
         for s in list(self._queue):
             if len(self._active) >= self.settings.max_streams:
                 return
