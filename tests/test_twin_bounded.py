@@ -81,3 +81,18 @@ def test_the_timeline_keeps_the_last_steps_only():
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="keeps an integer >= 0"):
             Timeline(keep=bad)
+
+
+def test_the_sampler_reads_the_same_recent_tokens_without_copying_the_history():
+    """A repeat penalty reads the last n tokens of prompt + answer; `Stream.recent` gives exactly
+    those (the scheduler no longer builds prompt + answer per sampled token)."""
+    from engine.metrics import RequestRecord
+    from engine.sampler import Sampler
+    from engine.stream import Stream
+    s = Stream(record=RequestRecord(1, "", None, "", 5), prompt=[1, 2, 3, 4, 5], sampler=Sampler(),
+               max_new_tokens=8, stop_ids=frozenset(), text_stream=None, arrival=0.0, positions=13)
+    for gen in ([], [6], [6, 7, 8], [6, 7, 8, 9, 10, 11, 12]):
+        s.generated = gen
+        for n in range(0, 15):
+            want = (s.prompt + gen)[-n:] if n else []
+            assert s.recent(n) == want, (gen, n)
