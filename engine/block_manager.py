@@ -11,7 +11,7 @@ over its budget gives pages back at once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,6 +102,7 @@ class BlockManager:
         start = max_pages if max_pages is not None else INITIAL_PAGES
         self.refs: list[int] = [0] * start
         self._refcount: np.ndarray | None = None   # `refcount`'s array, until a count changes
+        self.version = 0   # bumped by every change of a count or of the pages: readers' memo key
         self._free: list[int] = list(range(start - 1, -1, -1))  # pop() gives the lowest id
         self._seqs: dict[int, _Seq] = {}    # live sessions' records, by session id
         self.evictor: Callable[[int], int] | None = None  # see `bind_evictor`
@@ -140,6 +141,7 @@ class BlockManager:
         old = len(self.refs)
         self.refs.extend([0] * old)
         self._refcount = None
+        self.version += 1
         self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
         self._on_grow(old, 2 * old)
 
@@ -160,6 +162,7 @@ class BlockManager:
         page = self._free.pop()
         self.refs[page] = 1
         self._refcount = None
+        self.version += 1
         return page
 
     def retain(self, page: int) -> None:
@@ -168,6 +171,7 @@ class BlockManager:
             raise ValueError(f"page {page} is free; cannot take a reference on it")
         self.refs[page] += 1
         self._refcount = None
+        self.version += 1
 
     def release(self, page: int) -> None:
         """Drop one reference; the page returns to the free list at 0."""
@@ -175,6 +179,7 @@ class BlockManager:
             raise ValueError(f"page {page} is already free; released twice")
         self.refs[page] -= 1
         self._refcount = None
+        self.version += 1
         if self.refs[page] == 0:
             self._free.append(page)
             self.lent.discard(page)
@@ -208,6 +213,10 @@ class BlockManager:
     def tokens(self, s: Session) -> list[int]:
         """A live session's evaluated tokens themselves (read-only for callers; no copy)."""
         return self._seqs[s.id].tokens
+
+    def session_pages(self) -> Iterator[int]:
+        """Every live session's pages (a page two sessions share comes twice)."""
+        return (page for seq in self._seqs.values() for page in seq.pages)
 
     def reserve(self, s: Session, n_positions: int) -> None:
         """Allocate pages until the session's table covers `n_positions`; all or nothing."""

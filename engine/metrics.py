@@ -133,14 +133,27 @@ def timeline_row(pool: KVPool, cache: PrefixCache, **step) -> TimelineRow:
         queries=c.queries, hits=c.hits, hit_pages=c.hit_pages, disk_hits=c.disk_hits, **step)
 
 
-class Timeline:
-    """Rows appended by the scheduler; readers take `rows` or column arrays."""
+# Timeline rows a scheduler keeps: the last this many steps (older rows go; the running totals
+# are in each row). A long-running server must not grow without end: a row is about 1 KB, so
+# this is about 10 MB, some minutes of a busy server's steps.
+TIMELINE_ROWS = 10_000
 
-    def __init__(self):
+
+class Timeline:
+    """The last `keep` rows appended by the scheduler (a ring: at least `keep`, at most
+    `keep + keep // 16` are held; 0: none, and the scheduler then builds none); readers take `rows` (a list, oldest first) or column arrays. Rows carry their
+    step number: a reader that follows the timeline goes by it, not by position."""
+
+    def __init__(self, keep: int = TIMELINE_ROWS):
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+            raise ValueError(f"a timeline keeps an integer >= 0 of rows, got {keep!r}")
+        self.keep = keep
         self.rows: list[TimelineRow] = []
 
     def append(self, row: TimelineRow) -> None:
         self.rows.append(row)
+        if len(self.rows) > self.keep + self.keep // 16:  # trim in batches: O(1) a row on average
+            del self.rows[:len(self.rows) - self.keep]
 
     def column(self, name: str) -> np.ndarray:
         return np.array([getattr(r, name) for r in self.rows], dtype=np.float64)

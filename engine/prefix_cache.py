@@ -122,6 +122,8 @@ class PrefixCache:
         self.seen = SeenIndex(seen_pages)
         self.actor: int | None = None
         self._cause = "flush"
+        self._pin_changes = 0   # pins change what is evictable without a page changing
+        self._evictable: tuple = (None, 0)   # (the state it was counted in, num_evictable)
 
     # listeners --------------------------------------------------------
     def add_listener(self, fn: Callable[[CacheEvent], None]) -> None:
@@ -200,8 +202,13 @@ class PrefixCache:
 
     # the tutorial's operations ----------------------------------------
     def insert(self, pool: BlockManager, s: Session, tokens, preview: str = "", namespace: str = "",
-               chain_id: int | None = None) -> Inserted:
-        """`prefix_insert` (engine/api.py): donate the session's full pages covering `tokens`."""
+               chain_id: int | None = None, known: list[CachedPage] = ()) -> Inserted:
+        """`prefix_insert` (engine/api.py): donate the session's full pages covering `tokens`.
+
+        `known`: the `.path` an earlier insert of this session returned (the scheduler publishes
+        a prompt chunk by chunk): a page of it still cached under its key, with these tokens,
+        is taken as it is instead of hashing the prompt again from its start; the walk, and so
+        what is cached and touched, is the same."""
         _check_session(pool, s)
         if chain_id is not None and chain_id not in self.chains:
             raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
@@ -223,6 +230,13 @@ class PrefixCache:
         left_out = 0
         n_full = covered // rows
         for i in range(n_full):
+            if i < len(known):
+                entry = known[i]
+                if self.pages.get(entry.key) is entry and entry.parent == parent and (
+                        self.id_keys or entry.tokens == tuple(tokens[i * rows:(i + 1) * rows])):
+                    path.append(entry)
+                    parent = entry.key
+                    continue
             toks = tuple(map(int, tokens[i * rows:(i + 1) * rows]))
             key = self.page_key(parent, toks, namespace)
             entry = self.pages.get(key)
@@ -270,7 +284,7 @@ class PrefixCache:
             log.info("prefix cache: %d page(s) of %r not cached: the budget of %d pages is held by "
                      "%d pinned page(s)", left_out, preview[:40], self.max_pages, self.pinned_pages())
         self.enforce_budget()
-        return Inserted(len(new), left_out)
+        return Inserted(len(new), left_out, path)
 
     def attach(self, pool: BlockManager, s: Session, prompt, namespace: str = "") -> int:
         """`prefix_attach` (engine/api.py): attach the cached pages matching the prompt's start,
@@ -479,6 +493,7 @@ class PrefixCache:
             raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
                              f"(its pages were evicted or released)")
         chain.pinned = pinned
+        self._pin_changes += 1
         if not pinned:
             self.enforce_budget()  # an unpinned chain over the budget goes now
 
@@ -531,14 +546,27 @@ class PrefixCache:
 
     def num_evictable(self) -> int:
         """Cached pages eviction can give back, now or once their children went: pages that
-        no session holds and no pin keeps, with no such page below them. O(cached pages)."""
+        no session holds and no pin keeps, with no such page below them. A held page blocks
+        itself and its ancestors, so the walk starts from the sessions' pages (and pinned
+        chains' pages, when a chain is pinned), not from every cached page: an admission
+        under a full pool asks this, and a twin's pool holds thousands of cached pages."""
+        by_page, pages = self.by_page, self.pages
+        memo = (self.pool.version, len(pages), self._pin_changes)
+        if self._evictable[0] == memo:  # a request waiting for pages asks every pass
+            return self._evictable[1]
+        held = [by_page[p] for p in self.pool.session_pages() if p in by_page]
+        if any(c.pinned for c in self.chains.values()):
+            held += [e.key for e in pages.values() if self.chains[e.chain_id].pinned]
         blocked: set[int] = set()
-        for entry in sorted(self.pages.values(), key=lambda e: -e.depth):  # children first
-            if entry.key in blocked or not self._unheld(entry):
-                blocked.add(entry.key)
-                if entry.parent is not None:
-                    blocked.add(entry.parent)
-        return len(self.pages) - len(blocked)
+        for key in held:
+            while key not in blocked:
+                blocked.add(key)
+                entry = pages.get(key)  # a parent another policy evicted first still blocks its key
+                if entry is None or entry.parent is None:
+                    break
+                key = entry.parent
+        self._evictable = (memo, len(pages) - len(blocked))
+        return self._evictable[1]
 
     def enforce_budget(self) -> int:
         """Evict down to the budget as far as pages can be given back (after inserts and releases);

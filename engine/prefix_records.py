@@ -87,12 +87,15 @@ class ProbeResult:
 
 
 class Inserted(int):
-    """What `prefix_insert` returns: the pages it added (an int), and `.left_out_for_pins`, the
-    full pages it left out because caching them would have evicted a pinned page."""
+    """What `prefix_insert` returns: the pages it added (an int), `.left_out_for_pins`, the
+    full pages it left out because caching them would have evicted a pinned page, and `.path`,
+    the cached pages its tokens walked (the next insert of the session starts from them)."""
 
     left_out_for_pins: int
+    path: list  # the cached pages the tokens walked, root first: `insert(known=...)` next time
 
-    def __new__(cls, added: int, left_out_for_pins: int = 0):
+    def __new__(cls, added: int, left_out_for_pins: int = 0, path: list | None = None):
         obj = super().__new__(cls, added)
         obj.left_out_for_pins = left_out_for_pins
+        obj.path = path if path is not None else []
         return obj

@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from .admission import can_take, plan_prefill
-from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch, prefix_insert
+from .api import create_kv_pool, create_prefix_cache, create_session, eval_batch
 from .block_manager import BlockManager
 from .lending import account_loan, can_lend, in_flight_share, lend, settle_borrowers
 from .loader import Model
@@ -104,6 +104,7 @@ class Scheduler:
         self.max_ended_records = MAX_ENDED_RECORDS    # the twin keeps fewer (app/replay/twin.py)
         self.timeline = Timeline()
         self.waiting_for_pages: int | None = None  # the queued request that waits for free pages
+        self._cancel_asked = False  # a cancel since the last schedule: the queue is scanned for it
         self._ids = itertools.count(1)
         self._t0 = time.perf_counter()
         self._steps = 0
@@ -196,11 +197,13 @@ class Scheduler:
         if s is None or s.finish_reason is not None:
             return False
         s.cancel_requested = s.cancel_requested or reason
+        self._cancel_asked = True
         return True
 
     def cancel_all(self) -> None:
         for s in itertools.chain(self._queue, self._active):
             s.cancel_requested = s.cancel_requested or "cancelled"
+        self._cancel_asked = True
 
     def has_work(self, closing: bool = True) -> bool:
         return bool(self._queue or self._active or (closing and self._closing))
@@ -232,9 +235,11 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Take cancelled requests out, admit queued ones, and plan this step's forward pass."""
         batch = Batch(closing=list(self._closing))
-        for s in [s for s in self._queue if s.cancel_requested]:
-            self._queue.remove(s)
-            batch.cancelled.append(s)
+        if self._cancel_asked:  # a deep queue is not scanned every step, only after a cancel
+            self._cancel_asked = False
+            for s in [s for s in self._queue if s.cancel_requested]:
+                self._queue.remove(s)
+                batch.cancelled.append(s)
         for s in self._active:
             if s.cancel_requested and s.finish_reason is None:
                 batch.cancelled.append(s)
@@ -254,6 +259,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         self.waiting_for_pages, rows = None, self.settings.page_rows
+        if len(self._active) >= self.settings.max_streams:
+            return  # before copying the queue: under load it is long and every stream is busy
         for s in list(self._queue):
             if len(self._active) >= self.settings.max_streams:
                 return
@@ -328,8 +335,8 @@ class Scheduler:
         """Offer the session's full pages of `tokens` to the cache, into this request's chain."""
         chain = s.record.chain_donated if s.record.chain_donated in self.cache.chains else None
         self.cache.actor = s.id
-        prefix_insert(self.cache, self.pool, s.session, tokens, s.record.preview, s.record.namespace,
-                      chain_id=chain)
+        s.published = self.cache.insert(self.pool, s.session, tokens, s.record.preview,
+                                        s.record.namespace, chain_id=chain, known=s.published).path
         if s.record.chain_donated is None:
             s.record.chain_donated = self._own_chain(s)
 
@@ -362,7 +369,7 @@ class Scheduler:
         return events
 
     def _sample(self, s: Stream, logits: np.ndarray) -> list[TokenEvent]:
-        token = s.sampler.sample(logits, s.prompt + s.generated)
+        token = s.sampler.sample(logits, s.recent(s.sampler.params.repeat_last_n))
         return s.accept(token, time.perf_counter(), self.model.config.context_length)
 
     # finish -----------------------------------------------------------
@@ -415,6 +422,8 @@ class Scheduler:
     # metrics ----------------------------------------------------------
     def _record(self, step_s: float, batch: int) -> None:
         self._steps += 1
+        if not self.timeline.keep:  # a timeline that keeps nothing (the twin's): no row to build
+            return
         self.timeline.append(timeline_row(
             self.pool, self.cache, step=self._steps, wall_s=time.perf_counter() - self._t0,
             prefill_computed=self.prefill_computed, prefill_saved=self.prefill_saved,

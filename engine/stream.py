@@ -166,6 +166,7 @@ class Stream:
     finish_reason: str | None = None
     closing: list[int] = field(default_factory=list)  # the finished turn's unevaluated tail
     loan: Loan | None = None           # pages another stream is writing that this one shares
+    published: list = field(default_factory=list)  # the cached pages its last publish walked
 
     @property
     def id(self) -> int:
@@ -182,6 +183,16 @@ class Stream:
     @property
     def decoding(self) -> bool:
         return self.finish_reason is None and not self.prefilling and bool(self.generated)
+
+    def recent(self, n: int) -> list[int]:
+        """The last `n` tokens of prompt + answer (what a repeat penalty reads), without copying
+        the whole history per sampled token."""
+        if n <= 0:
+            return []
+        gen = self.generated
+        if len(gen) >= n:
+            return gen[-n:]
+        return self.prompt[max(0, len(self.prompt) - (n - len(gen))):] + gen
 
     def accept(self, token: int, now: float, context_length: int) -> list[TokenEvent]:
         """Take a sampled token: a stop ends the stream unseen, others stream as an event."""

@@ -86,7 +86,7 @@ class Controller(QObject):
         self.last_report_paths: list[str] = []
         self.book = TurnBook()
         self._nonce = secrets.token_hex(3)  # served card ids differ across app runs (sessions keep cards)
-        self._rows_seen = 0
+        self._last_step = 0
         self._showing_report = False
         self.closed = False
         # Bound methods of this QObject: Qt queues the calls into the UI thread.
@@ -343,8 +343,9 @@ class Controller(QObject):
 
     def _on_stats(self, snap) -> None:
         self.snapshot = snap
-        rows = snap.timeline[self._rows_seen:]
-        self._rows_seen = len(snap.timeline)
+        # by step number: the scheduler's timeline is a ring, so its length stops growing
+        rows = [r for r in snap.timeline if r.step > self._last_step]
+        self._last_step = snap.timeline[-1].step if snap.timeline else self._last_step
         self.stats.emit(snap, rows, self._showing_report)  # after a report: redraw the live data
         self._showing_report = False
         running = {t.request_id: t for t in self.transcripts.values() if t.request_id is not None}
@@ -354,7 +355,7 @@ class Controller(QObject):
                 self.turn_live.emit(t.uid, r)
 
     def _on_scheduler_reset(self, settings: dict) -> None:
-        self._rows_seen = 0
+        self._last_step = 0
         self.snapshot = None
         self.scheduler_reset.emit()
         self.status.emit(f"New KV pool: {settings.get('page_rows')} rows per page, "

@@ -21,6 +21,7 @@ import numpy as np
 
 from engine.block_manager import BlockManager
 from engine.loop import EngineLoop
+from engine.metrics import Timeline
 from engine.sampler import SamplingParams
 from engine.scheduler import FinishEvent, SchedulerSettings, TokenEvent
 
@@ -74,15 +75,6 @@ class Pages(BlockManager):
     def __init__(self, cfg: StandInConfig, page_rows: int, max_pages: int | None):
         super().__init__(page_rows=page_rows, max_pages=max_pages)
         self.cfg = cfg
-
-
-class _Discard:
-    """The twin's scheduler timeline: a twin of a million requests keeps no row per pass."""
-
-    rows: list = []
-
-    def append(self, row) -> None:
-        pass
 
 
 class TwinRunner:
@@ -152,7 +144,7 @@ class Twin:
         self.loop = EngineLoop(TwinModel(self.cfg, _NoText()), settings, runner=self.runner)
         self.scheduler = self.loop.scheduler
         self.scheduler.max_ended_records = KEPT_RECORDS
-        self.scheduler.timeline = _Discard()
+        self.scheduler.timeline = Timeline(keep=0)  # a million requests' passes: no row per pass
         self.now = 0.0
         self.on_done = on_done or (lambda p: None)   # called with each finished request's Predicted
         self._live: dict[int, tuple[Predicted, int, int]] = {}   # id -> (its books, work, KV pages)
@@ -199,7 +191,7 @@ class Twin:
             raise RuntimeError("the twin's scheduler ran a pass with nothing in it while requests wait")
         self.now = start + self.runner.last_s
         self.steps += 1
-        if self._queued:
+        if len(self._queued) > sched.queue_depth():  # some were admitted: find which (O(queue))
             waiting = {rid for rid, _, _ in sched.queued()}
             for rid in [rid for rid in self._queued if rid not in waiting]:
                 self._queued.pop(rid).admitted_s = start
