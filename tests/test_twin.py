@@ -242,6 +242,8 @@ def test_against_a_real_server_measures_every_request_beside_the_twin(tiny_model
     assert got["compare"]["measured_ok"] == 5
     assert [m["tokens"] for m in got["measured"]] == [3] * 5      # each answer ran to its length
     assert all(m["ttft_s"] > 0 and m["total_s"] >= m["ttft_s"] for m in got["measured"])
+    # every token streamed a piece of text, so the first piece timed is the first token's
+    assert [m["pieces"] for m in got["measured"]] == [3] * 5
     # the server cached what the twin predicted it would: the shared blocks, once computed
     assert sum(m["cached_tokens"] or 0 for m in got["measured"]) > 0
     assert got["twin"]["token_hit_ratio"] > 0
