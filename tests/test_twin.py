@@ -180,6 +180,7 @@ def test_calibrate_compares_a_new_fit_with_the_kept_one_in_standard_errors():
     assert cmp["terms"]["c_prefill"]["z"] == pytest.approx(4.0) and not cmp["within_noise"]
     text = comparison_report(cmp)
     assert "NOT within noise" in text and "c_prefill" in text and "+4.0" in text
+    assert cmp["pass_change"]["512 prefill rows"] == pytest.approx(512 * 0.0002 / (0.020 + 512 * 0.001))
 
 
 MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "resources", "traces", "mooncake",

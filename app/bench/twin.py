@@ -103,6 +103,9 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
                                                    note="the calibration after the run (machine drift)"),
         "twin_ttft_p90_error_recalibrated": figure(abs(cmp_after["ttft"]["error"]["p90"]), "ratio", ISSUE,
                                                    note="the calibration after the run (machine drift)"),
+        "calibration_repeat_pass_change": figure(repeat["max_abs_pass_change"], "ratio", ISSUE,
+                                                 note="largest change of a typical pass's predicted time, "
+                                                      "calibrations before and after the run"),
         "calibration_repeat_max_z": figure(repeat["max_abs_z"], "standard errors", ISSUE,
                                            calibrate.SAME_WITHIN_SE, "<=",
                                            note="largest coefficient difference, calibrations before and "

@@ -128,8 +128,19 @@ def compare(kept: StepCost, new: StepCost) -> dict:
         z = (b - a) / se if se else (0.0 if a == b else math.inf)
         terms[n] = {"kept": a, "new": b, "difference": b - a, "combined_stderr": se, "z": z}
     worst = max(abs(t["z"]) for t in terms.values())
+    # terms trade off against each other (prefill rows and their context), so the passes they
+    # predict say more than any one term: the relative change of each typical pass's time
+    moved = {name: (new.predict(s) - kept.predict(s)) / kept.predict(s) for name, s in TYPICAL.items()}
     return {"terms": terms, "max_abs_z": worst, "within_noise": worst < SAME_WITHIN_SE,
+            "pass_change": moved, "max_abs_pass_change": max(abs(v) for v in moved.values()),
             "kept_when": kept.fit.get("when"), "new_when": new.fit.get("when")}
+
+
+# typical passes, by what they run: the change of their predicted time compares two fits
+TYPICAL = {"one decode row at 200": StepShape(decode_rows=1, decode_context=201),
+           "8 decode rows at 200": StepShape(decode_rows=8, decode_context=8 * 201),
+           "64 prefill rows": StepShape(prefill_rows=64, prefill_context=64 * 65 // 2),
+           "512 prefill rows": StepShape(prefill_rows=512, prefill_context=512 * 513 // 2)}
 
 
 def comparison_report(cmp: dict) -> str:
@@ -137,8 +148,10 @@ def comparison_report(cmp: dict) -> str:
              "  term           kept               new                difference / standard error"]
     for n, t in cmp["terms"].items():
         lines.append(f"  {n:13s}  {_ms(n, t['kept']):17s}  {_ms(n, t['new']):17s}  {t['z']:+.1f}")
-    lines.append(f"  {'within noise' if cmp['within_noise'] else 'NOT within noise'}: the largest difference "
-                 f"is {cmp['max_abs_z']:.1f} standard errors (within noise: under {SAME_WITHIN_SE:g})")
+    lines += [f"  {'within noise' if cmp['within_noise'] else 'NOT within noise'}: the largest difference "
+                 f"is {cmp['max_abs_z']:.1f} standard errors (within noise: under {SAME_WITHIN_SE:g})",
+              "  a typical pass's predicted time moved: "
+              + ", ".join(f"{name} {v:+.1%}" for name, v in cmp["pass_change"].items())]
     return "\n".join(lines)
 
 
