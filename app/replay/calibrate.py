@@ -149,7 +149,7 @@ def comparison_report(cmp: dict) -> str:
     for n, t in cmp["terms"].items():
         lines.append(f"  {n:13s}  {_ms(n, t['kept']):17s}  {_ms(n, t['new']):17s}  {t['z']:+.1f}")
     lines += [f"  {'within noise' if cmp['within_noise'] else 'NOT within noise'}: the largest difference "
-                 f"is {cmp['max_abs_z']:.1f} standard errors (within noise: under {SAME_WITHIN_SE:g})",
+              f"is {cmp['max_abs_z']:.1f} standard errors (within noise: under {SAME_WITHIN_SE:g})",
               "  a typical pass's predicted time moved: "
               + ", ".join(f"{name} {v:+.1%}" for name, v in cmp["pass_change"].items())]
     return "\n".join(lines)
