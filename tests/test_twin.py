@@ -180,6 +180,11 @@ def test_calibrate_compares_a_new_fit_with_the_kept_one_in_standard_errors():
     assert cmp["terms"]["c_prefill"]["z"] == pytest.approx(4.0) and not cmp["within_noise"]
     text = comparison_report(cmp)
     assert "NOT within noise" in text and "c_prefill" in text and "+4.0" in text
+    # two fits without standard errors (version 1 files): no verdict
+    unknown = compare_fits(StepCost(c0=0.020, c_prefill=0.001, c_decode=0.004),
+                           StepCost(c0=0.020, c_prefill=0.0012, c_decode=0.004))
+    assert unknown["max_abs_z"] is None and not unknown["within_noise"]
+    assert "neither fit has its standard error" in comparison_report(unknown)
     assert cmp["pass_change"]["512 prefill rows"] == pytest.approx(512 * 0.0002 / (0.020 + 512 * 0.001))
 
 

@@ -103,8 +103,8 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
               f"c_prefill_ctx {cost.c_prefill_ctx * 1e6:.5f} us/pair",
               "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS),
               f"  {f['steps']} passes of {f['shapes']} shapes; relative error per shape (its median pass): "
-              f"median {f['median_rel_error']:.1%}, p90 {f['p90_rel_error']:.1%}, worst {f['max_rel_error']:.1%}; "
-              f"per single pass: median {f['pass_median_rel_error']:.1%}",
+              f"median {f['median_rel_error']:.1%}, p90 {f['p90_rel_error']:.1%}, "
+              f"worst {f['max_rel_error']:.1%}; per single pass: median {f['pass_median_rel_error']:.1%}",
               f"  machine: {cost.machine}; model: {cost.model}"]
     return "\n".join(lines)
 
@@ -125,13 +125,14 @@ def compare(kept: StepCost, new: StepCost) -> dict:
     for n in TERMS:
         a, b = getattr(kept, n), getattr(new, n)
         se = math.hypot(kept.stderr.get(n, 0.0), new.stderr.get(n, 0.0))
-        z = (b - a) / se if se else (0.0 if a == b else math.inf)
+        z = (b - a) / se if se else (0.0 if a == b else None)   # None: no standard error to say
         terms[n] = {"kept": a, "new": b, "difference": b - a, "combined_stderr": se, "z": z}
-    worst = max(abs(t["z"]) for t in terms.values())
+    zs = [t["z"] for t in terms.values()]
+    worst = None if None in zs else max(abs(z) for z in zs)
     # terms trade off against each other (prefill rows and their context), so the passes they
     # predict say more than any one term: the relative change of each typical pass's time
     moved = {name: (new.predict(s) - kept.predict(s)) / kept.predict(s) for name, s in TYPICAL.items()}
-    return {"terms": terms, "max_abs_z": worst, "within_noise": worst < SAME_WITHIN_SE,
+    return {"terms": terms, "max_abs_z": worst, "within_noise": worst is not None and worst < SAME_WITHIN_SE,
             "pass_change": moved, "max_abs_pass_change": max(abs(v) for v in moved.values()),
             "kept_when": kept.fit.get("when"), "new_when": new.fit.get("when")}
 
@@ -147,9 +148,14 @@ def comparison_report(cmp: dict) -> str:
     lines = [f"beside the kept fit (of {cmp['kept_when'] or 'unknown time'}):",
              "  term           kept               new                difference / standard error"]
     for n, t in cmp["terms"].items():
-        lines.append(f"  {n:13s}  {_ms(n, t['kept']):17s}  {_ms(n, t['new']):17s}  {t['z']:+.1f}")
-    lines += [f"  {'within noise' if cmp['within_noise'] else 'NOT within noise'}: the largest difference "
-              f"is {cmp['max_abs_z']:.1f} standard errors (within noise: under {SAME_WITHIN_SE:g})",
+        z = "no standard error kept" if t["z"] is None else f"{t['z']:+.1f}"
+        lines.append(f"  {n:13s}  {_ms(n, t['kept']):17s}  {_ms(n, t['new']):17s}  {z}")
+    worst = cmp["max_abs_z"]
+    verdict = ("  not judged within noise: a term differs and neither fit has its standard error"
+               if worst is None else
+               f"  {'within noise' if cmp['within_noise'] else 'NOT within noise'}: the largest difference "
+               f"is {worst:.1f} standard errors (within noise: under {SAME_WITHIN_SE:g})")
+    lines += [verdict,
               "  a typical pass's predicted time moved: "
               + ", ".join(f"{name} {v:+.1%}" for name, v in cmp["pass_change"].items())]
     return "\n".join(lines)

@@ -101,8 +101,9 @@ class StepCost:
         if not isinstance(obj, dict) or obj.get("format") != COST_FORMAT:
             raise ValueError(f"{path} is not a step-cost file (no \"format\": \"{COST_FORMAT}\")")
         if obj.get("version") not in READS_VERSIONS:
+            readable = ", ".join(map(str, READS_VERSIONS))
             raise ValueError(f"{path}: step-cost version {obj.get('version')!r}; this PrefixLab reads "
-                             f"versions {', '.join(map(str, READS_VERSIONS))} (run prefixlab calibrate again)")
+                             f"versions {readable} (run prefixlab calibrate again)")
         if "c0" not in obj:
             raise ValueError(f"{path}: the step-cost file has no c0")
         known = {k: obj[k] for k in (*TERMS, "machine", "model", "fit", "stderr") if k in obj}
