@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from app.replay.calibrate import compare as compare_fits
+from app.replay.calibrate import comparison_report
 from app.replay.stepcost import StepCost, StepShape, fit
 from app.replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
 from app.replay.twin_replay import TwinConfig, predict
@@ -144,6 +146,48 @@ def test_a_cost_file_round_trips_and_bad_ones_say_what_is_wrong(tmp_path):
         StepCost.load(str(bad))
 
 
+def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_path):
+    """Version 2 adds each coefficient's standard error; a hand-written version 1 file has none."""
+    true = StepCost(c0=0.02, c_prefill=0.001, c_decode=0.004)
+    shapes = [StepShape(p, d) for p, d in itertools.product((0, 16, 128), (0, 1, 4, 8)) if p or d]
+    # each shape timed three times: once fast, once right, once slowed (another process took a core)
+    times = [true.predict(s) * k for s in shapes for k in (0.95, 1.0, 1.5)]
+    got = fit([s for s in shapes for _ in range(3)], times, machine="test")
+    assert got.c0 == pytest.approx(0.02, rel=1e-9) and got.c_decode == pytest.approx(0.004, rel=1e-9)
+    assert (got.fit["steps"], got.fit["shapes"]) == (33, 11)      # the median of each shape's three
+    assert set(got.stderr) == {"c0", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx"}
+    path = str(tmp_path / "cost.json")
+    got.save(path)
+    on_disk = json.loads(open(path).read())
+    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 2)
+    assert StepCost.load(path) == got
+    old = tmp_path / "v1.json"
+    old.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 1, "c0": 0.5, "c_decode": 0.1}))
+    assert StepCost.load(str(old)) == StepCost(c0=0.5, c_decode=0.1)
+
+
+def test_calibrate_compares_a_new_fit_with_the_kept_one_in_standard_errors():
+    kept = StepCost(c0=0.020, c_prefill=0.001, c_decode=0.004,
+                    stderr={"c0": 0.0003, "c_prefill": 4e-5, "c_decode": 1e-4})
+    near = StepCost(c0=0.0204, c_prefill=0.001, c_decode=0.004,
+                    stderr={"c0": 0.0004, "c_prefill": 3e-5, "c_decode": 1e-4})
+    cmp = compare_fits(kept, near)
+    assert cmp["terms"]["c0"]["z"] == pytest.approx(0.8)           # 0.4 ms / hypot(0.3, 0.4) ms
+    assert cmp["within_noise"] and cmp["max_abs_z"] == pytest.approx(0.8)
+    far = StepCost(c0=0.020, c_prefill=0.0012, c_decode=0.004,
+                   stderr={"c0": 0.0003, "c_prefill": 3e-5, "c_decode": 1e-4})
+    cmp = compare_fits(kept, far)
+    assert cmp["terms"]["c_prefill"]["z"] == pytest.approx(4.0) and not cmp["within_noise"]
+    text = comparison_report(cmp)
+    assert "NOT within noise" in text and "c_prefill" in text and "+4.0" in text
+    # two fits without standard errors (version 1 files): no verdict
+    unknown = compare_fits(StepCost(c0=0.020, c_prefill=0.001, c_decode=0.004),
+                           StepCost(c0=0.020, c_prefill=0.0012, c_decode=0.004))
+    assert unknown["max_abs_z"] is None and not unknown["within_noise"]
+    assert "neither fit has its standard error" in comparison_report(unknown)
+    assert cmp["pass_change"]["512 prefill rows"] == pytest.approx(512 * 0.0002 / (0.020 + 512 * 0.001))
+
+
 MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "resources", "traces", "mooncake",
                         "conversation_trace.jsonl")
 
@@ -204,6 +248,8 @@ def test_against_a_real_server_measures_every_request_beside_the_twin(tiny_model
     assert got["compare"]["measured_ok"] == 5
     assert [m["tokens"] for m in got["measured"]] == [3] * 5      # each answer ran to its length
     assert all(m["ttft_s"] > 0 and m["total_s"] >= m["ttft_s"] for m in got["measured"])
+    # every token streamed a piece of text, so the first piece timed is the first token's
+    assert [m["pieces"] for m in got["measured"]] == [3] * 5
     # the server cached what the twin predicted it would: the shared blocks, once computed
     assert sum(m["cached_tokens"] or 0 for m in got["measured"]) > 0
     assert got["twin"]["token_hit_ratio"] > 0

@@ -5,6 +5,11 @@ on the bundled model as shipped (only its queue made long enough for the bursts)
 bursts of requests sharing one of three system prompts, at a rate that queues, sent `--against`
 it; the same trace through the twin at the fresh calibration. The figures are the twin's relative
 error on TTFT p50 and p90 (target: within 20 %) and on the total time's.
+
+A second calibration after the server stops says how repeatable a calibration is here (the
+largest difference of a coefficient in standard errors) and how far the machine's speed moved
+during the run: the twin's error at that calibration is kept beside, as a figure without a
+target (the figure with the target is the one calibrated before the run, never after it).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import random
 import subprocess
 import tempfile
 
-from ..replay import against
+from ..replay import against, calibrate
 from ..replay.stepcost import StepCost
 from ..replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
 from ..replay.twin_replay import TwinConfig, predict
@@ -46,12 +51,22 @@ def burst_trace(path: str, bursts: int, per_burst: int, seed: int = 7) -> int:
     return len(reqs)
 
 
+def _calibrate(model_path: str, out: str) -> StepCost:
+    subprocess.run([loadtest.python(), "-m", "app.cli", "calibrate", "--model", model_path,
+                    "--out", out, "--quiet"], env=child_env(), check=True, capture_output=True)
+    return StepCost.load(out)
+
+
+def _predict(trace: str, cost: StepCost) -> tuple[dict, object]:
+    predicted: dict = {}
+    res = predict(open_trace(trace), TwinConfig(cost),  # serve's own scheduler settings
+                  per_request=lambda p: predicted.__setitem__(p.index, p))
+    return predicted, res
+
+
 def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory(prefix="prefixlab-bench-twin-") as tmp:
-        cost_file = os.path.join(tmp, "cost.json")
-        subprocess.run([loadtest.python(), "-m", "app.cli", "calibrate", "--model", model_path,
-                        "--out", cost_file, "--quiet"], env=child_env(), check=True, capture_output=True)
-        cost = StepCost.load(cost_file)
+        cost = _calibrate(model_path, os.path.join(tmp, "cost.json"))
         trace = os.path.join(tmp, "trace.jsonl")
         n = burst_trace(trace, *((QUICK_BURSTS, QUICK_PER_BURST) if quick else (BURSTS, PER_BURST)))
         port = free_port()
@@ -68,10 +83,12 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
             measured = against.send(base, open_trace(trace))
         finally:
             loadtest.stop_server(proc)
-        predicted: dict = {}
-        res = predict(open_trace(trace), TwinConfig(cost),  # serve's own scheduler settings
-                      per_request=lambda p: predicted.__setitem__(p.index, p))
+        after = _calibrate(model_path, os.path.join(tmp, "cost-after.json"))
+        predicted, res = _predict(trace, cost)
+        predicted_after, _ = _predict(trace, after)
     cmp = against.compare(measured, predicted)
+    cmp_after = against.compare(measured, predicted_after)
+    repeat = calibrate.compare(cost, after)
     if cmp["measured_ok"] != n:
         raise RuntimeError(f"only {cmp['measured_ok']} of {n} requests measured: {cmp['errors'][:3]}")
     err = {k: cmp[k]["error"] for k in ("ttft", "total")}
@@ -82,8 +99,20 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
         "twin_ttft_p99_error": figure(abs(err["ttft"]["p99"]), "ratio", ISSUE),
         "twin_total_p50_error": figure(abs(err["total"]["p50"]), "ratio", ISSUE),
         "twin_total_p90_error": figure(abs(err["total"]["p90"]), "ratio", ISSUE),
+        "twin_ttft_p50_error_recalibrated": figure(abs(cmp_after["ttft"]["error"]["p50"]), "ratio", ISSUE,
+                                                   note="the calibration after the run (machine drift)"),
+        "twin_ttft_p90_error_recalibrated": figure(abs(cmp_after["ttft"]["error"]["p90"]), "ratio", ISSUE,
+                                                   note="the calibration after the run (machine drift)"),
+        "calibration_repeat_pass_change": figure(repeat["max_abs_pass_change"], "ratio", ISSUE,
+                                                 note="largest change of a typical pass's predicted time, "
+                                                      "calibrations before and after the run"),
+        "calibration_repeat_max_z": figure(repeat["max_abs_z"], "standard errors", ISSUE,
+                                           calibrate.SAME_WITHIN_SE, "<=",
+                                           note="largest coefficient difference, calibrations before and "
+                                                "after the run"),
     }
-    details = {"compare": cmp, "cost": cost.to_json(), "twin": res.to_json(),
+    details = {"compare": cmp, "compare_recalibrated": cmp_after, "calibration_repeat": repeat,
+               "cost": cost.to_json(), "cost_after": after.to_json(), "twin": res.to_json(),
                "measured": [m.__dict__ for m in measured],
                "predicted": [predicted[i].to_json() for i in sorted(predicted)]}
     return figures, details

@@ -5,7 +5,9 @@ Prompts go as token ids to `/v1/completions` (prefixlab serve, vLLM and llama.cp
 list of ids), rebuilt as the twin rebuilds them (`app.replay.twin.prompt_of`: a hash-id trace's
 same hash id is the same block of ids), so server and twin see the same prompts. Answers stream,
 with `ignore_eos` so each runs to the trace's output length. A request's TTFT is its first
-streamed piece minus its scheduled arrival; its total, its last piece minus that arrival.
+streamed piece minus its scheduled arrival; its total, its last piece minus that arrival. A
+server streams a piece only for a token with text, so the prompts are ASCII tokens (answers
+then are too) and `pieces` beside `tokens` shows when they were not.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Measured:
     total_s: float | None = None
     tokens: int | None = None          # completion tokens, as the server's usage reports them
     cached_tokens: int | None = None
+    pieces: int = 0                    # streamed pieces with text (fewer than tokens: some had none)
     error: str | None = None
 
 
@@ -66,6 +69,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, req, sta
                 details = usage.get("prompt_tokens_details") or {}
                 m.cached_tokens = details.get("cached_tokens", m.cached_tokens)
                 if obj.get("choices"):
+                    m.pieces += bool(obj["choices"][0].get("text"))
                     now = time.perf_counter() - due
                     m.ttft_s = now if m.ttft_s is None else m.ttft_s
                     m.total_s = now

@@ -5,29 +5,34 @@ The passes are the engine's own: the real `Scheduler` runs a few small workloads
 each of several lengths, then 2, 4 and 8 streams decoding together, then long prompts whose
 chunks share passes with decoding streams), and each `step()` is timed whole, so the fit includes
 the scheduler's own work around the forward pass, as `serve` pays it. Answers run to their length
-(no stop token). The fit is kept beside the weight image as one versioned JSON file
+(no stop token). Every workload runs REPEATS times, so each pass shape is timed that often and
+enters the fit as its median. The fit is kept beside the weight image as one versioned JSON file
 (`cost_path`); `prefixlab replay --twin` reads it unless `--cost` names another.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
 from engine.loop import EngineLoop
 from engine.scheduler import ModelRunner, SchedulerSettings
 
-from .stepcost import StepCost, StepShape, fit, shape_of
+from .stepcost import TERMS, StepCost, StepShape, fit, shape_of
 
 # (prompt tokens, answer tokens) of each request, one workload (submitted together) per line;
-# all but the warm-up run twice, so one slow pass (another process took a core) weighs less
+# all but the warm-up run REPEATS times (the same passes each time: the cache is off), so each
+# shape's median leaves out the odd pass another process slowed
+REPEATS = 3
 WORKLOADS = (
     [(24, 4)],                                        # warm-up: not fitted
     *[[(16, 3)], [(96, 3)], [(256, 3)], [(512, 3)], [(900, 12)],
       [(40, 14)] * 2, [(40, 14)] * 4, [(40, 14)] * 8,
-      [(300, 8)] * 4, [(160, 10)] * 8] * 2,
+      [(300, 8)] * 4, [(160, 10)] * 8] * REPEATS,
 )
+SAME_WITHIN_SE = 2.0   # two fits agree on a term when they differ by less than this many standard errors
 
 
 def cost_path(model_path: str) -> str:
@@ -56,7 +61,7 @@ def measure(model, log=None) -> list[tuple[StepShape, float]]:
     samples: list[tuple[StepShape, float]] = []
     for w, workload in enumerate(WORKLOADS):
         for i, (n, new) in enumerate(workload):
-            start = (97 * (w + i)) % 1024  # different text per request
+            start = (97 * (w + i)) % 1024  # different text per request (the shapes do not depend on it)
             prompt = (text[start:] + text)[:n]
             loop.submit_now(prompt=prompt, max_new_tokens=new, stop_ids=[])
         while sched.has_work():
@@ -96,9 +101,63 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
               f"  c0 {cost.c0 * 1e3:.4f} ms  c_prefill {cost.c_prefill * 1e3:.4f} ms/row  "
               f"c_decode {cost.c_decode * 1e3:.4f} ms/row  c_ctx {cost.c_ctx * 1e6:.4f} us/position  "
               f"c_prefill_ctx {cost.c_prefill_ctx * 1e6:.5f} us/pair",
-              f"  {f['steps']} passes; relative error per pass: median {f['median_rel_error']:.1%}, "
-              f"p90 {f['p90_rel_error']:.1%}, worst {f['max_rel_error']:.1%}",
+              "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS),
+              f"  {f['steps']} passes of {f['shapes']} shapes; relative error per shape (its median pass): "
+              f"median {f['median_rel_error']:.1%}, p90 {f['p90_rel_error']:.1%}, "
+              f"worst {f['max_rel_error']:.1%}; per single pass: median {f['pass_median_rel_error']:.1%}",
               f"  machine: {cost.machine}; model: {cost.model}"]
+    return "\n".join(lines)
+
+
+UNITS = {"c0": (1e3, "ms"), "c_prefill": (1e3, "ms/row"), "c_decode": (1e3, "ms/row"),
+         "c_ctx": (1e6, "us/position"), "c_prefill_ctx": (1e6, "us/pair")}
+
+
+def _ms(term: str, seconds: float) -> str:
+    scale, unit = UNITS[term]
+    return f"{seconds * scale:.4g} {unit}"
+
+
+def compare(kept: StepCost, new: StepCost) -> dict:
+    """Each term of two fits side by side: the difference, in units of the two fits' combined
+    standard error (sqrt(se1^2 + se2^2)), and whether they agree within SAME_WITHIN_SE."""
+    terms = {}
+    for n in TERMS:
+        a, b = getattr(kept, n), getattr(new, n)
+        se = math.hypot(kept.stderr.get(n, 0.0), new.stderr.get(n, 0.0))
+        z = (b - a) / se if se else (0.0 if a == b else None)   # None: no standard error to say
+        terms[n] = {"kept": a, "new": b, "difference": b - a, "combined_stderr": se, "z": z}
+    zs = [t["z"] for t in terms.values()]
+    worst = None if None in zs else max(abs(z) for z in zs)
+    # terms trade off against each other (prefill rows and their context), so the passes they
+    # predict say more than any one term: the relative change of each typical pass's time
+    moved = {name: (new.predict(s) - kept.predict(s)) / kept.predict(s) for name, s in TYPICAL.items()}
+    return {"terms": terms, "max_abs_z": worst, "within_noise": worst is not None and worst < SAME_WITHIN_SE,
+            "pass_change": moved, "max_abs_pass_change": max(abs(v) for v in moved.values()),
+            "kept_when": kept.fit.get("when"), "new_when": new.fit.get("when")}
+
+
+# typical passes, by what they run: the change of their predicted time compares two fits
+TYPICAL = {"one decode row at 200": StepShape(decode_rows=1, decode_context=201),
+           "8 decode rows at 200": StepShape(decode_rows=8, decode_context=8 * 201),
+           "64 prefill rows": StepShape(prefill_rows=64, prefill_context=64 * 65 // 2),
+           "512 prefill rows": StepShape(prefill_rows=512, prefill_context=512 * 513 // 2)}
+
+
+def comparison_report(cmp: dict) -> str:
+    lines = [f"beside the kept fit (of {cmp['kept_when'] or 'unknown time'}):",
+             "  term           kept               new                difference / standard error"]
+    for n, t in cmp["terms"].items():
+        z = "no standard error kept" if t["z"] is None else f"{t['z']:+.1f}"
+        lines.append(f"  {n:13s}  {_ms(n, t['kept']):17s}  {_ms(n, t['new']):17s}  {z}")
+    worst = cmp["max_abs_z"]
+    verdict = ("  not judged within noise: a term differs and neither fit has its standard error"
+               if worst is None else
+               f"  {'within noise' if cmp['within_noise'] else 'NOT within noise'}: the largest difference "
+               f"is {worst:.1f} standard errors (within noise: under {SAME_WITHIN_SE:g})")
+    lines += [verdict,
+              "  a typical pass's predicted time moved: "
+              + ", ".join(f"{name} {v:+.1%}" for name, v in cmp["pass_change"].items())]
     return "\n".join(lines)
 
 
@@ -118,8 +177,13 @@ def run(args) -> int:
     print(f"calibrating the step cost of {os.path.basename(m.path)} on this machine ...", flush=True)
     cost, samples = calibrate(m, log=None if args.quiet else lambda s: print(s, flush=True))
     text = report(cost, samples)
-    print(text if not args.quiet else "\n".join(text.splitlines()[-4:]))
+    print(text if not args.quiet else "\n".join(text.splitlines()[-5:]))
     out = args.out or cost_path(m.path)
+    if os.path.exists(out):
+        try:
+            print(comparison_report(compare(StepCost.load(out), cost)))
+        except ValueError as e:
+            print(f"(the kept fit is not compared: {e})")
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         cost.save(out)

@@ -4,8 +4,10 @@
               + c_ctx x context attended by decode rows + c_prefill_ctx x (prefill row, key) pairs
 
 A pass's shape (`StepShape`) is read from the scheduler's `Batch` before it runs. `fit` is
-least squares over timed passes, a coefficient that comes out negative dropped and the rest
-fitted again (a time never shrinks with more work). A fit is kept as one small versioned JSON
+least squares over timed passes: the passes of one shape (timed several times) enter as their
+median, so a pass slowed by another process moves the fit little; a coefficient that comes out
+negative is dropped and the rest fitted again (a time never shrinks with more work); each
+coefficient comes with its standard error. A fit is kept as one small versioned JSON
 file of coefficients with the machine and model it was measured on; another engine's cost is
 the same file with its own numbers (fit it from that engine's per-step timings with `fit`).
 """
@@ -19,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 COST_FORMAT = "prefixlab-step-cost"
-COST_VERSION = 1
+COST_VERSION = 2          # 2 added `stderr`; a version 1 file reads with none
+READS_VERSIONS = (1, COST_VERSION)
 TERMS = ("c0", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx")
 
 
@@ -62,7 +65,8 @@ class StepCost:
     c_prefill_ctx: float = 0.0
     machine: str = ""
     model: str = ""
-    fit: dict = field(default_factory=dict)   # steps, median and worst relative error, when
+    fit: dict = field(default_factory=dict)   # steps, shapes, median and worst relative error, when
+    stderr: dict = field(default_factory=dict)  # term -> standard error of its coefficient (s)
 
     def __post_init__(self):
         for name in TERMS:
@@ -96,12 +100,15 @@ class StepCost:
             raise ValueError(f"cannot read the step-cost file {path}: {e}") from None
         if not isinstance(obj, dict) or obj.get("format") != COST_FORMAT:
             raise ValueError(f"{path} is not a step-cost file (no \"format\": \"{COST_FORMAT}\")")
-        if obj.get("version") != COST_VERSION:
+        if obj.get("version") not in READS_VERSIONS:
+            readable = ", ".join(map(str, READS_VERSIONS))
             raise ValueError(f"{path}: step-cost version {obj.get('version')!r}; this PrefixLab reads "
-                             f"version {COST_VERSION} (run prefixlab calibrate again)")
+                             f"versions {readable} (run prefixlab calibrate again)")
         if "c0" not in obj:
             raise ValueError(f"{path}: the step-cost file has no c0")
-        known = {k: obj[k] for k in (*TERMS, "machine", "model", "fit") if k in obj}
+        known = {k: obj[k] for k in (*TERMS, "machine", "model", "fit", "stderr") if k in obj}
+        if not isinstance(known.get("stderr", {}), dict):
+            raise ValueError(f"{path}: \"stderr\" must be an object of term -> seconds")
         try:
             return cls(**known)
         except ValueError as e:
@@ -112,29 +119,41 @@ def fit(shapes: list[StepShape], seconds: list[float], **about) -> StepCost:
     """Least squares on relative error (a short pass counts as much as a long one), negative
     coefficients dropped; `about` sets machine and model.
 
-    Weighting each pass by 1 / its measured time biases the fit low (a pass slowed by another
-    process counts for less than one that ran fast), so the weights become 1 / the fitted time
-    and the fit is repeated until they settle (iteratively reweighted least squares)."""
-    if len(shapes) < len(TERMS):
-        raise ValueError(f"fitting a step cost needs at least {len(TERMS)} timed passes, got {len(shapes)}")
-    x = np.array([s.features() for s in shapes], dtype=np.float64)
-    y = np.asarray(seconds, dtype=np.float64)
-    coef = _nonnegative_lstsq(x, y, 1.0 / y)
+    The passes of one shape enter once, as their median time (robust to the odd pass another
+    process slowed). Weighting each by 1 / its measured time biases the fit low (a slowed pass
+    counts for less than one that ran fast), so the weights become 1 / the fitted time and the
+    fit is repeated until they settle (iteratively reweighted least squares). The standard
+    errors are the weighted fit's: the residuals' variance times (A^T A)^-1's diagonal."""
+    by_shape: dict[StepShape, list[float]] = {}
+    for s, t in zip(shapes, seconds):
+        by_shape.setdefault(s, []).append(t)
+    if len(by_shape) < len(TERMS):
+        raise ValueError(f"fitting a step cost needs passes of at least {len(TERMS)} different shapes, "
+                         f"got {len(by_shape)}")
+    x = np.array([s.features() for s in by_shape], dtype=np.float64)
+    y = np.array([np.median(ts) for ts in by_shape.values()], dtype=np.float64)
+    coef, _ = _nonnegative_lstsq(x, y, 1.0 / y)
     for _ in range(REWEIGHTS):
-        coef = _nonnegative_lstsq(x, y, 1.0 / np.maximum(x @ coef, y.min() * 0.01))
+        w = 1.0 / np.maximum(x @ coef, y.min() * 0.01)
+        coef, se = _nonnegative_lstsq(x, y, w)
     rel = np.abs(x @ coef - y) / y
+    every = np.asarray(seconds, dtype=np.float64)
+    rel_pass = np.abs(np.array([s.features() for s in shapes]) @ coef - every) / every
     about = dict(about)
-    about["fit"] = {**about.get("fit", {}), "steps": len(shapes), "median_rel_error": float(np.median(rel)),
-                    "p90_rel_error": float(np.percentile(rel, 90)), "max_rel_error": float(rel.max())}
-    return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about)
+    about["fit"] = {**about.get("fit", {}), "steps": len(shapes), "shapes": len(by_shape),
+                    "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90)),
+                    "max_rel_error": float(rel.max()), "pass_median_rel_error": float(np.median(rel_pass))}
+    return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about,
+                    stderr={name: float(e) for name, e in zip(TERMS, se)})
 
 
 REWEIGHTS = 5
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Weighted least squares; the most negative term dropped and the rest fitted again until
-    none is negative (a time never shrinks with more work)."""
+    none is negative (a time never shrinks with more work). Returns the coefficients and their
+    standard errors (0 for a dropped term, and for all when the fit has no spare equations)."""
     keep = [i for i in range(x.shape[1]) if x[:, i].any()]
     while True:
         a = x[:, keep] * w[:, None]
@@ -143,6 +162,12 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarra
         if (sol >= 0).all() or len(keep) == 1:
             break
         del keep[int(np.argmin(sol))]
-    coef = np.zeros(x.shape[1])
+    coef, se = np.zeros(x.shape[1]), np.zeros(x.shape[1])
     coef[keep] = np.maximum(sol, 0.0)
-    return coef
+    spare = len(y) - len(keep)
+    if spare > 0:
+        resid = (y - x[:, keep] @ sol) * w
+        an = a / scale
+        cov = np.linalg.pinv(an.T @ an) * (resid @ resid / spare)
+        se[keep] = np.sqrt(np.maximum(np.diag(cov), 0.0)) / scale
+    return coef, se

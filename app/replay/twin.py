@@ -31,8 +31,10 @@ from .trace import TraceRequest
 # A stand-in vocabulary as wide as token ids can be (the twin checks no id against a model).
 TWIN_VOCAB = 2**31 - 1
 # The token ids a hash-id trace's blocks are drawn from, for the twin and for `--against` alike:
-# the byte range every byte-level BPE vocabulary has, above the special and control tokens.
-BLOCK_IDS = (32, 256)
+# single ASCII characters in every byte-level vocabulary (GPT-2's, SmolLM's, Llama's byte
+# tokens). Not the bytes above 0x7f: a prompt of incomplete UTF-8 gets an answer of it, whose
+# tokens a server streams no text for, so the client's first piece came tokens after the first.
+BLOCK_IDS = (32, 96)
 KEPT_RECORDS = 64   # ended requests the twin's scheduler keeps (the twin keeps its own books)
 
 
