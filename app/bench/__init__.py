@@ -27,7 +27,9 @@ time per page beside the prefill time it spares.
 GGUF, prefill, decode, eight streams and the W8 workload, as ratios with their targets
 (its llama.cpp tok/s are the llama_cpp_* figures, which the llama_cpp section then reuses).
 twin ("twin"): a fresh calibration, then 60 requests in bursts sent to `prefixlab serve` and
-predicted by the twin: the error of TTFT p50 and p90 (not in --quick).
+predicted by the twin: the error of TTFT p50 and p90 (not in --quick); twin_scale ("twin"):
+10,000 synthetic requests through one twin replica in a child process: requests and passes a
+second, peak RSS and its growth (not in --quick).
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ import sys
 import time
 
 SECTIONS = ("prefill", "decode", "batch", "load", "cache", "scheduler", "ui", "kv_events", "serve", "replay",
-            "cluster", "blas", "llama_cpp", "w8", "peer", "tiers", "soak", "twin")
+            "cluster", "blas", "llama_cpp", "w8", "peer", "tiers", "soak", "twin", "twin_scale")
 ALIASES = {"engine": ("prefill", "decode", "batch", "load"), "all": SECTIONS}
 # left out of --quick unless --only names them (serve: child servers; llama_cpp: llama.cpp's run;
 # w8: a minute of whole processes, with busy ones)
-QUICK_SKIPS = ("blas", "serve", "llama_cpp", "w8", "peer", "soak", "twin")
+QUICK_SKIPS = ("blas", "serve", "llama_cpp", "w8", "peer", "soak", "twin", "twin_scale")
 OPT_IN = ("peer", "soak")  # run only when asked for (--peer, or --only naming it; soak: ~30 min)
 
 
@@ -213,6 +215,9 @@ def _model_free_sections(sections: list, section, path: str, quick: bool, figure
     if "twin" in sections:
         from .twin import twin_figures
         section("twin", lambda: twin_figures(path, quick))
+    if "twin_scale" in sections:
+        from .twin_scale import twin_scale_figures
+        section("twin_scale", lambda: twin_scale_figures(quick))
     if "replay" in sections:
         from . import replay as bench_replay
         section("replay", lambda: bench_replay.replay_figures(quick))

@@ -27,7 +27,7 @@ from ..serve import loadtest
 from .common import child_env, figure
 from .serve import free_port
 
-ISSUE = "A twin of the engine"
+FEATURE = "twin"  # the table's and the JSON's "feature" of its figures
 TARGET_ERROR = 0.20
 BLOCK = 32
 BURSTS, PER_BURST, EVERY_S = 10, 6, 4.0          # 60 requests
@@ -94,19 +94,19 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
     err = {k: cmp[k]["error"] for k in ("ttft", "total")}
     note = f"{n} requests in bursts, 3 shared system prompts, against prefixlab serve"
     figures = {
-        "twin_ttft_p50_error": figure(abs(err["ttft"]["p50"]), "ratio", ISSUE, TARGET_ERROR, "<=", note=note),
-        "twin_ttft_p90_error": figure(abs(err["ttft"]["p90"]), "ratio", ISSUE, TARGET_ERROR, "<=", note=note),
-        "twin_ttft_p99_error": figure(abs(err["ttft"]["p99"]), "ratio", ISSUE),
-        "twin_total_p50_error": figure(abs(err["total"]["p50"]), "ratio", ISSUE),
-        "twin_total_p90_error": figure(abs(err["total"]["p90"]), "ratio", ISSUE),
-        "twin_ttft_p50_error_recalibrated": figure(abs(cmp_after["ttft"]["error"]["p50"]), "ratio", ISSUE,
+        "twin_ttft_p50_error": figure(abs(err["ttft"]["p50"]), "ratio", FEATURE, TARGET_ERROR, "<=", note=note),
+        "twin_ttft_p90_error": figure(abs(err["ttft"]["p90"]), "ratio", FEATURE, TARGET_ERROR, "<=", note=note),
+        "twin_ttft_p99_error": figure(abs(err["ttft"]["p99"]), "ratio", FEATURE),
+        "twin_total_p50_error": figure(abs(err["total"]["p50"]), "ratio", FEATURE),
+        "twin_total_p90_error": figure(abs(err["total"]["p90"]), "ratio", FEATURE),
+        "twin_ttft_p50_error_recalibrated": figure(abs(cmp_after["ttft"]["error"]["p50"]), "ratio", FEATURE,
                                                    note="the calibration after the run (machine drift)"),
-        "twin_ttft_p90_error_recalibrated": figure(abs(cmp_after["ttft"]["error"]["p90"]), "ratio", ISSUE,
+        "twin_ttft_p90_error_recalibrated": figure(abs(cmp_after["ttft"]["error"]["p90"]), "ratio", FEATURE,
                                                    note="the calibration after the run (machine drift)"),
-        "calibration_repeat_pass_change": figure(repeat["max_abs_pass_change"], "ratio", ISSUE,
+        "calibration_repeat_pass_change": figure(repeat["max_abs_pass_change"], "ratio", FEATURE,
                                                  note="largest change of a typical pass's predicted time, "
                                                       "calibrations before and after the run"),
-        "calibration_repeat_max_z": figure(repeat["max_abs_z"], "standard errors", ISSUE,
+        "calibration_repeat_max_z": figure(repeat["max_abs_z"], "standard errors", FEATURE,
                                            calibrate.SAME_WITHIN_SE, "<=",
                                            note="largest coefficient difference, calibrations before and "
                                                 "after the run"),
