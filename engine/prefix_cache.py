@@ -209,19 +209,8 @@ class PrefixCache:
         a prompt chunk by chunk): a page of it still cached under its key, with these tokens,
         is taken as it is instead of hashing the prompt again from its start; the walk, and so
         what is cached and touched, is the same."""
-        _check_session(pool, s)
-        if chain_id is not None and chain_id not in self.chains:
-            raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
-                             f"(its pages were evicted or released)")
-        self.bind(pool)
-        rows = pool.page_rows
-        evaluated, table = pool.tokens(s), pool.table(s)
-        covered = min(len(tokens), len(evaluated))
-        if list(tokens[:covered]) != evaluated[:covered]:
-            first = next((i for i, (a, b) in enumerate(zip(tokens, evaluated, strict=False)) if a != b),
-                         min(len(evaluated), covered))
-            raise ValueError(
-                f"tokens differ from what session {s.id} evaluated, first at position {first}")
+        covered = self._insertable(pool, s, tokens, chain_id)
+        rows, table = pool.page_rows, pool.table(s)
         chain: ChainRecord | None = self.chains.get(chain_id) if chain_id is not None else None
         parent: int | None = None
         path: list[CachedPage] = []
@@ -285,6 +274,22 @@ class PrefixCache:
                      "%d pinned page(s)", left_out, preview[:40], self.max_pages, self.pinned_pages())
         self.enforce_budget()
         return Inserted(len(new), left_out, path)
+
+    def _insertable(self, pool: BlockManager, s: Session, tokens, chain_id: int | None) -> int:
+        """How many of `tokens` the session evaluated (all of them must match what it did)."""
+        _check_session(pool, s)
+        if chain_id is not None and chain_id not in self.chains:
+            raise ValueError(f"chain {chain_id} does not exist in this prefix cache "
+                             f"(its pages were evicted or released)")
+        self.bind(pool)
+        evaluated = pool.tokens(s)
+        covered = min(len(tokens), len(evaluated))
+        if list(tokens[:covered]) != evaluated[:covered]:
+            first = next((i for i, (a, b) in enumerate(zip(tokens, evaluated, strict=False)) if a != b),
+                         min(len(evaluated), covered))
+            raise ValueError(
+                f"tokens differ from what session {s.id} evaluated, first at position {first}")
+        return covered
 
     def attach(self, pool: BlockManager, s: Session, prompt, namespace: str = "") -> int:
         """`prefix_attach` (engine/api.py): attach the cached pages matching the prompt's start,

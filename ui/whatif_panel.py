@@ -96,6 +96,13 @@ class WhatIfPanel(QWidget):
         self.table.verticalHeader().setVisible(False)
         self.table.setMaximumHeight(180)
 
+        self._lay_out()
+        self._connect()
+        self._busy = False
+        self.set_trace(None)
+        self.set_cost(None, False, False)
+
+    def _lay_out(self) -> None:
         top = QHBoxLayout()
         top.addWidget(self.trace_label, 1)
         top.addWidget(self.load_button)
@@ -131,6 +138,7 @@ class WhatIfPanel(QWidget):
         layout.addWidget(self.cluster_chart, 1)
         layout.addWidget(self.table)
 
+    def _connect(self) -> None:
         self.load_button.clicked.connect(self.load_requested)
         self.session_button.clicked.connect(self.session_requested)
         self.run_button.clicked.connect(self._run)
@@ -139,9 +147,6 @@ class WhatIfPanel(QWidget):
         self.stop_button.clicked.connect(self.stop_requested)
         self.predict_button.clicked.connect(lambda: self.predict_requested.emit(self.slo_ttft.text()))
         self.cluster.run_requested.connect(self.cluster_requested)
-        self._busy = False
-        self.set_trace(None)
-        self.set_cost(None, False, False)
 
     # what the controller tells it ------------------------------------------------------
     def set_trace(self, description: str | None, page_size_applies: bool = True) -> None:
