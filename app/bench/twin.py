@@ -94,8 +94,10 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
     err = {k: cmp[k]["error"] for k in ("ttft", "total")}
     note = f"{n} requests in bursts, 3 shared system prompts, against prefixlab serve"
     figures = {
-        "twin_ttft_p50_error": figure(abs(err["ttft"]["p50"]), "ratio", FEATURE, TARGET_ERROR, "<=", note=note),
-        "twin_ttft_p90_error": figure(abs(err["ttft"]["p90"]), "ratio", FEATURE, TARGET_ERROR, "<=", note=note),
+        "twin_ttft_p50_error": figure(abs(err["ttft"]["p50"]), "ratio", FEATURE, TARGET_ERROR, "<=",
+                                      note=note),
+        "twin_ttft_p90_error": figure(abs(err["ttft"]["p90"]), "ratio", FEATURE, TARGET_ERROR, "<=",
+                                      note=note),
         "twin_ttft_p99_error": figure(abs(err["ttft"]["p99"]), "ratio", FEATURE),
         "twin_total_p50_error": figure(abs(err["total"]["p50"]), "ratio", FEATURE),
         "twin_total_p90_error": figure(abs(err["total"]["p90"]), "ratio", FEATURE),

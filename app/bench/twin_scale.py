@@ -1,7 +1,8 @@
 """Bench figures of the twin at scale (issue #48, "bounded"): requests per second of wall time
 and peak RSS of a long synthetic trace through one twin replica, in a child process of its own
 (so the peak is the twin's, not the bench's), with the peak RSS read at the first progress
-call from a quarter of the way on and at the end: flat memory reads the same twice. Timing belongs here, not in tests
+call from a quarter of the way on and at the end: flat memory reads the same twice. Timing
+belongs here, not in tests
 (tests/test_twin_bounded.py counts what the twin retains instead).
 """
 
