@@ -142,7 +142,8 @@ TIMELINE_ROWS = 10_000
 class Timeline:
     """The last `keep` rows appended by the scheduler (a ring: at least `keep`, at most
     `keep + keep // 16` are held; 0: none, and the scheduler then builds none); readers take
-    `rows` (a list, oldest first) or column arrays. Rows carry their step number: a reader that follows the timeline goes by it, not by position."""
+    `rows` (a list, oldest first) or column arrays. Rows carry their step number: a reader that
+    follows the timeline goes by it, not by position."""
 
     def __init__(self, keep: int = TIMELINE_ROWS):
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:

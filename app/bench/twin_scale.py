@@ -62,7 +62,7 @@ def twin_scale_figures(quick: bool) -> tuple[dict, dict]:
         "twin_requests_per_s": figure(got["requests"] / got["wall_s"], "requests/s", FEATURE, note=note),
         "twin_passes_per_s": figure(got["steps"] / got["wall_s"], "passes/s", FEATURE, note=note),
         "twin_peak_rss_mb": figure(got["peak_rss"] / mib, "MiB", FEATURE, note=note),
-        "twin_rss_growth_mb": figure(
-            growth, "MiB", FEATURE, note=f"peak RSS at the end minus at request {got.get('quarter_at', n):,}"),
+        "twin_rss_growth_mb": figure(growth, "MiB", FEATURE, note="peak RSS at the end minus at request "
+                                     f"{got.get('quarter_at', n):,}"),
     }
     return figures, {"cost": COST, **got}
