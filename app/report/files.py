@@ -201,13 +201,20 @@ def _check_ranges(report: Report) -> None:
     _check_numbers(msgspec.to_builtins(report), "")
 
 
+_INF = float("inf")
+
+
 def _check_numbers(value, where: str) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             _check_numbers(item, f"{where}.{key}" if where else str(key))
     elif isinstance(value, list):
+        # An item's path ends in "]": neither signed nor a fraction, so a number is fine when
+        # 0 <= x < inf (False for NaN too); only containers and bad numbers get a path built.
         for i, item in enumerate(value):
-            _check_numbers(item, f"{where}[{i}]")
+            if isinstance(item, (dict, list)) or (
+                    isinstance(item, (int, float)) and not isinstance(item, bool) and not 0 <= item < _INF):
+                _check_numbers(item, f"{where}[{i}]")
     elif isinstance(value, (int, float)) and not isinstance(value, bool) and not where.endswith(_SIGNED):
         if value != value or value in (float("inf"), float("-inf")):
             raise _Bad(f"field '{where}': must be a finite number, got {value}")
@@ -227,13 +234,16 @@ def report_from_json(raw: bytes) -> Report:
         raise _Bad(f"not UTF-8 text (byte {e.start})") from e
     except json.JSONDecodeError as e:
         raise _Bad(f"not valid JSON (line {e.lineno}: {e.msg})") from e
-    where = _surrogate_field(data)
+    # Valid UTF-8 holds no surrogate: only a \ud800-\udfff escape decodes to one, so the walk
+    # runs only when the raw text has such an escape (or looks like one: a false alarm is a walk)
+    where = _surrogate_field(data) if _SURROGATE_ESCAPE.search(raw) else None
     if where is not None:  # JSON's \ud800 escapes decode to text no UTF-8 file or widget can hold
         raise _Bad(f"field '{where}': text holds an unpaired surrogate (\\ud800-\\udfff)")
     return report_from_dict(data)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _surrogate_field(value, where: str = "") -> str | None:
