@@ -343,3 +343,38 @@ def test_the_prediction_under_this_engines_rules_equals_what_serve_reported(serv
     data = view_data(advice)  # the Advisor tab's and the session report's rows
     assert data["totals_head"][-1] == "against the upstream"
     assert data["totals_rows"][0][-1].startswith("5 of 5")
+
+
+def test_an_answer_whose_usage_goes_unread_says_why_in_the_recording_and_the_advice(real_model, tmp_path):
+    from fastapi.middleware.gzip import GZipMiddleware
+
+    from app.advise.html import error_text
+    from app.proxy.limits import Limits
+    app = FastAPI()
+    app.add_middleware(GZipMiddleware, minimum_size=0)
+    answer = {"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * 4096},
+                           "finish_reason": "stop"}],
+              "usage": {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33,
+                        "prompt_tokens_details": {"cached_tokens": 0}}}
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        return JSONResponse(answer)
+    upstream = HttpThread(app, "127.0.0.1", 0).start()
+    record = tmp_path / "t.jsonl"
+    proxy = Proxy(upstream.url + "/v1", port=0, record=str(record), limits=Limits(max_decoded_bytes=1024)).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, max_retries=0)
+        assert client.chat.completions.create(**ASK).choices[0].message.content == "x" * 4096
+    finally:
+        proxy.stop()
+        upstream.stop()
+    rec = json.loads(record.read_text())
+    assert "usage" not in rec and "1,024 bytes" in rec["usage_unread"]
+    requests = read_traffic(str(record))
+    advice = advise(str(record), requests, resolve_rules("openai"), Tokenizers(real_model.tokenizer))
+    rs = advice["rule_sets"][0]
+    assert rs["requests"][0]["upstream_usage_unread"] == rec["usage_unread"]
+    assert rs["error"]["unread"] == {"requests": 1, "why": rec["usage_unread"]}
+    assert "1 answers' usage unread" in error_text(rs)

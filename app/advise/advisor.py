@@ -83,6 +83,8 @@ def _per_rules(rules: RuleSet, requests: list[Request], prompts: list) -> dict:
             row["upstream_cached_tokens"] = req.upstream_cached_tokens
         if req.upstream_cache_write_tokens is not None:
             row["upstream_cache_write_tokens"] = req.upstream_cache_write_tokens
+        if req.upstream_usage_unread:
+            row["upstream_usage_unread"] = req.upstream_usage_unread
         rows.append(row)
     out = {"rules": rules.to_json(), "tokens": tokens, "totals": totals(outcomes), "requests": rows}
     error = upstream_error(rows)
@@ -105,10 +107,14 @@ def upstream_error(rows: list[dict]) -> dict | None:
     """The prediction against the upstream's own cached tokens, over the requests that reported
     them: how many are exact and the mean absolute error in tokens (None: none reported)."""
     pairs = [(r["cached_tokens"], r["upstream_cached_tokens"]) for r in rows if "upstream_cached_tokens" in r]
-    if not pairs:
+    unread = [r["upstream_usage_unread"] for r in rows if "upstream_usage_unread" in r]
+    if not pairs and not unread:
         return None
-    return {"requests": len(pairs), "exact": sum(1 for p, u in pairs if p == u),
-            "mean_abs_error_tokens": round(sum(abs(p - u) for p, u in pairs) / len(pairs), 3)}
+    out = {"requests": len(pairs), "exact": sum(1 for p, u in pairs if p == u),
+           "mean_abs_error_tokens": round(sum(abs(p - u) for p, u in pairs) / len(pairs), 3) if pairs else None}
+    if unread:  # answers whose usage the proxy could not read: not compared, and why
+        out["unread"] = {"requests": len(unread), "why": unread[0]}
+    return out
 
 
 def _prompts(toks: Tokenizers, names: set[str], requests: list[Request], skipped: list,

@@ -44,8 +44,12 @@ def error_text(rs: dict) -> str:
     e = rs.get("error")
     if not e:
         return ""
-    return (f"{e['exact']:,} of {e['requests']:,} requests exact, mean error "
-            f"{e['mean_abs_error_tokens']:,.1f} tokens")
+    text = (f"{e['exact']:,} of {e['requests']:,} requests exact, mean error "
+            f"{e['mean_abs_error_tokens']:,.1f} tokens") if e["requests"] else ""
+    if e.get("unread"):
+        gone = f"{e['unread']['requests']:,} answers' usage unread ({e['unread']['why']})"
+        text = f"{text}; {gone}" if text else gone
+    return text
 
 
 def tokens_text(rs: dict) -> str:

@@ -61,6 +61,7 @@ class Request:
     upstream_cached_tokens: int | None = None
     upstream_prompt_tokens: int | None = None
     upstream_cache_write_tokens: int | None = None  # Anthropic's cache_creation_input_tokens
+    upstream_usage_unread: str = ""      # why the proxy could not read the answer's usage, if it could not
     model: str = ""
 
 
@@ -194,6 +195,9 @@ def parse_request(obj: dict, path: str, line: int) -> Request:
     began = obj.get("first_byte_ms")
     if isinstance(began, (int, float)) and not isinstance(began, bool) and 0 <= began < float("inf"):
         r.answer_s = r.arrival_s + began / 1000.0
+    unread = obj.get("usage_unread")
+    if isinstance(unread, str):
+        r.upstream_usage_unread = unread[:200]
     wrote = usage.get("cache_creation_input_tokens")
     if isinstance(wrote, int) and not isinstance(wrote, bool) and wrote >= 0:
         r.upstream_cache_write_tokens = wrote

@@ -222,6 +222,8 @@ class Recorder:
             rec["usage"] = usage.usage
         if usage is not None and usage.timings is not None:
             rec["timings"] = usage.timings
+        if usage is not None and usage.unread:  # the advisor says why it has no usage to check against
+            rec["usage_unread"] = usage.unread
         if error:
             rec["error"] = error
         try:
