@@ -71,10 +71,12 @@ def independent(path: str, replicas: int, router: str, budget: int, block: int =
 @pytest.mark.parametrize("router", ["round-robin", "prefix-hash"])
 @pytest.mark.parametrize("trace", ["mooncake_head", "synthetic"])
 def test_round_robin_and_prefix_hash_are_exact(router, trace, request):
+    """Routers blind to load: prefix-hash without its overflow (`--hash-balance 0`), the hash alone."""
     path = request.getfixturevalue(trace)
     src = open_trace(path)
     for replicas in (1, 2, 4):
-        res = replay_cluster(src, ClusterConfig(replicas, router, SERVICE, budget=120))
+        res = replay_cluster(src, ClusterConfig(replicas, router, SERVICE, budget=120,
+                                                knobs=RouterKnobs(hash_balance=0)))
         expected = independent(path, replicas, router, 120)
         assert [p["tokens_saved"] for p in res.per_replica] == expected
         assert res.tokens_saved == sum(expected) > 0
@@ -156,7 +158,9 @@ def test_cli_bad_cluster_input(synthetic, tmp_path, capsys):
     for argv, words in ((["--router", "fastest"], "unknown router 'fastest'"),
                         (["--replicas", "0"], "at least 1 replica"),
                         (["--replicas", "2", "--prefill-rate", "0"], "rate is a number of tokens/s > 0"),
-                        (["--replicas", "2", "--slots", "0"], "expected an integer >= 1")):
+                        (["--replicas", "2", "--slots", "0"], "expected an integer >= 1"),
+                        (["--replicas", "2", "--hash-balance", "0.5"], "0 (never overflow) or a factor >= 1"),
+                        (["--replicas", "2", "--hash-balance", "nan"], "0 (never overflow) or a factor >= 1")):
         with pytest.raises(SystemExit):
             main(["replay", synthetic, *argv])
         assert words in capsys.readouterr().err

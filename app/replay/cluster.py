@@ -192,6 +192,7 @@ def replay_cluster(source: TraceSource, config: ClusterConfig, progress=None) ->
                 rep.settle(clock)
             cached = [rep.cached_blocks(r) for rep in reps]   # also what `routed` weighs
             view = View(index=i, first_key=_first_key(reps[0].sim, r), blocks=_blocks(r, rows),
+                        tokens=r.input_length,
                         cached=cached if needs_cache else [],
                         load=[rep.load for rep in reps], decoding=[rep.decoding for rep in reps])
             chosen = route(view)

@@ -34,6 +34,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="... and the busiest replica carries X times the idlest's load")
     g.add_argument("--overlap-weight", type=float, default=RouterKnobs.overlap_weight, metavar="W",
                    help="kv-cost: W x blocks to prefill + blocks being decoded")
+    g.add_argument("--hash-balance", type=_balance, default=RouterKnobs.hash_balance, metavar="X",
+                   help="prefix-hash: overflow past X times the mean load (consistent hashing with "
+                        "bounded loads; 0: never overflow)")
     g.add_argument("--synthesize", type=bounded_int(1, MAX_SYNTHESIZE, " requests"), metavar="N",
                    help="write a seeded N-request Mooncake trace with Zipf-shared prefixes to TRACE and stop")
 
@@ -59,6 +62,16 @@ def _rate(text: str) -> float:
         v = float("nan")
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"a rate is a number of tokens/s > 0, got {text!r}")
+    return v
+
+
+def _balance(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (v == 0 or 1 <= v < float("inf")):
+        raise argparse.ArgumentTypeError(f"--hash-balance is 0 (never overflow) or a factor >= 1, got {text!r}")
     return v
 
 
@@ -100,7 +113,7 @@ def run_cluster(args, source) -> int:
     from .cli import _say_skipped, _write_json, config_label, parts_table
     from .sweep import run_sweep
     service, where = service_from_args(args)
-    knobs = RouterKnobs(args.seed, args.balance_abs, args.balance_rel, args.overlap_weight)
+    knobs = RouterKnobs(args.seed, args.balance_abs, args.balance_rel, args.overlap_weight, args.hash_balance)
     configs = cluster_configs(args.replicas or [1], args.router or list(ROUTERS), args.budget, args.policy,
                               args.page_rows, service, knobs)
     if len(configs) == 1 and not args.dask_scheduler:  # one long replay: count its requests instead

@@ -26,6 +26,9 @@ class RouterKnobs:
     balance_abs: int = 32_768     # tokens: cache-aware balances when the gap exceeds this ...
     balance_rel: float = 1.5      # ... and the busiest carries this many times the idlest's load
     overlap_weight: float = 1.0   # kv-cost: weight of the blocks a replica would have to prefill
+    hash_balance: float = 1.25    # prefix-hash: a replica takes a request only while its load, the
+    #                               request's added, stays within this many times the mean (HAProxy's
+    #                               hash-balance-factor 125); 0: never overflow
 
 
 @dataclass
@@ -35,6 +38,7 @@ class View:
     index: int                    # the request's position in the trace (0-based)
     first_key: int                # the key of the request's first block (prefix-hash)
     blocks: int                   # the request's prompt blocks
+    tokens: int                   # the request's prompt tokens (prefix-hash's overflow weighs them)
     cached: list[int]             # per replica: blocks it would attach (CACHE_ROUTERS only)
     load: list[float]             # per replica: outstanding tokens of work
     decoding: list[int]           # per replica: KV blocks of the requests it is running
@@ -60,8 +64,8 @@ def make_router(name: str, replicas: int, knobs: RouterKnobs = RouterKnobs()) ->
     n = replicas
     if name == "round-robin":
         return lambda v: v.index % n
-    if name == "prefix-hash":  # like OpenAI's: a hash of the prompt's first tokens
-        return lambda v: v.first_key % n
+    if name == "prefix-hash":
+        return lambda v: _prefix_hash(v, knobs.hash_balance)
     if name == "random":
         rng = random.Random(knobs.seed)
         return lambda v: rng.randrange(n)
@@ -75,6 +79,28 @@ def make_router(name: str, replicas: int, knobs: RouterKnobs = RouterKnobs()) ->
 
 def _argmin(values) -> int:
     return min(range(len(values)), key=values.__getitem__)
+
+
+def _prefix_hash(v: View, balance: float) -> int:
+    """OpenAI's routing as its prompt-caching guide describes it: a hash of the prompt's first
+    tokens picks the machine, and past a rate one prefix overflows to other machines. The
+    overflow is modelled as consistent hashing with bounded loads (Mirrokni, Thorup and
+    Zadimoghaddam 2018; HAProxy's hash-balance-factor): the hash's replica, else the next in
+    order whose load with this request's tokens added stays within `balance` times the mean
+    (an idle one always qualifies), else the least loaded. OpenAI's threshold (about 15 requests a minute per prefix and key)
+    is its machines', not a replica's here, so the bound is on load, not on a rate."""
+    n = len(v.load)
+    home = v.first_key % n
+    if balance <= 0:
+        return home
+    # the mean with this request's tokens added; an idle replica always takes one request (as
+    # the unit-weight rule's ceiling does: a capacity is never under one item)
+    bound = max(balance * (sum(v.load) + v.tokens) / n, v.tokens)
+    for k in range(n):
+        j = (home + k) % n
+        if v.load[j] + v.tokens <= bound:
+            return j
+    return _argmin(v.load)
 
 
 def _cache_aware(v: View, knobs: RouterKnobs) -> int:

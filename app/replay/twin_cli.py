@@ -86,7 +86,7 @@ def twin_config(args, cost):
     replicas = args.replicas or [1]
     if len(routers) > 1 or len(replicas) > 1:
         raise ValueError("--twin runs one configuration: give one --replicas N and one --router")
-    knobs = RouterKnobs(args.seed, args.balance_abs, args.balance_rel, args.overlap_weight)
+    knobs = RouterKnobs(args.seed, args.balance_abs, args.balance_rel, args.overlap_weight, args.hash_balance)
     return TwinConfig(cost, settings, replicas[0], routers[0], knobs, args.slo_ttft, args.slo_tpot,
                       speed=args.speed)
 

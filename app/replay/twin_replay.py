@@ -114,7 +114,7 @@ def predict(source: TraceSource, config: TwinConfig, progress=None,
             prompt = prompt_of(r, block)
             cached = [rep.cached_pages(prompt, r.namespace) for rep in reps]
             view = View(index=i, first_key=_first_key(reps[0], r, prompt),
-                        blocks=-(-len(prompt) // settings.page_rows),
+                        blocks=-(-len(prompt) // settings.page_rows), tokens=len(prompt),
                         cached=cached if config.router in CACHE_ROUTERS else [],
                         load=[rep.load for rep in reps], decoding=[rep.kv_blocks for rep in reps])
             k = route(view)
