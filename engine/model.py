@@ -155,13 +155,16 @@ def logit_rows(counts: list[int], n_logits: list[int] | None) -> np.ndarray:
 
 
 def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: list[list[int]],
-            all_positions: bool = False, n_logits: list[int] | None = None) -> np.ndarray:
+            all_positions: bool = False, n_logits: list[int] | None = None,
+            prompt: bool | None = None) -> np.ndarray:
     """Evaluate new tokens of several sessions in one pass, into the slots the caller allocated.
 
     Reads each session's page table and start, writes K/V of the new positions only, and
     changes no session. Returns logits after each session's last token [B, vocab], or
     after every new token [N, vocab] with `all_positions` (teacher forcing, tests), or
     after each session's last `n_logits[i]` tokens, concatenated (speculative verification).
+    `prompt`: whether the pass holds prompt rows (None: whether a session has more than one
+    token); such a pass computes every row as any prompt pass does (CpuBackend.prompt_linear).
     """
     cfg, w, cpu = model.config, model.weights, model.backend
     counts = [len(t) for t in token_lists]
@@ -174,8 +177,11 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
     x = cpu.embed(tokens)                                            # [N, d]
     if cfg.scale_embeddings:
         x = x * np.float32(cfg.embed_scale)                          # [N, d]
+    if prompt is None:
+        prompt = max(counts) > 1
+    linear = cpu.prompt_linear if prompt else cpu.linear
     for layer in range(cfg.n_layers):
-        x = block(x, w, cpu.linear, cfg, layer, pool, plan, ropes[layer], slots)
+        x = block(x, w, linear, cfg, layer, pool, plan, ropes[layer], slots)
     rows = slice(None) if all_positions else logit_rows(counts, n_logits)
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
     logits = cpu.linear(h, "output_t")                               # [B or N, vocab]
