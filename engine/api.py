@@ -63,16 +63,16 @@ def _check_eval(m: Model, s: Session, tokens, pool: KVPool) -> list[int]:
 
 def eval_batch(m: Model, sessions: list[Session], token_lists: list,
                all_positions: bool = False, n_logits: list[int] | None = None,
-               prompt: bool | None = None) -> np.ndarray:
+               prompt: bool | list[bool] | None = None) -> np.ndarray:
     """One forward pass for many sessions; float32[B, vocab] logits after each last token.
 
     The pool allocates the new tokens' slots first (all or nothing: PoolExhausted changes
     nothing), the forward pass writes their K/V, then the pool records the tokens.
     `all_positions` returns logits after every new token instead (teacher forcing);
     `n_logits` after each session's last `n_logits[i]` tokens, concatenated (speculative decoding).
-    `prompt`: whether the pass holds prompt tokens, computed as in any prompt pass so a cache
-    hit's tail equals a miss bit for bit (None: whether a session gives more than one token;
-    say True for a prompt's one last token after a hit, False for speculative verification).
+    `prompt`: which sessions give prompt tokens (a bool for all, or one per session), computed
+    as in any prompt pass so a cache hit's tail equals a miss bit for bit (None: those giving
+    more than one token; say True for a prompt's one last token after a hit).
     """
     if len(sessions) != len(token_lists) or not sessions:
         raise ValueError("eval_batch needs one token list per session, and at least one session")
