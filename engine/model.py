@@ -184,10 +184,10 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
     tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
     positions = np.concatenate([np.arange(s.n_past, s.n_past + n) for s, n in zip(sessions, counts)])
     ropes = layer_ropes(cfg, positions, w.rope_freqs)               # per layer: x -> x rotated
-    slots = page_slots(pool.page_rows, sessions, counts)
     prompts = prompt_sessions(prompt, counts)
+    slots = page_slots(pool.page_rows, sessions, counts)
     plan = attention_plan(pool.page_rows, sessions, counts, prompts)
-    cpu.begin_pass(len(tokens))
+    cpu.begin_pass(len(tokens), any(prompts))
     x = cpu.embed(tokens)                                            # [N, d]
     if cfg.scale_embeddings:
         x = x * np.float32(cfg.embed_scale)                          # [N, d]

@@ -137,10 +137,11 @@ class CpuBackend:
             return self._whole(padded, name, layer)[:n]                          # [N, out]
         return self._whole(x, name, layer)                                       # [N, out]
 
-    def begin_pass(self, rows: int) -> None:
+    def begin_pass(self, rows: int, prompt: bool = False) -> None:
         """A forward pass of `rows` rows starts on this thread: no more BLAS threads than the
-        machine's free cores, and its blocks shared with helpers where that pays (blas_threads.fit)."""
-        blas_threads().fit(rows, self.reads_blocks)
+        machine's free cores, and its blocks shared with helpers where that pays (blas_threads.fit);
+        a `prompt` pass (prompt_linear) shares none: it runs on BLAS's threads, as a prefill does."""
+        blas_threads().fit(rows, self.reads_blocks and not prompt)
         self._pass.last = None  # the first matmul of a pass follows none
 
     def linear(self, x: np.ndarray, name: str, layer: int | None = None) -> np.ndarray:
