@@ -89,7 +89,7 @@ def eval_batch(m: Model, sessions: list[Session], token_lists: list,
     return logits
 
 
-def eval(m: Model, s: Session, tokens, prompt: bool | None = None) -> np.ndarray:  # noqa: A001 - the tutorial's name
+def eval(m: Model, s: Session, tokens, prompt: bool | None = None) -> np.ndarray:  # noqa: A001 - tutorial's name
     """Evaluate tokens on a session; float32[vocab] logits after the last one (`prompt`: eval_batch's)."""
     return eval_batch(m, [s], [tokens], prompt=prompt)[0]
 

@@ -91,7 +91,7 @@ def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
     T, H, hd = q.shape          # q [T, H, hd]
     S, KV, _ = k.shape          # k, v [S, KV, hd]
     R, QT, KT = H // KV, QUERY_TILE, KEY_TILE
-    lead = key_start % KT                                                         # masked keys before the first
+    lead = key_start % KT                                                         # masked keys before it
     nq, nb = -(-T // QT), -(-(lead + S) // KT)
     kp = np.zeros((KV, nb * KT, hd), dtype=np.float32)                            # [KV, nb*KT, hd]
     vp = np.zeros((KV, nb * KT, hd), dtype=np.float32)
@@ -105,7 +105,8 @@ def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
     # padding queries stand at the last query's position, so no row is all -inf
     qpos = n_past + np.minimum(np.arange(nq * QT), T - 1)                         # [nq*QT]
     bias = causal_bias_at(qpos, key_start - lead + np.arange(nb * KT), key_start, key_start + S, window)
-    scores.reshape(KV, nq, nb, R, QT, KT)[...] += bias.reshape(nq, QT, nb, KT).transpose(0, 2, 1, 3)[:, :, None]
+    bias = bias.reshape(nq, QT, nb, KT).transpose(0, 2, 1, 3)[:, :, None]          # [nq, nb, 1, QT, KT]
+    scores.reshape(KV, nq, nb, R, QT, KT)[...] += bias
     scores -= scores.max(axis=(2, 4), keepdims=True)
     weights = np.exp(scores, out=scores)                                          # [KV, nq, nb, R*QT, KT]
     parts = weights @ vp.reshape(KV, 1, nb, KT, hd)                               # [KV, nq, nb, R*QT, hd]
@@ -288,7 +289,8 @@ def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan
             plan.pages[start, first] = page_index(table[first:])        # side by side: a view, no copy
         ks, vs = gather_kv(pool, layer, plan.pages[start, first], n_past + n - first * rows)
         attend = tiled_attention if prompt else attention
-        parts.append((slice(start, start + n), attend(q[start:start + n], ks, vs, n_past, first * rows, window)))
+        parts.append((slice(start, start + n),
+                      attend(q[start:start + n], ks, vs, n_past, first * rows, window)))
     if len(parts) == 1 and len(parts[0][1]) == N:                        # one part holds every row
         return parts[0][1]                                               # [N, H*hd]
     out = np.empty((N, H * hd), dtype=np.float32)                        # [N, H*hd]

@@ -163,7 +163,7 @@ def matmul_site(x: np.ndarray, site: Site) -> np.ndarray:
 def whole_matmul(x: np.ndarray, site: Site) -> np.ndarray:
     """x [N, K] @ a Site's blocks as a prefill runs it: whole, in this thread with BLAS's threads
     (never shared, never in 8-row chunks), so a row's result does not depend on how it is split."""
-    if site.transposed:  # side by side, transposed blocks are W^T [nb*64, K], so one GEMM (1.2x column blocks' speed here)
+    if site.transposed:  # side by side, transposed blocks are W^T [nb*64, K]: one GEMM (1.2x the blocks)
         return x @ site.blocks.reshape(-1, site.K).T                                   # [N, out]
     return np.matmul(x, site.blocks).transpose(1, 0, 2).reshape(len(x), -1)             # [N, out]
 
