@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 BLOCKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "output_t")
 LAYER_WEIGHTS = BLOCKED_WEIGHTS[:4]  # a block's matmuls: what a prompt pass pads (prompt_linear)
 PROBE_ROWS = (2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128)  # the paddings exact_rows tries
-PROBE_BIG = 256  # the long pass the probe's shorter ones must equal, row for row
+PROBE_BIG = 160  # the long pass the probe's shorter ones must equal, row for row
 SMALL_MODEL_BYTES = 16 << 20  # matrices this small sit in the caches: either layout does, plain stays
 
 
@@ -100,6 +100,7 @@ class CpuBackend:
         """The fewest rows (of PROBE_ROWS) whose pass computes every row of a layer's matmuls
         exactly as a PROBE_BIG-row pass does, on random rows: BLAS switches kernels (and so its
         order of summing) with the row count, at a count that depends on the CPU (docs/perf-notes.md)."""
+        blas_threads().fit(PROBE_BIG)  # a prefill's threads, no more than the free cores (else 3-6x slower)
         rng = np.random.default_rng(0)
         xs = {K: rng.standard_normal((PROBE_BIG, K), dtype=np.float32) for K in map(self._k, LAYER_WEIGHTS)}
         refs = {n: self._whole(xs[self._k(n)], n, 0) for n in LAYER_WEIGHTS}
