@@ -62,13 +62,17 @@ def _check_eval(m: Model, s: Session, tokens, pool: KVPool) -> list[int]:
 
 
 def eval_batch(m: Model, sessions: list[Session], token_lists: list,
-               all_positions: bool = False, n_logits: list[int] | None = None) -> np.ndarray:
+               all_positions: bool = False, n_logits: list[int] | None = None,
+               prompt: bool | list[bool] | None = None) -> np.ndarray:
     """One forward pass for many sessions; float32[B, vocab] logits after each last token.
 
     The pool allocates the new tokens' slots first (all or nothing: PoolExhausted changes
     nothing), the forward pass writes their K/V, then the pool records the tokens.
     `all_positions` returns logits after every new token instead (teacher forcing);
     `n_logits` after each session's last `n_logits[i]` tokens, concatenated (speculative decoding).
+    `prompt`: which sessions give prompt tokens (a bool for all, or one per session), computed
+    as in any prompt pass so a cache hit's tail equals a miss bit for bit (None: those giving
+    more than one token; say True for a prompt's one last token after a hit).
     """
     if len(sessions) != len(token_lists) or not sessions:
         raise ValueError("eval_batch needs one token list per session, and at least one session")
@@ -80,14 +84,14 @@ def eval_batch(m: Model, sessions: list[Session], token_lists: list,
                                  any(not 1 <= k <= len(t) for k, t in zip(n_logits, toks))):
         raise ValueError("n_logits needs one count per session, each between 1 and its token count")
     slots = pool.allocate(sessions, [len(t) for t in toks])
-    logits = forward(m, pool, slots, toks, all_positions, n_logits)
+    logits = forward(m, pool, slots, toks, all_positions, n_logits, prompt)
     pool.commit(sessions, toks)
     return logits
 
 
-def eval(m: Model, s: Session, tokens) -> np.ndarray:  # noqa: A001 - the tutorial's name
-    """Evaluate tokens on a session; float32[vocab] logits after the last one."""
-    return eval_batch(m, [s], [tokens])[0]
+def eval(m: Model, s: Session, tokens, prompt: bool | None = None) -> np.ndarray:  # noqa: A001 - tutorial's name
+    """Evaluate tokens on a session; float32[vocab] logits after the last one (`prompt`: eval_batch's)."""
+    return eval_batch(m, [s], [tokens], prompt=prompt)[0]
 
 
 def release_kv_pages(s: Session) -> None:

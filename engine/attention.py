@@ -75,6 +75,61 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
     return out.reshape(KV, R, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)     # [T, d]
 
 
+QUERY_TILE = 32   # a prompt span's queries per GEMM (tiled_attention)
+KEY_TILE = 128    # and keys per GEMM, tiles aligned to absolute positions
+
+
+def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_past: int,
+                    key_start: int = 0, window: int = 0) -> np.ndarray:
+    """`attention` for a prompt span, each row's result the same in any pass: BLAS picks its
+    kernel, and its blocking of the sum, by a GEMM's shape, so a row of a short hit's tail
+    summed otherwise than the same row of the miss's pass, and a cached row otherwise with
+    more keys after it (docs/perf-notes.md, "Hit == miss"). Here every GEMM has one shape:
+    QUERY_TILE queries (zero-padded) by KEY_TILE keys at multiples of KEY_TILE from position
+    0 (masked beyond the span's keys), and a row's tiles are summed in order of position, the
+    tiles it cannot see adding exact zeros."""
+    T, H, hd = q.shape          # q [T, H, hd]
+    S, KV, _ = k.shape          # k, v [S, KV, hd]
+    R, QT, KT = H // KV, QUERY_TILE, KEY_TILE
+    lead = key_start % KT                                                         # masked keys before it
+    nq, nb = -(-T // QT), -(-(lead + S) // KT)
+    kp = np.zeros((KV, nb * KT, hd), dtype=np.float32)                            # [KV, nb*KT, hd]
+    vp = np.zeros((KV, nb * KT, hd), dtype=np.float32)
+    kp[:, lead:lead + S] = k.transpose(1, 0, 2)
+    vp[:, lead:lead + S] = v.transpose(1, 0, 2)
+    qp = np.zeros((KV, R, nq * QT, hd), dtype=np.float32)                         # [KV, R, nq*QT, hd]
+    np.multiply(q.reshape(T, KV, R, hd).transpose(1, 2, 0, 3), query_scale(hd), out=qp[:, :, :T])
+    qg = qp.reshape(KV, R, nq, QT, hd).transpose(0, 2, 1, 3, 4).reshape(KV, nq, 1, R * QT, hd)
+    kt = kp.reshape(KV, 1, nb, KT, hd).transpose(0, 1, 2, 4, 3)                   # [KV, 1, nb, hd, KT]
+    scores = qg @ kt                                                              # [KV, nq, nb, R*QT, KT]
+    # padding queries stand at the last query's position, so no row is all -inf
+    qpos = n_past + np.minimum(np.arange(nq * QT), T - 1)                         # [nq*QT]
+    bias = causal_bias_at(qpos, key_start - lead + np.arange(nb * KT), key_start, key_start + S, window)
+    bias = bias.reshape(nq, QT, nb, KT).transpose(0, 2, 1, 3)[:, :, None]          # [nq, nb, 1, QT, KT]
+    scores.reshape(KV, nq, nb, R, QT, KT)[...] += bias
+    scores -= scores.max(axis=(2, 4), keepdims=True)
+    weights = np.exp(scores, out=scores)                                          # [KV, nq, nb, R*QT, KT]
+    parts = weights @ vp.reshape(KV, 1, nb, KT, hd)                               # [KV, nq, nb, R*QT, hd]
+    sums = weights @ ones(KT)                                                     # [KV, nq, nb, R*QT, 2]
+    out, total = parts[:, :, 0], sums[:, :, 0, :, :1]
+    for b in range(1, nb):      # in order of position, whatever the pass
+        out += parts[:, :, b]
+        total += sums[:, :, b, :, :1]
+    out /= total                                                                  # [KV, nq, R*QT, hd]
+    out = out.reshape(KV, nq, R, QT, hd).transpose(1, 3, 0, 2, 4).reshape(nq * QT, H * hd)
+    return out[:T]                                                                # [T, d]
+
+
+def causal_bias_at(qpos: np.ndarray, kpos: np.ndarray, first: int, end: int, window: int) -> np.ndarray:
+    # [T, S]: 0 where a query at qpos may see the key at kpos (held: first <= kpos < end; not
+    # after the query; with a window, fewer than `window` positions before it), else -inf
+    gap = qpos[:, None] - kpos[None, :]                                           # [T, S]
+    hidden = (gap < 0) | (kpos < first)[None, :] | (kpos >= end)[None, :]
+    if window:
+        hidden |= gap >= window
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
+
+
 @functools.lru_cache(maxsize=16)
 def query_scale(hd: int) -> np.float32:
     return np.float32(1.0 / np.sqrt(hd))
@@ -127,7 +182,7 @@ class AttentionPlan:
     decode_rows: np.ndarray     # [B] rows of x holding one session's only new token
     decode_tables: list         # [B] each such session's page table
     decode_lengths: np.ndarray  # [B] positions each such session holds after this pass
-    spans: list                 # (first row, rows, page table, n_past) of every multi-token session
+    spans: list                 # (first row, rows, page table, n_past, prompt) of every other session
     page_rows: int
     keys: dict = field(default_factory=dict)  # window -> DecodeKeys, made once per forward
     pages: dict = field(default_factory=dict)  # (a span's first row, first page) -> its page_index
@@ -175,16 +230,19 @@ def page_index(pages) -> slice | list:
     return slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[0] + len(ids))) else ids
 
 
-def attention_plan(rows: int, sessions: list[SeqSlots], counts: list[int]) -> AttentionPlan:
+def attention_plan(rows: int, sessions: list[SeqSlots], counts: list[int],
+                   prompts: list[bool] | None = None) -> AttentionPlan:
     """Group the batch once per forward, so every layer reuses the same index arrays. A lone
-    single-token session is a span: its keys are then a view of its pages, with no padding."""
+    single-token session is a span: its keys are then a view of its pages, with no padding.
+    A session whose `prompts` entry is true is a span that attends as any prompt does (tiled_attention)."""
+    prompts = prompts or [False] * len(counts)
     starts = np.cumsum([0] + counts[:-1])
-    single = [i for i, n in enumerate(counts) if n == 1]
+    single = [i for i, n in enumerate(counts) if n == 1 and not prompts[i]]
     if len(single) == 1:
         single = []
     batched = set(single)
     lengths = np.array([sessions[i].n_past + 1 for i in single], dtype=np.int64)  # [B]
-    spans = [(int(starts[i]), n, sessions[i].page_table, sessions[i].n_past)
+    spans = [(int(starts[i]), n, sessions[i].page_table, sessions[i].n_past, prompts[i])
              for i, n in enumerate(counts) if i not in batched]
     return AttentionPlan(starts[single].astype(np.int64), [sessions[i].page_table for i in single],
                          lengths, spans, rows)
@@ -225,13 +283,14 @@ def paged_attention(q: np.ndarray, pool: KVPool, layer: int, plan: AttentionPlan
         whole = B == N   # every row decodes (in order): no gather of q, no scatter of the answer
         parts.append((plan.decode_rows, decode_attention(q if whole else q[plan.decode_rows],
                                                          own, keys.bias, shared)))
-    for start, n, table, n_past in plan.spans:
+    for start, n, table, n_past, prompt in plan.spans:
         first = window_first_page(n_past, window, rows)
         if (start, first) not in plan.pages:                            # once per pass, not per layer
             plan.pages[start, first] = page_index(table[first:])        # side by side: a view, no copy
         ks, vs = gather_kv(pool, layer, plan.pages[start, first], n_past + n - first * rows)
+        attend = tiled_attention if prompt else attention
         parts.append((slice(start, start + n),
-                      attention(q[start:start + n], ks, vs, n_past, first * rows, window)))
+                      attend(q[start:start + n], ks, vs, n_past, first * rows, window)))
     if len(parts) == 1 and len(parts[0][1]) == N:                        # one part holds every row
         return parts[0][1]                                               # [N, H*hd]
     out = np.empty((N, H * hd), dtype=np.float32)                        # [N, H*hd]

@@ -154,28 +154,46 @@ def logit_rows(counts: list[int], n_logits: list[int] | None) -> np.ndarray:
     return np.concatenate([np.arange(e - k, e) for e, k in zip(ends, n_logits)])
 
 
+def prompt_sessions(prompt: bool | list[bool] | None, counts: list[int]) -> list[bool]:
+    """`forward`'s `prompt` as one bool per session."""
+    if prompt is None:
+        return [n > 1 for n in counts]
+    if isinstance(prompt, bool):
+        return [prompt] * len(counts)
+    if len(prompt) != len(counts):
+        raise ValueError(f"prompt needs one bool per session: got {len(prompt)} for {len(counts)} sessions")
+    return [bool(p) for p in prompt]
+
+
 def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: list[list[int]],
-            all_positions: bool = False, n_logits: list[int] | None = None) -> np.ndarray:
+            all_positions: bool = False, n_logits: list[int] | None = None,
+            prompt: bool | list[bool] | None = None) -> np.ndarray:
     """Evaluate new tokens of several sessions in one pass, into the slots the caller allocated.
 
     Reads each session's page table and start, writes K/V of the new positions only, and
     changes no session. Returns logits after each session's last token [B, vocab], or
     after every new token [N, vocab] with `all_positions` (teacher forcing, tests), or
     after each session's last `n_logits[i]` tokens, concatenated (speculative verification).
+    `prompt`: which sessions give prompt tokens (one bool for all, or one per session; None:
+    those giving more than one). Their rows are computed as in any prompt pass, long or short
+    (CpuBackend.prompt_linear, attention.tiled_attention), so a prefix cache hit's tail equals
+    the miss's rows bit for bit (docs/perf-notes.md, "Hit == miss").
     """
     cfg, w, cpu = model.config, model.weights, model.backend
     counts = [len(t) for t in token_lists]
     tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
     positions = np.concatenate([np.arange(s.n_past, s.n_past + n) for s, n in zip(sessions, counts)])
     ropes = layer_ropes(cfg, positions, w.rope_freqs)               # per layer: x -> x rotated
+    prompts = prompt_sessions(prompt, counts)
     slots = page_slots(pool.page_rows, sessions, counts)
-    plan = attention_plan(pool.page_rows, sessions, counts)
-    cpu.begin_pass(len(tokens))
+    plan = attention_plan(pool.page_rows, sessions, counts, prompts)
+    cpu.begin_pass(len(tokens), any(prompts))
     x = cpu.embed(tokens)                                            # [N, d]
     if cfg.scale_embeddings:
         x = x * np.float32(cfg.embed_scale)                          # [N, d]
+    linear = cpu.prompt_linear if any(prompts) else cpu.linear
     for layer in range(cfg.n_layers):
-        x = block(x, w, cpu.linear, cfg, layer, pool, plan, ropes[layer], slots)
+        x = block(x, w, linear, cfg, layer, pool, plan, ropes[layer], slots)
     rows = slice(None) if all_positions else logit_rows(counts, n_logits)
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
     logits = cpu.linear(h, "output_t")                               # [B or N, vocab]

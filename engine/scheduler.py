@@ -79,7 +79,8 @@ class ModelRunner:
         return create_kv_pool(self.model, settings.page_rows, settings.pool_pages, kv_dtype=settings.kv_dtype)
 
     def forward(self, batch: Batch) -> np.ndarray:
-        return eval_batch(self.model, batch.sessions(), batch.tokens(), n_logits=batch.n_logits())
+        return eval_batch(self.model, batch.sessions(), batch.tokens(), n_logits=batch.n_logits(),
+                          prompt=batch.prompts())
 
 
 class Scheduler:

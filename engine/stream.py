@@ -245,6 +245,11 @@ class Batch:
     def draft_lists(self) -> list[list[int]]:
         return self.drafts or [[] for _ in self.decode]
 
+    def prompts(self) -> list[bool]:
+        """Per session, whether it gives prompt tokens (a prefill piece, a turn's closing
+        tokens: the K/V a later prompt's cache hit reads) rather than decoded ones."""
+        return [False] * len(self.decode) + [True] * (len(self.prefill) + len(self.closing))
+
     def n_logits(self) -> list[int] | None:
         """Logit rows per session: a decode stream's token plus its drafts, else its last token."""
         if not any(self.drafts):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .blas_threads import blas_threads
-from .shared_matmul import Site
+from .shared_matmul import Site, whole_matmul
 from .weight_image import release, settle_huge
 from .weight_layout import BLOCKS, COLUMN_BLOCK, plain_matmul, probe_arrays, site_matmul
 from .weight_layout import choose as choose_layout
@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from ..loader import Weights
 
 BLOCKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "output_t")
+LAYER_WEIGHTS = BLOCKED_WEIGHTS[:4]  # a block's matmuls: what a prompt pass pads (prompt_linear)
+PROBE_ROWS = (2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128)  # the paddings exact_rows tries
+PROBE_BIG = 160  # the long pass the probe's shorter ones must equal, row for row
 SMALL_MODEL_BYTES = 16 << 20  # matrices this small sit in the caches: either layout does, plain stays
 
 
@@ -54,6 +57,7 @@ class CpuBackend:
         self.layout_record: dict = {}  # how the layout was chosen
         self.one_row = "pair"          # how one row reads the blocks: weight_layout.ONE_ROW, as measured
         self.pages: dict = {}          # how the copy read is mapped (settle_huge)
+        self.exact_rows = PROBE_ROWS[-1]  # a prompt pass pads to this many rows (probe_exact_rows)
         self._sites: dict[tuple, Site] = {}  # (layout, name, layer) -> its Site, made once
         self._pass = _Pass()
 
@@ -90,11 +94,55 @@ class CpuBackend:
                     if kind != self.layout:
                         release(arrays)
         self.pages = settle_huge(folder, [self.read_copy(n) for n in BLOCKED_WEIGHTS])
+        self.exact_rows = self.probe_exact_rows()
 
-    def begin_pass(self, rows: int) -> None:
+    def probe_exact_rows(self) -> int:
+        """The fewest rows (of PROBE_ROWS) whose pass computes every row of a layer's matmuls
+        exactly as a PROBE_BIG-row pass does, on random rows: BLAS switches kernels (and so its
+        order of summing) with the row count, at a count that depends on the CPU (docs/perf-notes.md)."""
+        blas_threads().fit(PROBE_BIG)  # a prefill's threads, no more than the free cores (else 3-6x slower)
+        rng = np.random.default_rng(0)
+        xs = {K: rng.standard_normal((PROBE_BIG, K), dtype=np.float32) for K in map(self._k, LAYER_WEIGHTS)}
+        refs = {n: self._whole(xs[self._k(n)], n, 0) for n in LAYER_WEIGHTS}
+        for rows in PROBE_ROWS:
+            # this count and one a few rows past it (every count above must agree, not one)
+            if all(np.array_equal(self._whole(xs[self._k(n)][:r], n, 0), refs[n][:r])
+                   for n in LAYER_WEIGHTS for r in (rows, rows + 5)):
+                return rows
+        return PROBE_ROWS[-1]
+
+    def _k(self, name: str) -> int:
+        """The inner dimension of matrix `name`'s products."""
+        blocks = self.blocks(name)
+        if blocks is None:
+            return getattr(self.weights, name).shape[-2]
+        return blocks.shape[-1] if self.transposed else blocks.shape[-2]
+
+    def _whole(self, x: np.ndarray, name: str, layer: int | None) -> np.ndarray:
+        """x [N, K] @ weight `name` as one GEMM in this thread, the way a long prefill's rows go."""
+        site = self._sites.get((self.layout, name, layer)) or self.site(name, layer)
+        if site is None:
+            return x @ layer_of(getattr(self.weights, name), layer)                 # [N, out]
+        return whole_matmul(x, site)                                             # [N, out]
+
+    def prompt_linear(self, x: np.ndarray, name: str, layer: int | None = None) -> np.ndarray:
+        """`linear` for a pass that holds prompt rows: every row computed as in any other prompt
+        pass, long or short, so a prefix cache hit's tail equals the same rows of a miss bit for
+        bit (docs/perf-notes.md, "Hit == miss"). Fewer than `exact_rows` rows are padded with
+        zero rows up to it (BLAS's small-matrix kernel sums in another order), and no pass is
+        split into 8-row chunks, shared with the helpers or taken as a GEMV."""
+        n = len(x)
+        if n < self.exact_rows:
+            padded = np.zeros((self.exact_rows, x.shape[1]), dtype=np.float32)   # [P, K]
+            padded[:n] = x
+            return self._whole(padded, name, layer)[:n]                          # [N, out]
+        return self._whole(x, name, layer)                                       # [N, out]
+
+    def begin_pass(self, rows: int, prompt: bool = False) -> None:
         """A forward pass of `rows` rows starts on this thread: no more BLAS threads than the
-        machine's free cores, and its blocks shared with helpers where that pays (blas_threads.fit)."""
-        blas_threads().fit(rows, self.reads_blocks)
+        machine's free cores, and its blocks shared with helpers where that pays (blas_threads.fit);
+        a `prompt` pass (prompt_linear) shares none: it runs on BLAS's threads, as a prefill does."""
+        blas_threads().fit(rows, self.reads_blocks and not prompt)
         self._pass.last = None  # the first matmul of a pass follows none
 
     def linear(self, x: np.ndarray, name: str, layer: int | None = None) -> np.ndarray:

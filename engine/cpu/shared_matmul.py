@@ -149,8 +149,8 @@ def matmul(x: np.ndarray, blocks: np.ndarray, transposed: bool = False,
 def matmul_site(x: np.ndarray, site: Site) -> np.ndarray:
     """`matmul` of a prepared Site (a pass's matmuls repeat: engine/cpu/backend.py keeps their Sites)."""
     rows = len(x)
-    if site.transposed and rows > SHARE_ROWS:  # prefill: side by side, transposed blocks are W^T [nb*64, K],
-        return x @ site.blocks.reshape(-1, site.K).T  # so one GEMM (1.2x column blocks' speed here)
+    if rows > SHARE_ROWS:  # prefill
+        return whole_matmul(x, site)
     if (rows > site.rows or _parts < 2 or _disabled or x.dtype is not _F32 or x.shape[1] != site.K
             or not _busy.acquire(blocking=False)):  # not shared: whole, in this thread
         return products(x, site.blocks, site.transposed).transpose(1, 0, 2).reshape(rows, -1)  # [N, out]
@@ -158,6 +158,14 @@ def matmul_site(x: np.ndarray, site: Site) -> np.ndarray:
         return _pool_or_start().run(x, site)
     finally:
         _busy.release()
+
+
+def whole_matmul(x: np.ndarray, site: Site) -> np.ndarray:
+    """x [N, K] @ a Site's blocks as a prefill runs it: whole, in this thread with BLAS's threads
+    (never shared, never in 8-row chunks), so a row's result does not depend on how it is split."""
+    if site.transposed:  # side by side, transposed blocks are W^T [nb*64, K]: one GEMM (1.2x the blocks)
+        return x @ site.blocks.reshape(-1, site.K).T                                   # [N, out]
+    return np.matmul(x, site.blocks).transpose(1, 0, 2).reshape(len(x), -1)             # [N, out]
 
 
 def _in_file(blocks: np.ndarray) -> tuple[int, int] | None:
