@@ -188,6 +188,20 @@ def test_calibrate_compares_a_new_fit_with_the_kept_one_in_standard_errors():
     assert cmp["pass_change"]["512 prefill rows"] == pytest.approx(512 * 0.0002 / (0.020 + 512 * 0.001))
 
 
+
+def test_calibrate_times_the_passes_of_prefix_cache_hits(tiny_model):
+    """A calibration workload with a cached prefix runs the prefix alone, then its requests
+    together: they attach the prefix and prefill only their own tokens on top of it, so the fit
+    sees passes whose prefill rows attend a context they did not compute (serve's hits)."""
+    from app.replay.calibrate import measure
+    shapes = [s for s, _ in measure(tiny_model, workloads=[(0, [(8, 2)]), (32, [(16, 2)] * 2)])]
+    # the prefix's own pass: 32 fresh rows (row j attends j + 1 positions), then its answer
+    assert shapes[0] == StepShape(prefill_rows=32, prefill_context=32 * 33 // 2)
+    # both requests hit the 32 cached tokens: 16 own rows each, row j attending 32 + j + 1
+    assert StepShape(prefill_rows=32, prefill_context=2 * (16 * 32 + 16 * 17 // 2)) in shapes
+    assert not any(s.prefill_rows > 32 for s in shapes)  # nothing prefilled the prefix again
+
+
 MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "resources", "traces", "mooncake",
                         "conversation_trace.jsonl")
 

@@ -1,12 +1,13 @@
 """`prefixlab calibrate`: time real passes of the loaded model on this machine and fit the twin's
 step-cost model (docs/design.md §16).
 
-The passes are the engine's own: the real `Scheduler` runs a few small workloads (one prompt of
-each of several lengths, then 2, 4 and 8 streams decoding together, then long prompts whose
-chunks share passes with decoding streams), and each `step()` is timed whole, so the fit includes
-the scheduler's own work around the forward pass, as `serve` pays it. Answers run to their length
-(no stop token). Every workload runs REPEATS times, so each pass shape is timed that often and
-enters the fit as its median. The fit is kept beside the weight image as one versioned JSON file
+The passes are the engine's own: the real `Scheduler`, with serve's prefix cache on, runs a few
+small workloads (one prompt of each of several lengths, then 2, 4 and 8 streams decoding
+together, then long prompts whose chunks share passes with decoding streams, then prompts that
+hit a cached system prompt and prefill only their own tokens on top of it), and each `step()` is
+timed whole, so the fit includes the scheduler's own work around the forward pass, as `serve`
+pays it. Answers run to their length (no stop token). Every workload runs REPEATS times, so each
+pass shape is timed that often and enters the fit as its median. The fit is kept beside the weight image as one versioned JSON file
 (`cost_path`); `prefixlab replay --twin` reads it unless `--cost` names another.
 """
 
@@ -22,15 +23,21 @@ from engine.scheduler import ModelRunner, SchedulerSettings
 
 from .stepcost import TERMS, StepCost, StepShape, fit, shape_of
 
-# (prompt tokens, answer tokens) of each request, one workload (submitted together) per line;
-# all but the warm-up run REPEATS times (the same passes each time: the cache is off), so each
-# shape's median leaves out the odd pass another process slowed
+# Each workload: (cached prefix tokens, [(own prompt tokens, answer tokens) of each request]),
+# its requests submitted together. A prefix is first run alone (its pages then cached), so the
+# requests after it attach it and prefill only their own tokens on top of it: the passes a
+# prefix-cache hit runs, whose rows attend a context they did not compute (without them the
+# prefill-context term is barely identified, and hits' prefills came out about 20 % slower than
+# predicted; docs/twin.md section 4). All but the warm-up run REPEATS times, each time on text of
+# its own (no hit between workloads), so each shape's median leaves out the odd pass another
+# process slowed.
 REPEATS = 3
 WORKLOADS = (
-    [(24, 4)],                                        # warm-up: not fitted
-    *[[(16, 3)], [(96, 3)], [(256, 3)], [(512, 3)], [(900, 12)],
-      [(40, 14)] * 2, [(40, 14)] * 4, [(40, 14)] * 8,
-      [(300, 8)] * 4, [(160, 10)] * 8] * REPEATS,
+    (0, [(24, 4)]),                                          # warm-up: not fitted
+    *[(0, [(16, 3)]), (0, [(96, 3)]), (0, [(256, 3)]), (0, [(512, 3)]), (0, [(900, 12)]),
+      (0, [(40, 14)] * 2), (0, [(40, 14)] * 4), (0, [(40, 14)] * 8),
+      (0, [(300, 8)] * 4), (0, [(160, 10)] * 8),
+      (128, [(48, 6)] * 6), (384, [(96, 6)] * 3), (640, [(32, 4)])] * REPEATS,
 )
 SAME_WITHIN_SE = 2.0   # two fits agree on a term when they differ by less than this many standard errors
 
@@ -51,28 +58,45 @@ class _TimedRunner(ModelRunner):
         return super().forward(batch)
 
 
-def measure(model, log=None) -> list[tuple[StepShape, float]]:
-    """(shape, seconds) of every pass of WORKLOADS through the real scheduler (warm-up left out)."""
+def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float]]:
+    """(shape, seconds) of every pass of `workloads` through the real scheduler (the first
+    workload, the warm-up, left out; a cached prefix's own pass is fitted too)."""
     from ..scenario import sample_tokens
     runner = _TimedRunner(model)
-    loop = EngineLoop(model, SchedulerSettings(cache_enabled=False), runner=runner)  # as serve runs it
+    loop = EngineLoop(model, SchedulerSettings(), runner=runner)  # as serve runs it: the cache on
     sched = loop.scheduler
     text = sample_tokens(model, 4096)
     samples: list[tuple[StepShape, float]] = []
-    for w, workload in enumerate(WORKLOADS):
-        for i, (n, new) in enumerate(workload):
-            start = (97 * (w + i)) % 1024  # different text per request (the shapes do not depend on it)
-            prompt = (text[start:] + text)[:n]
+    served = 0
+
+    def run(requests: list[tuple[list[int], int]], fitted: bool) -> None:
+        for prompt, new in requests:
             loop.submit_now(prompt=prompt, max_new_tokens=new, stop_ids=[])
         while sched.has_work():
             runner.shape = None
             t0 = time.perf_counter()
             loop.step()
             seconds = time.perf_counter() - t0
-            if runner.shape is not None and w > 0:
+            if runner.shape is not None and fitted:
                 samples.append((runner.shape, seconds))
+
+    def fresh(n: int) -> list[int]:
+        # the text repeats one passage, so a rotation alone can repeat a prompt: a first token no
+        # earlier request had makes every prompt new to the cache (no hit by chance)
+        nonlocal served
+        served += 1
+        start = (97 * served) % len(text)
+        return ([served % model.config.vocab_size] + text[start:] + text[:start])[:n]
+
+    for w, (prefix_len, requests) in enumerate(workloads):
+        prefix = fresh(prefix_len) if prefix_len else []
+        if prefix:
+            run([(prefix, 1)], w > 0)
+        run([(prefix + fresh(n), new) for n, new in requests], w > 0)
         if log:
-            log(f"  workload {w}/{len(WORKLOADS) - 1}: {len(workload)} request(s) of {workload[0][0]} tokens")
+            about = f" after a cached prefix of {prefix_len}" if prefix_len else ""
+            log(f"  workload {w}/{len(workloads) - 1}: {len(requests)} request(s) of {requests[0][0]} "
+                f"tokens{about}")
     return samples
 
 
