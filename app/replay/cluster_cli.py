@@ -71,7 +71,8 @@ def _balance(text: str) -> float:
     except ValueError:
         v = float("nan")
     if not (v == 0 or 1 <= v < float("inf")):
-        raise argparse.ArgumentTypeError(f"--hash-balance is 0 (never overflow) or a factor >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--hash-balance is 0 (never overflow) or a factor >= 1, got {text!r}")
     return v
 
 

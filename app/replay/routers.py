@@ -82,13 +82,15 @@ def _argmin(values) -> int:
 
 
 def _prefix_hash(v: View, balance: float) -> int:
-    """OpenAI's routing as its prompt-caching guide describes it: a hash of the prompt's first
-    tokens picks the machine, and past a rate one prefix overflows to other machines. The
-    overflow is modelled as consistent hashing with bounded loads (Mirrokni, Thorup and
-    Zadimoghaddam 2018; HAProxy's hash-balance-factor): the hash's replica, else the next in
-    order whose load with this request's tokens added stays within `balance` times the mean
-    (an idle one always qualifies), else the least loaded. OpenAI's threshold (about 15 requests a minute per prefix and key)
-    is its machines', not a replica's here, so the bound is on load, not on a rate."""
+    """OpenAI's routing as its prompt-caching guide describes it (platform.openai.com/docs/
+    guides/prompt-caching, 2026): a hash of about the first 256 tokens (and prompt_cache_key)
+    picks the machine, and past about 15 requests a minute for one prefix and key requests
+    overflow to other machines. The overflow is modelled as consistent hashing with bounded
+    loads (Mirrokni, Thorup and Zadimoghaddam 2018; HAProxy's hash-balance-factor): the hash's
+    replica, else the next in order whose load with this request's tokens added stays within
+    `balance` times the mean (an idle one always qualifies), else the least loaded. The rate
+    threshold is OpenAI's machines', not a replica of this engine's, so the bound is on load,
+    not on a rate."""
     n = len(v.load)
     home = v.first_key % n
     if balance <= 0:
