@@ -14,7 +14,7 @@ the CLI would call them. What each test covers:
   TTFT hit/miss, peak RSS the max of cold and warm, the Dask cluster's figures equal the pool's);
   the targets summary; the scheduler's runs comparable and the load's cold/warm children read
   (not) from the weight image; the machine recorded; the window and headless give the same
-  tokens (ui); the table lists every figure;
+  tokens (ui); kv_events counts every block event (`prefixlab watch`'s); the table lists every figure;
 - every figure with a target in TARGETS (but --peer's and the w8 section's) is measured by one
   of the sections above, with its target and a verdict that agrees; the table lists all their
   figures;
@@ -252,6 +252,19 @@ def test_bench_ui_window_and_headless_give_the_same_tokens(section_run):
         assert rounds["app"][0]["tokens"] == ui["prompts"] * ui["new_tokens"]
         assert close(rounds["ratios"][0], rounds["app"][0]["wall_s"] / rounds["headless"][0]["wall_s"])
     assert close(f["ui_app_headless_ratio"], ui["idle"]["ratio"])
+
+
+@pytest.mark.model
+def test_bench_kv_events_section_counts_every_block_event(section_run):
+    # `prefixlab watch`'s section, from the same run (it was a second kv_events_figures(quick=True))
+    figures, d = section_run["figures"], section_run["details"]["kv_events"]
+    assert d["sockets"]["batches"] == d["feed"]["batches"] and d["sockets"]["seq_gaps"] == 0
+    assert d["sockets"]["block_events"] == d["decode_apply"]["block_events"] > d["feed"]["batches"]
+    fig = figures["watch_block_events_per_s"]
+    assert fig["target"] == 50_000 and fig["value"] > 0 and fig["pass"] == (fig["value"] >= 50_000)
+    ui = d["ui"]  # the real watch window in a child process, fed at 5,000 block events/s
+    assert ui["batches_applied"] == ui["batches_sent"] and ui["max_stall_ms"] > 0
+    assert figures["watch_ui_stall_ms"]["value"] == ui["max_stall_ms"]
 
 
 @pytest.mark.model

@@ -21,6 +21,7 @@ import engine as dl
 
 from .prefix_helpers import (
     assert_cache_consistent,
+    assert_same,
     assert_session_sees,
     evictable_pages,
     fake_eval,
@@ -227,7 +228,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for s in self.sessions:
             np.add.at(expected, np.asarray(s.page_table, dtype=np.int64), 1)
         np.add.at(expected, np.asarray(list(self.cache.by_page), dtype=np.int64), 1)
-        np.testing.assert_array_equal(self.pool.refcount, expected)
+        assert_same(self.pool.refcount, expected)
 
     @invariant()
     def shared_pages_never_change(self):
