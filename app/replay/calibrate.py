@@ -7,8 +7,9 @@ together, then long prompts whose chunks share passes with decoding streams, the
 hit a cached system prompt and prefill only their own tokens on top of it), and each `step()` is
 timed whole, so the fit includes the scheduler's own work around the forward pass, as `serve`
 pays it. Answers run to their length (no stop token). Every workload runs REPEATS times, so each
-pass shape is timed that often and enters the fit as its median. The fit is kept beside the weight image as one versioned JSON file
-(`cost_path`); `prefixlab replay --twin` reads it unless `--cost` names another.
+pass shape is timed that often and enters the fit as its median. The fit is kept beside the
+weight image as one versioned JSON file (`cost_path`); `prefixlab replay --twin` reads it unless
+`--cost` names another.
 """
 
 from __future__ import annotations
