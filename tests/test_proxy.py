@@ -363,7 +363,8 @@ def test_an_answer_whose_usage_goes_unread_says_why_in_the_recording_and_the_adv
         return JSONResponse(answer)
     upstream = HttpThread(app, "127.0.0.1", 0).start()
     record = tmp_path / "t.jsonl"
-    proxy = Proxy(upstream.url + "/v1", port=0, record=str(record), limits=Limits(max_decoded_bytes=1024)).start()
+    proxy = Proxy(upstream.url + "/v1", port=0, record=str(record),
+                  limits=Limits(max_decoded_bytes=1024)).start()
     try:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, max_retries=0)
         assert client.chat.completions.create(**ASK).choices[0].message.content == "x" * 4096

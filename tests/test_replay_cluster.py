@@ -159,8 +159,8 @@ def test_cli_bad_cluster_input(synthetic, tmp_path, capsys):
                         (["--replicas", "0"], "at least 1 replica"),
                         (["--replicas", "2", "--prefill-rate", "0"], "rate is a number of tokens/s > 0"),
                         (["--replicas", "2", "--slots", "0"], "expected an integer >= 1"),
-                        (["--replicas", "2", "--hash-balance", "0.5"], "0 (never overflow) or a factor >= 1"),
-                        (["--replicas", "2", "--hash-balance", "nan"], "0 (never overflow) or a factor >= 1")):
+                        (["--replicas", "2", "--hash-balance", "0.5"], "0 (never overflow) or a factor"),
+                        (["--replicas", "2", "--hash-balance", "nan"], "0 (never overflow) or a factor")):
         with pytest.raises(SystemExit):
             main(["replay", synthetic, *argv])
         assert words in capsys.readouterr().err

@@ -110,8 +110,8 @@ def upstream_error(rows: list[dict]) -> dict | None:
     unread = [r["upstream_usage_unread"] for r in rows if "upstream_usage_unread" in r]
     if not pairs and not unread:
         return None
-    out = {"requests": len(pairs), "exact": sum(1 for p, u in pairs if p == u),
-           "mean_abs_error_tokens": round(sum(abs(p - u) for p, u in pairs) / len(pairs), 3) if pairs else None}
+    mean = round(sum(abs(p - u) for p, u in pairs) / len(pairs), 3) if pairs else None
+    out = {"requests": len(pairs), "exact": sum(1 for p, u in pairs if p == u), "mean_abs_error_tokens": mean}
     if unread:  # answers whose usage the proxy could not read: not compared, and why
         out["unread"] = {"requests": len(unread), "why": unread[0]}
     return out
