@@ -11,9 +11,9 @@ import pytest
 
 from app.replay.calibrate import compare as compare_fits
 from app.replay.calibrate import comparison_report
-from app.replay.stepcost import StepCost, StepShape, fit
+from app.replay.stepcost import TERMS, StepCost, StepShape, features, fit, prompt_shape
 from app.replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
-from app.replay.twin_replay import TwinConfig, predict
+from app.replay.twin_replay import TwinConfig, predict, predict_draws
 from engine.sampler import SamplingParams
 from engine.scheduler import Request, Scheduler, SchedulerSettings
 
@@ -155,15 +155,75 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
     got = fit([s for s in shapes for _ in range(3)], times, machine="test")
     assert got.c0 == pytest.approx(0.02, rel=1e-9) and got.c_decode == pytest.approx(0.004, rel=1e-9)
     assert (got.fit["steps"], got.fit["shapes"]) == (33, 11)      # the median of each shape's three
-    assert set(got.stderr) == {"c0", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx"}
+    assert set(got.stderr) == set(TERMS)
+    # the spread: each pass over its shape's median, 0.95, 1 and 1.5 a third of the time each
+    assert min(got.spread) == pytest.approx(0.95) and max(got.spread) == pytest.approx(1.5)
+    assert sorted(got.spread) == list(got.spread) and got.spread.count(1.0) >= 6
     path = str(tmp_path / "cost.json")
     got.save(path)
     on_disk = json.loads(open(path).read())
-    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 2)
+    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 3)
     assert StepCost.load(path) == got
     old = tmp_path / "v1.json"
     old.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 1, "c0": 0.5, "c_decode": 0.1}))
     assert StepCost.load(str(old)) == StepCost(c0=0.5, c_decode=0.1)
+
+
+def test_a_prompt_pass_is_padded_and_its_attention_tiled_as_the_engine_runs_it(tmp_path):
+    """Worked by hand for an engine that pads a prompt pass to 28 rows and attends in tiles of 32
+    queries x 128 keys (stepcost.features): the terms c0, c_prompt, c_prefill, c_decode, c_ctx,
+    c_prefill_ctx, c_after_prompt."""
+    hit = StepShape(prefill_rows=5, decode_rows=2, decode_context=2 * 300,
+                    prefill_context=5 * 128 + 15, pieces=((128, 5),))   # 5 rows on a cached 128
+    # 28 rows padded, the 2 decode rows among them; 1 x 2 tiles: 32 queries x 256 keys
+    assert features(hit, 28, (32, 128)) == [1, 1, 26, 2, 600, 32 * 256, 0]
+    # without padding or tiles (another engine; a version 2 file): rows as they are, causal pairs
+    assert features(hit, 0, None) == [1, 1, 5, 2, 600, 5 * 128 + 15, 0]
+    fresh = prompt_shape(0, 40)                                          # 2 x 1 tiles
+    assert features(fresh, 28, (32, 128)) == [1, 1, 40, 0, 0, 64 * 128, 0]
+    decode = StepShape(decode_rows=3, decode_context=600, after_prompt=True)
+    assert features(decode, 28, (32, 128)) == [1, 0, 0, 3, 600, 0, 1]
+    cost = StepCost(c0=0.01, c_prompt=0.05, c_prefill=0.001, c_decode=0.002, c_prefill_ctx=1e-6,
+                    c_after_prompt=0.015, prompt_pad_rows=28, attention_tile=(32, 128))
+    assert cost.predict(hit) == pytest.approx(0.01 + 0.05 + 0.026 + 0.004 + 32 * 256e-6)
+    assert cost.predict(decode) == pytest.approx(0.01 + 0.006 + 0.015)
+    path = str(tmp_path / "cost.json")
+    cost.save(path)
+    assert StepCost.load(path) == cost and StepCost.load(path).attention_tile == (32, 128)
+    v2 = tmp_path / "v2.json"   # a version 2 file: no padding, no tiles, no prompt-pass terms
+    v2.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 2, "c0": 0.01,
+                              "c_prefill": 0.001, "c_prefill_ctx": 1e-6}))
+    v2_cost = StepCost.load(str(v2))
+    assert v2_cost.predict(hit) == pytest.approx(0.01 + 0.005 + (5 * 128 + 15) * 1e-6)
+    for bad, says in (({"attention_tile": [32]}, "attention_tile"),
+                      ({"prompt_pad_rows": -1}, "prompt_pad_rows"), ({"spread": [1.0, 0]}, "spread")):
+        v2.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 3, "c0": 0.01, **bad}))
+        with pytest.raises(ValueError, match=says):
+            StepCost.load(str(v2))
+
+
+def test_the_twin_draws_each_pass_from_the_cost_spread(tmp_path):
+    """A spread of one factor doubles every pass of the hand-worked timeline; a spread of two
+    draws per pass, the same for the same seed; `predict_draws` reports the mean of its draws."""
+    doubled = StepCost(c0=1.0, c_prefill=0.125, c_decode=0.5, spread=(2.0,))
+    done = []
+    predict(_write(tmp_path, _small_trace()), TwinConfig(doubled, SETTINGS), per_request=done.append)
+    got = {p.index: (p.admitted_s, p.first_token_s, p.end_s) for p in done}
+    # the hand-worked timeline's first two passes twice as long (0-6, 6-10); C's decode pass then
+    # starts at 10, as D arrives, and D's 4 prompt rows join it: 2 x (1 + 0.5 + 0.5) = 4 s
+    assert got == {0: (0.0, 6.0, 10.0), 1: (0.0, 6.0, 6.0), 2: (6.0, 10.0, 14.0), 3: (10.0, 14.0, 14.0)}
+    two = StepCost(c0=1.0, c_prefill=0.125, c_decode=0.5, spread=(0.5, 1.5))
+    trace = _write(tmp_path, _burst_trace(4.0), "burst.jsonl", 16)
+    config = TwinConfig(two, SchedulerSettings(page_rows=16, max_streams=4))
+    runs = [predict(trace, config) for _ in range(2)]
+    assert runs[0].ttft_s == runs[1].ttft_s                         # seeded: a run repeats exactly
+    seeds = [predict(trace, TwinConfig(two, config.settings, seed=k)) for k in range(3)]
+    assert len({r.ttft_s["p90"] for r in seeds}) > 1                 # another seed, other draws
+    mean, each = predict_draws(trace, config, 3)
+    assert mean.draws == 3 and len(each) == 3 and len(each[0]) == 24
+    assert mean.ttft_s["p90"] == pytest.approx(sum(r.ttft_s["p90"] for r in seeds) / 3)
+    with pytest.raises(ValueError, match="draws"):
+        predict_draws(trace, config, 0)
 
 
 def test_calibrate_compares_a_new_fit_with_the_kept_one_in_standard_errors():
@@ -194,12 +254,21 @@ def test_calibrate_times_the_passes_of_prefix_cache_hits(tiny_model):
     together: they attach the prefix and prefill only their own tokens on top of it, so the fit
     sees passes whose prefill rows attend a context they did not compute (serve's hits)."""
     from app.replay.calibrate import measure
-    shapes = [s for s, _ in measure(tiny_model, workloads=[(0, [(8, 2)]), (32, [(16, 2)] * 2)])]
+    shapes = [s for s, _ in measure(tiny_model, workloads=[(0, [(8, 2)]), (32, [(16, 4)] * 2)])]
     # the prefix's own pass: 32 fresh rows (row j attends j + 1 positions), then its answer
-    assert shapes[0] == StepShape(prefill_rows=32, prefill_context=32 * 33 // 2)
-    # both requests hit the 32 cached tokens: 16 own rows each, row j attending 32 + j + 1
-    assert StepShape(prefill_rows=32, prefill_context=2 * (16 * 32 + 16 * 17 // 2)) in shapes
-    assert not any(s.prefill_rows > 32 for s in shapes)  # nothing prefilled the prefix again
+    assert shapes[0] == prompt_shape(0, 32)
+    # the requests (arriving 50 ms apart, in one pass or two) hit the 32 cached tokens: 16 own
+    # rows each, row j attending 32 + j + 1; nothing prefilled the prefix again
+    hits = [s for s in shapes[1:] if s.prefill_rows]
+    assert [p for s in hits for p in s.pieces] == [(32, 16), (32, 16)]
+    assert all(s.prefill_context == len(s.pieces) * (16 * 32 + 16 * 17 // 2) for s in hits)
+    # a decode pass is `after_prompt` when it is one of the first two after a prompt pass
+    since = 2
+    for s in shapes[1:]:
+        if not s.prefill_rows:
+            assert s.after_prompt == (since < 2)
+        since = 0 if s.prefill_rows else since + 1
+    assert sum(s.decode_rows for s in shapes[1:]) == 2 * 3   # each answer's 3 tokens after its first
 
 
 MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "resources", "traces", "mooncake",

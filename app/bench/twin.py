@@ -22,7 +22,7 @@ import tempfile
 from ..replay import against, calibrate
 from ..replay.stepcost import StepCost
 from ..replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
-from ..replay.twin_replay import TwinConfig, predict
+from ..replay.twin_replay import TwinConfig, predict_draws
 from ..serve import loadtest
 from .common import child_env, figure
 from .serve import free_port
@@ -32,6 +32,7 @@ TARGET_ERROR = 0.20
 BLOCK = 32
 BURSTS, PER_BURST, EVERY_S = 10, 6, 4.0          # 60 requests
 QUICK_BURSTS, QUICK_PER_BURST = 3, 3
+DRAWS = 12   # the twin's runs of the trace, each pass's time drawn from the calibration's spread
 
 
 def burst_trace(path: str, bursts: int, per_burst: int, seed: int = 7) -> int:
@@ -57,11 +58,9 @@ def _calibrate(model_path: str, out: str) -> StepCost:
     return StepCost.load(out)
 
 
-def _predict(trace: str, cost: StepCost) -> tuple[dict, object]:
-    predicted: dict = {}
-    res = predict(open_trace(trace), TwinConfig(cost),  # serve's own scheduler settings
-                  per_request=lambda p: predicted.__setitem__(p.index, p))
-    return predicted, res
+def _predict(trace: str, cost: StepCost) -> tuple[list[dict], object]:
+    res, runs = predict_draws(open_trace(trace), TwinConfig(cost), DRAWS)  # serve's own scheduler settings
+    return runs, res
 
 
 def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
@@ -116,5 +115,5 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
     details = {"compare": cmp, "compare_recalibrated": cmp_after, "calibration_repeat": repeat,
                "cost": cost.to_json(), "cost_after": after.to_json(), "twin": res.to_json(),
                "measured": [m.__dict__ for m in measured],
-               "predicted": [predicted[i].to_json() for i in sorted(predicted)]}
+               "predicted": [predicted[0][i].to_json() for i in sorted(predicted[0])]}
     return figures, details

@@ -101,16 +101,20 @@ def percentiles(values) -> dict:
     return {f"p{q}": float(v) for q, v in zip(PERCENTILES, np.percentile(a, PERCENTILES))} if len(a) else {}
 
 
-def compare(measured: list[Measured], predicted: dict) -> dict:
+def compare(measured: list[Measured], predicted: dict | list[dict]) -> dict:
     """Measured beside predicted: the p50/p90/p99 of TTFT and of total time, and each one's
-    relative error (predicted - measured) / measured. `predicted`: index -> twin Predicted."""
-    ok = [m for m in measured if m.error is None and m.ttft_s is not None and m.index in predicted]
-    out = {"requests": len(measured), "measured_ok": len(ok),
+    relative error (predicted - measured) / measured. `predicted`: index -> twin Predicted, or
+    one such dict per draw (twin_replay.predict_draws): a percentile predicted is then its mean
+    over the draws."""
+    draws = predicted if isinstance(predicted, list) else [predicted]
+    ok = [m for m in measured if m.error is None and m.ttft_s is not None and m.index in draws[0]]
+    out = {"requests": len(measured), "measured_ok": len(ok), "draws": len(draws),
            "errors": [f"request {m.index}: {m.error}" for m in measured if m.error][:10]}
     for name, got, want in (("ttft", lambda m: m.ttft_s, lambda p: p.ttft_s),
                             ("total", lambda m: m.total_s, lambda p: p.end_s - p.arrival_s)):
         meas = percentiles(got(m) for m in ok)
-        pred = percentiles(want(predicted[m.index]) for m in ok)
+        each = [percentiles(want(run[m.index]) for m in ok) for run in draws]
+        pred = {q: float(np.mean([p[q] for p in each])) for q in meas}
         out[name] = {"measured": meas, "predicted": pred,
                      "error": {q: (pred[q] - meas[q]) / meas[q] if meas[q] else None for q in meas}}
     return out
@@ -131,7 +135,9 @@ def table(measured: list[Measured], predicted: dict) -> str:
 
 
 def summary(cmp: dict) -> str:
-    lines = [f"measured {cmp['measured_ok']} of {cmp['requests']} requests"]
+    draws = cmp.get("draws", 1)
+    lines = [f"measured {cmp['measured_ok']} of {cmp['requests']} requests"
+             + (f"; predicted: the mean of {draws} draws of the twin" if draws > 1 else "")]
     for name, label in (("ttft", "TTFT"), ("total", "total")):
         c = cmp[name]
         for q in c["measured"]:

@@ -1,10 +1,11 @@
 """`prefixlab calibrate`: time real passes of the loaded model on this machine and fit the twin's
 step-cost model (docs/design.md §16).
 
-The passes are the engine's own: the real `Scheduler`, with serve's prefix cache on, runs a few
-small workloads (one prompt of each of several lengths, then 2, 4 and 8 streams decoding
-together, then long prompts whose chunks share passes with decoding streams, then prompts that
-hit a cached system prompt and prefill only their own tokens on top of it), and each `step()` is
+The passes are the engine's own: the real `Scheduler`, with serve's prefix cache on, stepped on a
+thread of its own as serve steps it while requests arrive from another, runs a few small
+workloads (one prompt of each of several lengths, then 2, 4 and 8 streams decoding together,
+then long prompts whose chunks share passes with decoding streams, then prompts that hit a
+cached system prompt and prefill only their own tokens on top of it), and each `step()` is
 timed whole, so the fit includes the scheduler's own work around the forward pass, as `serve`
 pays it. Answers run to their length (no stop token). Every workload runs REPEATS times, so each
 pass shape is timed that often and enters the fit as its median. The fit is kept beside the
@@ -17,12 +18,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import threading
 import time
 
-from engine.loop import EngineLoop
-from engine.scheduler import ModelRunner, SchedulerSettings
+from engine.loop import EngineLoop, Job, Refused
+from engine.scheduler import FinishEvent, ModelRunner, SchedulerSettings
 
-from .stepcost import TERMS, StepCost, StepShape, fit, shape_of
+from .stepcost import TERMS, PassShapes, StepCost, StepShape, fit, prompt_shape
 
 # Each workload: (cached prefix tokens, [(own prompt tokens, answer tokens) of each request]),
 # its requests submitted together. A prefix is first run alone (its pages then cached), so the
@@ -40,6 +42,7 @@ WORKLOADS = (
       (0, [(300, 8)] * 4), (0, [(160, 10)] * 8),
       (128, [(48, 6)] * 6), (384, [(96, 6)] * 3), (640, [(32, 4)])] * REPEATS,
 )
+RUN_TIMEOUT_S = 600   # a workload that takes longer has hung
 SAME_WITHIN_SE = 2.0   # two fits agree on a term when they differ by less than this many standard errors
 
 
@@ -54,32 +57,72 @@ class _TimedRunner(ModelRunner):
 
     shape: StepShape | None = None
 
+    def __init__(self, model):
+        super().__init__(model)
+        self.shapes = PassShapes()
+
     def forward(self, batch):
-        self.shape = shape_of(batch)
+        self.shape = self.shapes(batch)
         return super().forward(batch)
+
+
+ARRIVAL_GAP_S = 0.05   # a workload's requests arrive this far apart, as a burst reaches serve
+IDLE_S = 0.3           # and the engine idles this long before each, as between a server's bursts
+
+
+class _TimedLoop(EngineLoop):
+    """serve's loop, each step timed whole (the scheduler's work included) with its pass's shape."""
+
+    def __init__(self, model, runner: _TimedRunner):
+        super().__init__(model, SchedulerSettings(), runner=runner)  # as serve runs it: the cache on
+        self.runner = runner
+        self.samples: list[tuple[StepShape, float]] = []
+        self.fitted = False
+
+    def step(self):
+        self.runner.shape = None
+        t0 = time.perf_counter()
+        super().step()
+        seconds = time.perf_counter() - t0
+        if self.runner.shape is not None and self.fitted:
+            self.samples.append((self.runner.shape, seconds))
 
 
 def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float]]:
     """(shape, seconds) of every pass of `workloads` through the real scheduler (the first
-    workload, the warm-up, left out; a cached prefix's own pass is fitted too)."""
+    workload, the warm-up, left out; a cached prefix's own pass is fitted too).
+
+    As in `serve`, the loop steps on a thread of its own and requests arrive from another, while
+    passes run: a pass that another thread's arrivals interrupt ran up to 1.5 times its time
+    alone (docs/twin.md, section 4), so each workload's requests come ARRIVAL_GAP_S apart, after
+    the engine idled IDLE_S."""
     from ..scenario import sample_tokens
-    runner = _TimedRunner(model)
-    loop = EngineLoop(model, SchedulerSettings(), runner=runner)  # as serve runs it: the cache on
-    sched = loop.scheduler
+    loop = _TimedLoop(model, _TimedRunner(model))
     text = sample_tokens(model, 4096)
-    samples: list[tuple[StepShape, float]] = []
     served = 0
+    stopping = threading.Event()
+    thread = threading.Thread(target=loop.serve_forever, args=(stopping,), name="calibrate-engine",
+                              daemon=True)
+    thread.start()
 
     def run(requests: list[tuple[list[int], int]], fitted: bool) -> None:
-        for prompt, new in requests:
-            loop.submit_now(prompt=prompt, max_new_tokens=new, stop_ids=[])
-        while sched.has_work():
-            runner.shape = None
-            t0 = time.perf_counter()
-            loop.step()
-            seconds = time.perf_counter() - t0
-            if runner.shape is not None and fitted:
-                samples.append((runner.shape, seconds))
+        left, done, refused = [len(requests)], threading.Event(), []
+
+        def sink(event) -> None:
+            if isinstance(event, Refused):
+                refused.append(event.message)
+            if isinstance(event, (Refused, FinishEvent)):
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+        loop.fitted = fitted
+        time.sleep(IDLE_S)
+        for i, (prompt, new) in enumerate(requests):
+            if i:
+                time.sleep(ARRIVAL_GAP_S)
+            loop.submit(Job(dict(prompt=prompt, max_new_tokens=new, stop_ids=[]), sink))
+        if not done.wait(RUN_TIMEOUT_S) or loop.step_error or refused:
+            raise RuntimeError(f"calibrate: a workload did not finish: {refused[:1] or loop.step_error}")
 
     def fresh(n: int) -> list[int]:
         # the text repeats one passage, so a rotation alone can repeat a prompt: a first token no
@@ -89,24 +132,32 @@ def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float
         start = (97 * served) % len(text)
         return ([served % model.config.vocab_size] + text[start:] + text[:start])[:n]
 
-    for w, (prefix_len, requests) in enumerate(workloads):
-        prefix = fresh(prefix_len) if prefix_len else []
-        if prefix:
-            run([(prefix, 1)], w > 0)
-        run([(prefix + fresh(n), new) for n, new in requests], w > 0)
-        if log:
-            about = f" after a cached prefix of {prefix_len}" if prefix_len else ""
-            log(f"  workload {w}/{len(workloads) - 1}: {len(requests)} request(s) of {requests[0][0]} "
-                f"tokens{about}")
-    return samples
+    try:
+        for w, (prefix_len, requests) in enumerate(workloads):
+            prefix = fresh(prefix_len) if prefix_len else []
+            if prefix:
+                run([(prefix, 1)], w > 0)
+            run([(prefix + fresh(n), new) for n, new in requests], w > 0)
+            if log:
+                about = f" after a cached prefix of {prefix_len}" if prefix_len else ""
+                log(f"  workload {w}/{len(workloads) - 1}: {len(requests)} request(s) of {requests[0][0]} "
+                    f"tokens{about}")
+    finally:
+        stopping.set()
+        loop.wake()
+        thread.join()
+    return loop.samples
 
 
 def calibrate(model, log=None) -> tuple[StepCost, list[tuple[StepShape, float]]]:
-    """Measure and fit; the cost names this machine and the model."""
+    """Measure and fit; the cost names this machine and the model, and how the engine pads and
+    tiles a prompt pass on it (stepcost.features)."""
+    from engine.attention import KEY_TILE, QUERY_TILE
     from engine.machine import cpu_model
     samples = measure(model, log)
     size = os.path.getsize(model.path) if os.path.exists(model.path) else 0
     cost = fit([s for s, _ in samples], [t for _, t in samples],
+               prompt_pad_rows=model.backend.exact_rows, attention_tile=(QUERY_TILE, KEY_TILE),
                machine=f"{cpu_model()}, {os.cpu_count()} cores",
                model=f"{os.path.basename(model.path)} ({size} bytes)",
                fit={"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
@@ -115,17 +166,25 @@ def calibrate(model, log=None) -> tuple[StepCost, list[tuple[StepShape, float]]]
 
 def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
     """The fit, its inputs and each pass's error, as the command prints them."""
-    lines = ["pass  prefill rows  decode rows  decode ctx  prefill ctx  measured ms  predicted ms  error"]
+    lines = ["pass  prompt rows  (padded)  decode rows  decode ctx  prompt pairs  after  measured ms  "
+             "predicted ms  error"]
     for i, (s, t) in enumerate(samples):
         p = cost.predict(s)
-        lines.append(f"{i:4d}  {s.prefill_rows:12d}  {s.decode_rows:11d}  {s.decode_context:10d}  "
-                     f"{s.prefill_context:11d}  {t * 1e3:11.2f}  {p * 1e3:12.2f}  {(p - t) / t:+6.1%}")
+        _, _, padded, _, _, pairs, after = cost.features(s)
+        lines.append(f"{i:4d}  {s.prefill_rows:11d}  {padded:8.0f}  {s.decode_rows:11d}  "
+                     f"{s.decode_context:10d}  {pairs:12.0f}  {after:5.0f}  {t * 1e3:11.2f}  "
+                     f"{p * 1e3:12.2f}  {(p - t) / t:+6.1%}")
     f = cost.fit
-    lines += ["", "step seconds = c0 + c_prefill x prefill rows + c_decode x decode rows"
-                  " + c_ctx x decode context + c_prefill_ctx x prefill context",
-              f"  c0 {cost.c0 * 1e3:.4f} ms  c_prefill {cost.c_prefill * 1e3:.4f} ms/row  "
-              f"c_decode {cost.c_decode * 1e3:.4f} ms/row  c_ctx {cost.c_ctx * 1e6:.4f} us/position  "
-              f"c_prefill_ctx {cost.c_prefill_ctx * 1e6:.5f} us/pair",
+    tile = "x".join(map(str, cost.attention_tile)) if cost.attention_tile else "none"
+    lines += ["", "step seconds = c0 + c_prompt x [prompt rows] + c_prefill x prompt rows (padded)"
+                  " + c_decode x decode rows + c_ctx x decode context + c_prefill_ctx x prompt pairs"
+                  " + c_after_prompt x [a decode pass just after a prompt pass]",
+              "  " + "  ".join(f"{n} {_ms(n, getattr(cost, n))}" for n in TERMS),
+              f"  a prompt pass pads to {cost.prompt_pad_rows} rows; attention tiles {tile}; a pass's time "
+              f"over its shape's median: " + (f"p10 {cost.spread[len(cost.spread) // 10]:.2f}, p50 "
+                                              f"{cost.spread[len(cost.spread) // 2]:.2f}, p90 "
+                                              f"{cost.spread[len(cost.spread) * 9 // 10]:.2f}"
+                                              if cost.spread else "not measured"),
               "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS),
               f"  {f['steps']} passes of {f['shapes']} shapes; relative error per shape (its median pass): "
               f"median {f['median_rel_error']:.1%}, p90 {f['p90_rel_error']:.1%}, "
@@ -134,8 +193,9 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
     return "\n".join(lines)
 
 
-UNITS = {"c0": (1e3, "ms"), "c_prefill": (1e3, "ms/row"), "c_decode": (1e3, "ms/row"),
-         "c_ctx": (1e6, "us/position"), "c_prefill_ctx": (1e6, "us/pair")}
+UNITS = {"c0": (1e3, "ms"), "c_prompt": (1e3, "ms"), "c_prefill": (1e3, "ms/row"),
+         "c_decode": (1e3, "ms/row"), "c_ctx": (1e6, "us/position"), "c_prefill_ctx": (1e6, "us/pair"),
+         "c_after_prompt": (1e3, "ms")}
 
 
 def _ms(term: str, seconds: float) -> str:
@@ -165,8 +225,8 @@ def compare(kept: StepCost, new: StepCost) -> dict:
 # typical passes, by what they run: the change of their predicted time compares two fits
 TYPICAL = {"one decode row at 200": StepShape(decode_rows=1, decode_context=201),
            "8 decode rows at 200": StepShape(decode_rows=8, decode_context=8 * 201),
-           "64 prefill rows": StepShape(prefill_rows=64, prefill_context=64 * 65 // 2),
-           "512 prefill rows": StepShape(prefill_rows=512, prefill_context=512 * 513 // 2)}
+           "64 prefill rows": prompt_shape(0, 64),
+           "512 prefill rows": prompt_shape(0, 512)}
 
 
 def comparison_report(cmp: dict) -> str:

@@ -27,7 +27,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="decode tokens/s of each running request (default: measured, at --slots streams)")
     g.add_argument("--slots", type=bounded_int(1, MAX_SLOTS, " slots"), metavar="N",
                    help="requests a replica runs at once (default: the scheduler's streams, 8)")
-    g.add_argument("--seed", type=int, default=0, help="the random router's seed (and --synthesize's)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="the random router's seed (and --synthesize's, and the twin's draws')")
     g.add_argument("--balance-abs", type=int, default=RouterKnobs.balance_abs, metavar="TOKENS",
                    help="cache-aware: balance load when the gap exceeds this many tokens ...")
     g.add_argument("--balance-rel", type=float, default=RouterKnobs.balance_rel, metavar="X",

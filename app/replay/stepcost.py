@@ -1,29 +1,47 @@
 """The twin's step-cost model (docs/design.md §16): one pass's seconds from what it runs.
 
-    seconds = c0 + c_prefill x prefill rows + c_decode x decode rows
-              + c_ctx x context attended by decode rows + c_prefill_ctx x (prefill row, key) pairs
+    seconds = c0 + c_prompt x [the pass holds prompt rows] + c_prefill x prompt rows (padded)
+              + c_decode x decode rows + c_ctx x positions the decode rows attend
+              + c_prefill_ctx x (prompt row, key) pairs computed
+              + c_after_prompt x [a decode-only pass among the first AFTER_PROMPT_PASSES after a prompt pass]
 
-A pass's shape (`StepShape`) is read from the scheduler's `Batch` before it runs. `fit` is
-least squares over timed passes: the passes of one shape (timed several times) enter as their
-median, so a pass slowed by another process moves the fit little; a coefficient that comes out
-negative is dropped and the rest fitted again (a time never shrinks with more work); each
-coefficient comes with its standard error. A fit is kept as one small versioned JSON
-file of coefficients with the machine and model it was measured on; another engine's cost is
-the same file with its own numbers (fit it from that engine's per-step timings with `fit`).
+Each term is a cost the engine pays (docs/twin.md, section 1): a pass that holds prompt rows runs
+every matmul as one GEMM on BLAS's threads, which packs every weight once whatever its rows
+(`c_prompt`), padded to `prompt_pad_rows` rows (CpuBackend.exact_rows); its prompt rows attend in
+tiles of `attention_tile` (queries, keys), every tile computed whole (attention.tiled_attention);
+and BLAS's threads spin on after a prompt pass, on the core the next decode passes share their
+matmuls on (`c_after_prompt`). A cost without the padding and tiles (another engine's; a file of
+version 1 or 2) counts prompt rows as they are and the pairs a causal mask leaves.
+
+A pass's shape (`StepShape`) is read from the scheduler's `Batch` before it runs (`PassShapes`).
+`fit` is least squares over timed passes: the passes of one shape (timed several times) enter as
+their median, so a pass slowed by another process moves the fit little; a coefficient that comes
+out negative is dropped and the rest fitted again (a time never shrinks with more work); each
+coefficient comes with its standard error. The spread of each shape's passes about their median
+is kept too (`spread`): the twin draws each pass's time from it, since a queue's waits grow with
+the spread of its service times, not only their median. A fit is kept as one small versioned JSON
+file with the machine and model it was measured on; another engine's cost is the same file with
+its own numbers (fit it from that engine's per-step timings with `fit`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 COST_FORMAT = "prefixlab-step-cost"
-COST_VERSION = 2          # 2 added `stderr`; a version 1 file reads with none
-READS_VERSIONS = (1, COST_VERSION)
-TERMS = ("c0", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx")
+COST_VERSION = 3          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`
+READS_VERSIONS = (1, 2, COST_VERSION)
+TERMS = ("c0", "c_prompt", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx", "c_after_prompt")
+# Decode-only passes after a prompt pass that find BLAS's threads still spinning: OpenBLAS's
+# threads spin about 2^28 cycles (~0.1 s) after their last GEMM, and the two decode passes in that
+# time ran 15-25 ms slower than later ones on the 2-core EPYC (docs/twin.md, section 1).
+AFTER_PROMPT_PASSES = 2
+SPREAD_POINTS = 20        # quantiles of the per-pass spread a fit keeps
 
 
 @dataclass(frozen=True)
@@ -34,12 +52,11 @@ class StepShape:
     decode_rows: int = 0
     decode_context: int = 0    # sum over decode rows of the positions each attends
     prefill_context: int = 0   # sum over prefill rows of the positions each attends
+    pieces: tuple[tuple[int, int], ...] = ()   # (positions before it, rows) of each prompt piece
+    after_prompt: bool = False  # among the first AFTER_PROMPT_PASSES passes after a prompt pass
 
-    def features(self) -> list[float]:
-        return [1.0, self.prefill_rows, self.decode_rows, self.decode_context, self.prefill_context]
 
-
-def shape_of(batch) -> StepShape:
+def shape_of(batch, after_prompt: bool = False) -> StepShape:
     """The shape of a planned `engine.stream.Batch` (read before its pass runs)."""
     dec_rows = dec_ctx = pre_rows = pre_ctx = 0
     for s, drafts in zip(batch.decode, batch.draft_lists()):
@@ -51,7 +68,39 @@ def shape_of(batch) -> StepShape:
     for n, k in pieces:
         pre_rows += k
         pre_ctx += k * n + k * (k + 1) // 2  # row j attends n + j + 1 positions
-    return StepShape(pre_rows, dec_rows, dec_ctx, pre_ctx)
+    return StepShape(pre_rows, dec_rows, dec_ctx, pre_ctx, tuple(pieces), after_prompt and not pre_rows)
+
+
+class PassShapes:
+    """Reads the shapes of one scheduler's passes in order (a pass's cost depends on the one
+    before it: `after_prompt`)."""
+
+    def __init__(self):
+        self.since_prompt = AFTER_PROMPT_PASSES   # no prompt pass yet
+
+    def __call__(self, batch) -> StepShape:
+        shape = shape_of(batch, self.since_prompt < AFTER_PROMPT_PASSES)
+        self.since_prompt = 0 if shape.prefill_rows else self.since_prompt + 1
+        return shape
+
+
+def prompt_shape(n_past: int, rows: int) -> StepShape:
+    """A pass of one prompt piece of `rows` rows after `n_past` positions, and nothing else."""
+    return StepShape(prefill_rows=rows, prefill_context=rows * n_past + rows * (rows + 1) // 2,
+                     pieces=((n_past, rows),))
+
+
+def features(s: StepShape, pad_rows: int = 0, tile: tuple[int, int] | None = None) -> list[float]:
+    """The terms' multipliers, in TERMS' order, for an engine that pads a prompt pass to
+    `pad_rows` rows and computes prompt attention in whole `tile`s (None: the causal pairs)."""
+    prompt = s.prefill_rows > 0
+    rows = max(s.prefill_rows, pad_rows - s.decode_rows) if prompt else 0
+    pairs = s.prefill_context
+    if tile is not None and s.pieces:
+        q, k = tile
+        pairs = sum(-(-r // q) * q * (-(-(n + r) // k) * k) for n, r in s.pieces)
+    return [1.0, float(prompt), rows, s.decode_rows, s.decode_context, pairs,
+            float(s.after_prompt and not prompt)]
 
 
 @dataclass(frozen=True)
@@ -63,6 +112,11 @@ class StepCost:
     c_decode: float = 0.0
     c_ctx: float = 0.0
     c_prefill_ctx: float = 0.0
+    c_prompt: float = 0.0
+    c_after_prompt: float = 0.0
+    prompt_pad_rows: int = 0                  # a prompt pass computes at least this many rows
+    attention_tile: tuple[int, int] | None = None  # prompt attention's (queries, keys) per tile
+    spread: tuple[float, ...] = ()            # quantiles of a pass's time / its shape's median
     machine: str = ""
     model: str = ""
     fit: dict = field(default_factory=dict)   # steps, shapes, median and worst relative error, when
@@ -75,9 +129,35 @@ class StepCost:
                 raise ValueError(f"step cost: {name} must be a finite number >= 0, got {v!r}")
         if self.c0 + self.c_prefill + self.c_decode <= 0:
             raise ValueError("step cost: c0, c_prefill and c_decode are all 0: every pass would take no time")
+        pad = self.prompt_pad_rows
+        if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+            raise ValueError(f"step cost: prompt_pad_rows must be an integer >= 0, got {pad!r}")
+        tile = self.attention_tile
+        if tile is not None:
+            if (not isinstance(tile, (list, tuple)) or len(tile) != 2
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tile)):
+                raise ValueError(f"step cost: attention_tile must be [queries, keys], two integers > 0, "
+                                 f"got {tile!r}")
+            object.__setattr__(self, "attention_tile", tuple(tile))
+        spread = self.spread
+        if not isinstance(spread, (list, tuple)) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                for v in spread):
+            raise ValueError(f"step cost: spread must be a list of numbers > 0, got {spread!r}")
+        object.__setattr__(self, "spread", tuple(float(v) for v in spread))
+
+    def features(self, shape: StepShape) -> list[float]:
+        return features(shape, self.prompt_pad_rows, self.attention_tile)
 
     def predict(self, shape: StepShape) -> float:
-        return float(np.dot(self.coefficients(), shape.features()))
+        """The pass's seconds: the fit's own (its shape's median)."""
+        return float(np.dot(self.coefficients(), self.features(shape)))
+
+    def draw(self, shape: StepShape, rng: random.Random) -> float:
+        """One pass's seconds as the calibration saw them vary: the fit's time times a factor
+        drawn from `spread` (the fit's time alone when there is none)."""
+        t = self.predict(shape)
+        return t * self.spread[rng.randrange(len(self.spread))] if self.spread else t
 
     def coefficients(self) -> list[float]:
         return [getattr(self, name) for name in TERMS]
@@ -106,7 +186,8 @@ class StepCost:
                              f"versions {readable} (run prefixlab calibrate again)")
         if "c0" not in obj:
             raise ValueError(f"{path}: the step-cost file has no c0")
-        known = {k: obj[k] for k in (*TERMS, "machine", "model", "fit", "stderr") if k in obj}
+        fields = (*TERMS, "prompt_pad_rows", "attention_tile", "spread", "machine", "model", "fit", "stderr")
+        known = {k: obj[k] for k in fields if k in obj}
         if not isinstance(known.get("stderr", {}), dict):
             raise ValueError(f"{path}: \"stderr\" must be an object of term -> seconds")
         try:
@@ -115,22 +196,26 @@ class StepCost:
             raise ValueError(f"{path}: {e}") from None
 
 
-def fit(shapes: list[StepShape], seconds: list[float], **about) -> StepCost:
+def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
+        attention_tile: tuple[int, int] | None = None, **about) -> StepCost:
     """Least squares on relative error (a short pass counts as much as a long one), negative
-    coefficients dropped; `about` sets machine and model.
+    coefficients dropped; `prompt_pad_rows` and `attention_tile` say how the engine timed pads
+    and tiles its prompt passes (features); `about` sets machine and model.
 
     The passes of one shape enter once, as their median time (robust to the odd pass another
     process slowed). Weighting each by 1 / its measured time biases the fit low (a slowed pass
     counts for less than one that ran fast), so the weights become 1 / the fitted time and the
     fit is repeated until they settle (iteratively reweighted least squares). The standard
-    errors are the weighted fit's: the residuals' variance times (A^T A)^-1's diagonal."""
+    errors are the weighted fit's: the residuals' variance times (A^T A)^-1's diagonal. The
+    spread is the quantiles of every pass's time over its shape's median, over the shapes timed
+    more than once."""
     by_shape: dict[StepShape, list[float]] = {}
     for s, t in zip(shapes, seconds):
         by_shape.setdefault(s, []).append(t)
     if len(by_shape) < len(TERMS):
         raise ValueError(f"fitting a step cost needs passes of at least {len(TERMS)} different shapes, "
                          f"got {len(by_shape)}")
-    x = np.array([s.features() for s in by_shape], dtype=np.float64)
+    x = np.array([features(s, prompt_pad_rows, attention_tile) for s in by_shape], dtype=np.float64)
     y = np.array([np.median(ts) for ts in by_shape.values()], dtype=np.float64)
     coef, _ = _nonnegative_lstsq(x, y, 1.0 / y)
     for _ in range(REWEIGHTS):
@@ -138,12 +223,17 @@ def fit(shapes: list[StepShape], seconds: list[float], **about) -> StepCost:
         coef, se = _nonnegative_lstsq(x, y, w)
     rel = np.abs(x @ coef - y) / y
     every = np.asarray(seconds, dtype=np.float64)
-    rel_pass = np.abs(np.array([s.features() for s in shapes]) @ coef - every) / every
+    rel_pass = np.abs(np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef
+                      - every) / every
+    ratios = [t / np.median(ts) for ts in by_shape.values() if len(ts) > 1 for t in ts]
+    spread = (np.quantile(ratios, (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS).tolist()
+              if ratios else [])
     about = dict(about)
     about["fit"] = {**about.get("fit", {}), "steps": len(shapes), "shapes": len(by_shape),
                     "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90)),
                     "max_rel_error": float(rel.max()), "pass_median_rel_error": float(np.median(rel_pass))}
     return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about,
+                    prompt_pad_rows=prompt_pad_rows, attention_tile=attention_tile, spread=tuple(spread),
                     stderr={name: float(e) for name, e in zip(TERMS, se)})
 
 

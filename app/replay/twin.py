@@ -3,18 +3,20 @@ nothing, each pass timed by a step-cost model on a virtual clock.
 
 Admission, chunked prefill, lending, continuous batching and eviction are the scheduler's own
 code (the code `serve` runs); only the forward pass is replaced (`TwinRunner`, an
-`engine.scheduler.Runner`): it records the pass's tokens in the pages, as `eval_batch` does, and
-predicts the pass's seconds from its shape (app/replay/stepcost.py). Each request's answer is
-forced to the trace's output length (greedy over one-logit rows, no stop tokens). A pass
-starts when the one before ends, or when a request arrives at an idle replica; a request that
-arrives during a pass is admitted at the next pass, as in the engine. A request is admitted at
-the start of the pass that admits it, and its first token and its end come at the end of the
-pass that samples them.
+`engine.scheduler.Runner`): it records the pass's tokens in the pages, as `eval_batch` does,
+and predicts the pass's seconds from its shape (app/replay/stepcost.py), times a factor drawn
+from the spread the calibration measured (seeded: a run repeats exactly; no spread, no draw).
+Each request's answer is forced to the trace's output length (greedy over one-logit rows, no
+stop tokens). A pass starts when the one before ends, or when a request arrives at an idle
+replica; a request that arrives during a pass is admitted at the next pass, as in the engine.
+A request is admitted at the start of the pass that admits it, and its first token and its end
+come at the end of the pass that samples them.
 """
 
 from __future__ import annotations
 
 import functools
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +27,7 @@ from engine.metrics import Timeline
 from engine.sampler import SamplingParams
 from engine.scheduler import FinishEvent, SchedulerSettings, TokenEvent
 
-from .stepcost import StepCost, shape_of
+from .stepcost import PassShapes, StepCost
 from .trace import TraceRequest
 
 # A stand-in vocabulary as wide as token ids can be (the twin checks no id against a model).
@@ -80,17 +82,20 @@ class Pages(BlockManager):
 
 
 class TwinRunner:
-    """A pass that records its tokens in storage-free pages and predicts its own duration."""
+    """A pass that records its tokens in storage-free pages and predicts its own duration: the
+    cost's time for its shape, times a factor drawn (seeded) from the cost's spread."""
 
-    def __init__(self, cost: StepCost, cfg: StandInConfig):
+    def __init__(self, cost: StepCost, cfg: StandInConfig, seed: int = 0):
         self.cost, self.cfg = cost, cfg
+        self.shapes = PassShapes()
+        self.rng = random.Random(seed)
         self.last_s = 0.0   # the predicted seconds of the latest pass
 
     def new_pool(self, settings: SchedulerSettings) -> BlockManager:
         return Pages(self.cfg, settings.page_rows, settings.pool_pages)
 
     def forward(self, batch) -> np.ndarray:
-        self.last_s = self.cost.predict(shape_of(batch))
+        self.last_s = self.cost.draw(self.shapes(batch), self.rng)
         sessions, tokens = batch.sessions(), batch.tokens()
         pool = sessions[0].pool
         pool.allocate(sessions, [len(t) for t in tokens])
@@ -138,10 +143,10 @@ class Twin:
     """One replica: the engine's scheduler over storage-free pages, on a virtual clock."""
 
     def __init__(self, cost: StepCost, settings: SchedulerSettings | None = None,
-                 context_length: int = TWIN_VOCAB, on_done=None):
+                 context_length: int = TWIN_VOCAB, on_done=None, seed: int = 0):
         settings = settings or SchedulerSettings()
         self.cfg = StandInConfig(context_length)
-        self.runner = TwinRunner(cost, self.cfg)
+        self.runner = TwinRunner(cost, self.cfg, seed)
         # The one loop every front end drives (docs/design.md §5), over the twin's runner.
         self.loop = EngineLoop(TwinModel(self.cfg, _NoText()), settings, runner=self.runner)
         self.scheduler = self.loop.scheduler

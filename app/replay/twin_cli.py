@@ -23,7 +23,12 @@ def add_twin_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-tokens", type=int, default=512, metavar="N", help="the twin's prefill chunk")
     g.add_argument("--pool-pages", type=int, metavar="N",
                    help="the twin's KV pool per replica in pages (default: grows, as serve's)")
-    g.add_argument("--per-request", metavar="OUT.jsonl", help="write each request's predicted figures here")
+    g.add_argument("--draws", type=_draws, default=1, metavar="N",
+                   help="run the trace N times, each pass's time drawn from the cost's measured spread "
+                        "(seeds --seed, +1, ...), and report each figure's mean (default 1; a short trace's "
+                        "percentiles move from draw to draw)")
+    g.add_argument("--per-request", metavar="OUT.jsonl", help="write each request's predicted figures here "
+                                                              "(the first draw's)")
     g.add_argument("--against", metavar="URL",
                    help="send the trace to this OpenAI-compatible server at its arrival times and report "
                         "measured beside the twin's prediction (e.g. http://127.0.0.1:8000)")
@@ -41,6 +46,12 @@ def _seconds(text: str) -> float:
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"an SLO is a number of seconds > 0, got {text!r}")
     return v
+
+
+def _draws(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--draws is a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _speed(text: str) -> float:
@@ -88,13 +99,13 @@ def twin_config(args, cost):
         raise ValueError("--twin runs one configuration: give one --replicas N and one --router")
     knobs = RouterKnobs(args.seed, args.balance_abs, args.balance_rel, args.overlap_weight, args.hash_balance)
     return TwinConfig(cost, settings, replicas[0], routers[0], knobs, args.slo_ttft, args.slo_tpot,
-                      speed=args.speed)
+                      speed=args.speed, seed=args.seed)
 
 
 def run_twin(args, source) -> int:
     """Predict the trace; print the summary; --json and --per-request write the figures."""
     from .cli import _write_json
-    from .twin_replay import predict, summary, write_per_request
+    from .twin_replay import predict_draws, summary, write_per_request
     try:
         cost, where = load_cost(args.cost, getattr(args, "model", None))
         config = twin_config(args, cost)
@@ -104,11 +115,12 @@ def run_twin(args, source) -> int:
     per, close = write_per_request(args.per_request) if args.per_request else (None, lambda: None)
     try:
         if args.quiet:
-            res = predict(source, config, per_request=per)
+            res, _ = predict_draws(source, config, args.draws, per_request=per)
         else:
             from tqdm import tqdm
             with tqdm(unit="req", desc="twin", leave=False) as bar:
-                res = predict(source, config, progress=lambda n: bar.update(n - bar.n), per_request=per)
+                res, _ = predict_draws(source, config, args.draws, progress=lambda n: bar.update(n - bar.n),
+                                       per_request=per)
     finally:
         close()
     print(summary(res))
@@ -125,7 +137,7 @@ def run_against(args, source) -> int:
     """Send the trace to --against, then predict it with the twin; print both and the errors."""
     from . import against
     from .cli import _write_json
-    from .twin_replay import predict, summary
+    from .twin_replay import predict_draws, summary
     try:
         cost, where = load_cost(args.cost, getattr(args, "model", None))
         config = twin_config(args, cost)
@@ -133,10 +145,9 @@ def run_against(args, source) -> int:
         raise TraceError(str(e)) from None
     print(f"sending the trace to {args.against} at {args.speed:g}x its arrival times ...", flush=True)
     measured = against.send(args.against, source, args.speed, args.served_model)
-    predicted: dict = {}
-    res = predict(source, config, per_request=lambda p: predicted.__setitem__(p.index, p))
-    cmp = against.compare(measured, predicted)
-    print(against.table(measured, predicted))
+    res, runs = predict_draws(source, config, args.draws)
+    cmp = against.compare(measured, runs)
+    print(against.table(measured, runs[0]))
     print(f"step cost: {where}")
     print(summary(res))
     print(against.summary(cmp))

@@ -39,6 +39,7 @@ class TwinConfig:
     slo_tpot_s: float | None = None
     context_length: int = TWIN_VOCAB
     speed: float = 1.0        # arrivals at the trace's times divided by this
+    seed: int = 0             # of the draws from the cost's spread (stepcost.StepCost.draw)
 
 
 @dataclass
@@ -56,10 +57,11 @@ class TwinResult:
     token_hit_ratio: float = 0.0
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
-    good: int = 0                # requests within both SLOs (the ones given)
+    good: float = 0              # requests within both SLOs (the ones given); a mean over draws
     goodput_rps: float = 0.0     # good requests per second of the span
     steps: int = 0
     seconds: float = 0.0         # wall time of the prediction
+    draws: int = 1               # runs of the trace (seeds) the figures are the mean of
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -99,8 +101,8 @@ def predict(source: TraceSource, config: TwinConfig, progress=None,
     t0 = time.perf_counter()
     books = _Books(config, per_request)
     settings = _unbounded_queue(config.settings)
-    reps = [Twin(config.cost, settings, config.context_length, on_done=books.done)
-            for _ in range(config.replicas)]
+    reps = [Twin(config.cost, settings, config.context_length, on_done=books.done, seed=f"{config.seed}/{k}")
+            for k in range(config.replicas)]
     route = make_router(config.router, config.replicas, config.knobs)
     block = source.block_size if source.hashed else None
     clock = 0.0
@@ -128,6 +130,43 @@ def predict(source: TraceSource, config: TwinConfig, progress=None,
         if was_enabled:
             gc.enable()
     return _result(config, books, sum(rep.steps for rep in reps), time.perf_counter() - t0)
+
+
+def predict_draws(source: TraceSource, config: TwinConfig, draws: int, progress=None,
+                  per_request: Callable[[Predicted], None] | None = None) -> tuple[TwinResult, list[dict]]:
+    """The trace through the twins `draws` times, seeds config.seed, +1, ...: a cost with a spread
+    draws each pass's time, so one run's percentiles are one draw of what the server may do, and
+    their mean over draws is the prediction. Returns that mean and each draw's requests (index ->
+    Predicted); `per_request` and `progress` follow the first draw."""
+    from dataclasses import replace
+    if not isinstance(draws, int) or draws < 1:
+        raise ValueError(f"draws must be an integer >= 1, got {draws!r}")
+    results, runs = [], []
+    for k in range(draws):
+        got: dict = {}
+
+        def keep(p: Predicted, got=got, first=k == 0) -> None:
+            got[p.index] = p
+            if first and per_request is not None:
+                per_request(p)
+        results.append(predict(source, replace(config, seed=config.seed + k),
+                               progress if k == 0 else None, keep))
+        runs.append(got)
+    return (results[0] if draws == 1 else mean_result(results)), runs
+
+
+def mean_result(results: list[TwinResult]) -> TwinResult:
+    """Each figure's mean over runs of one trace (steps and seconds: their sums)."""
+    first = results[0]
+    out = TwinResult(requests=first.requests, replicas=first.replicas, router=first.router,
+                     slo_ttft_s=first.slo_ttft_s, slo_tpot_s=first.slo_tpot_s, draws=len(results),
+                     steps=sum(r.steps for r in results), seconds=sum(r.seconds for r in results))
+    for name in ("queue_s", "ttft_s", "tpot_s", "latency_s"):
+        setattr(out, name, {q: float(np.mean([getattr(r, name)[q] for r in results]))
+                            for q in getattr(first, name)})
+    for name in ("span_s", "token_hit_ratio", "good", "goodput_rps"):
+        setattr(out, name, float(np.mean([getattr(r, name) for r in results])))
+    return out
 
 
 def _unbounded_queue(settings: SchedulerSettings) -> SchedulerSettings:
@@ -170,12 +209,14 @@ def summary(res: TwinResult) -> str:
     slo = " and ".join(f"{name} <= {v:g} s" for name, v in slos if v is not None)
     lines = [f"twin: {res.requests:,} requests on {res.replicas} replica(s)"
              + (f" behind {res.router}" if res.replicas > 1 else "")
-             + f", {res.steps:,} passes predicted in {res.seconds:.1f} s",
+             + f", {res.steps:,} passes predicted in {res.seconds:.1f} s"
+             + (f" (the mean of {res.draws} draws of each pass's time)" if res.draws > 1 else ""),
              f"  queue s  {ps(res.queue_s)}", f"  TTFT s   {ps(res.ttft_s)}",
              f"  TPOT s   {ps(res.tpot_s)}", f"  total s  {ps(res.latency_s)}",
              f"  token hit ratio {res.token_hit_ratio:.4f}; span {res.span_s:,.1f} s"]
     if slo:
-        lines.append(f"  goodput under {slo}: {res.good:,} of {res.requests:,} requests "
+        good = f"{res.good:,}" if res.draws == 1 else f"{res.good:,.1f}"
+        lines.append(f"  goodput under {slo}: {good} of {res.requests:,} requests "
                      f"({res.good / res.requests:.1%}), {res.goodput_rps:,.3f} req/s")
     return "\n".join(lines)
 
