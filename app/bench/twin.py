@@ -3,8 +3,9 @@
 A fresh `prefixlab calibrate` (a child process, before the server starts), then `prefixlab serve`
 on the bundled model as shipped (only its queue made long enough for the bursts), then a trace of
 bursts of requests sharing one of three system prompts, at a rate that queues, sent `--against`
-it; the same trace through the twin at the fresh calibration. The figures are the twin's relative
-error on TTFT p50 and p90 (target: within 20 %) and on the total time's.
+it; the same trace through the twin at the fresh calibration, DRAWS times (each pass's time drawn
+from the calibration's spread; the percentiles predicted are the draws' means). The figures are
+the twin's relative error on TTFT p50 and p90 (target: within 20 %) and on the total time's.
 
 A second calibration after the server stops says how repeatable a calibration is here (the
 largest difference of a coefficient in standard errors) and how far the machine's speed moved

@@ -231,10 +231,10 @@ TYPICAL = {"one decode row at 200": StepShape(decode_rows=1, decode_context=201)
 
 def comparison_report(cmp: dict) -> str:
     lines = [f"beside the kept fit (of {cmp['kept_when'] or 'unknown time'}):",
-             "  term           kept               new                difference / standard error"]
+             "  term            kept               new                difference / standard error"]
     for n, t in cmp["terms"].items():
         z = "no standard error kept" if t["z"] is None else f"{t['z']:+.1f}"
-        lines.append(f"  {n:13s}  {_ms(n, t['kept']):17s}  {_ms(n, t['new']):17s}  {z}")
+        lines.append(f"  {n:14s}  {_ms(n, t['kept']):17s}  {_ms(n, t['new']):17s}  {z}")
     worst = cmp["max_abs_z"]
     verdict = ("  not judged within noise: a term differs and neither fit has its standard error"
                if worst is None else
