@@ -27,7 +27,7 @@ from engine.scheduler import FinishEvent, ModelRunner, SchedulerSettings
 from .stepcost import TERMS, PassShapes, StepCost, StepShape, fit, prompt_shape
 
 # Each workload: (cached prefix tokens, [(own prompt tokens, answer tokens) of each request]),
-# its requests submitted together. A prefix is first run alone (its pages then cached), so the
+# its requests arriving ARRIVAL_GAP_S apart. A prefix is first run alone (its pages then cached), so the
 # requests after it attach it and prefill only their own tokens on top of it: the passes a
 # prefix-cache hit runs, whose rows attend a context they did not compute (without them the
 # prefill-context term is barely identified, and hits' prefills came out about 20 % slower than
@@ -80,11 +80,11 @@ class _TimedLoop(EngineLoop):
         self.fitted = False
 
     def step(self):
-        self.runner.shape = None
+        self.runner.shape, fitted = None, self.fitted
         t0 = time.perf_counter()
         super().step()
         seconds = time.perf_counter() - t0
-        if self.runner.shape is not None and self.fitted:
+        if self.runner.shape is not None and fitted:
             self.samples.append((self.runner.shape, seconds))
 
 
@@ -115,8 +115,8 @@ def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float
                 left[0] -= 1
                 if not left[0]:
                     done.set()
-        loop.fitted = fitted
         time.sleep(IDLE_S)
+        loop.fitted = fitted   # the loop is idle: the previous workload's passes have all been timed
         for i, (prompt, new) in enumerate(requests):
             if i:
                 time.sleep(ARRIVAL_GAP_S)
