@@ -219,8 +219,9 @@ def test_the_twin_draws_each_pass_from_the_cost_spread(tmp_path):
     assert runs[0].ttft_s == runs[1].ttft_s                         # seeded: a run repeats exactly
     seeds = [predict(trace, TwinConfig(two, config.settings, seed=k)) for k in range(3)]
     assert len({r.ttft_s["p90"] for r in seeds}) > 1                 # another seed, other draws
-    mean, each = predict_draws(trace, config, 3)
+    mean, each = predict_draws(trace, config, 3, keep=True)
     assert mean.draws == 3 and len(each) == 3 and len(each[0]) == 24
+    assert predict_draws(trace, config, 3)[1] == []          # kept only when asked: bounded memory
     assert mean.ttft_s["p90"] == pytest.approx(sum(r.ttft_s["p90"] for r in seeds) / 3)
     with pytest.raises(ValueError, match="draws"):
         predict_draws(trace, config, 0)

@@ -60,7 +60,7 @@ def _calibrate(model_path: str, out: str) -> StepCost:
 
 
 def _predict(trace: str, cost: StepCost) -> tuple[list[dict], object]:
-    res, runs = predict_draws(open_trace(trace), TwinConfig(cost), DRAWS)  # serve's own scheduler settings
+    res, runs = predict_draws(open_trace(trace), TwinConfig(cost), DRAWS, keep=True)  # serve's settings
     return runs, res
 
 

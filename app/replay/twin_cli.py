@@ -145,7 +145,7 @@ def run_against(args, source) -> int:
         raise TraceError(str(e)) from None
     print(f"sending the trace to {args.against} at {args.speed:g}x its arrival times ...", flush=True)
     measured = against.send(args.against, source, args.speed, args.served_model)
-    res, runs = predict_draws(source, config, args.draws)
+    res, runs = predict_draws(source, config, args.draws, keep=True)
     cmp = against.compare(measured, runs)
     print(against.table(measured, runs[0]))
     print(f"step cost: {where}")

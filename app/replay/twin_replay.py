@@ -133,25 +133,29 @@ def predict(source: TraceSource, config: TwinConfig, progress=None,
 
 
 def predict_draws(source: TraceSource, config: TwinConfig, draws: int, progress=None,
-                  per_request: Callable[[Predicted], None] | None = None) -> tuple[TwinResult, list[dict]]:
+                  per_request: Callable[[Predicted], None] | None = None,
+                  keep: bool = False) -> tuple[TwinResult, list[dict]]:
     """The trace through the twins `draws` times, seeds config.seed, +1, ...: a cost with a spread
     draws each pass's time, so one run's percentiles are one draw of what the server may do, and
-    their mean over draws is the prediction. Returns that mean and each draw's requests (index ->
-    Predicted); `per_request` and `progress` follow the first draw."""
+    their mean over draws is the prediction. Returns that mean and, with `keep`, each draw's
+    requests (index -> Predicted; without it, none are held: a long trace stays in bounded
+    memory); `per_request` and `progress` follow the first draw."""
     from dataclasses import replace
     if not isinstance(draws, int) or draws < 1:
         raise ValueError(f"draws must be an integer >= 1, got {draws!r}")
     results, runs = [], []
     for k in range(draws):
         got: dict = {}
+        if keep:
+            runs.append(got)
 
-        def keep(p: Predicted, got=got, first=k == 0) -> None:
-            got[p.index] = p
+        def done(p: Predicted, got=got, first=k == 0) -> None:
+            if keep:
+                got[p.index] = p
             if first and per_request is not None:
                 per_request(p)
         results.append(predict(source, replace(config, seed=config.seed + k),
-                               progress if k == 0 else None, keep))
-        runs.append(got)
+                               progress if k == 0 else None, done))
     return (results[0] if draws == 1 else mean_result(results)), runs
 
 
