@@ -101,12 +101,10 @@ def percentiles(values) -> dict:
     return {f"p{q}": float(v) for q, v in zip(PERCENTILES, np.percentile(a, PERCENTILES))} if len(a) else {}
 
 
-def compare(measured: list[Measured], predicted: dict | list[dict]) -> dict:
+def compare(measured: list[Measured], draws: list[dict]) -> dict:
     """Measured beside predicted: the p50/p90/p99 of TTFT and of total time, and each one's
-    relative error (predicted - measured) / measured. `predicted`: index -> twin Predicted, or
-    one such dict per draw (twin_replay.predict_draws): a percentile predicted is then its mean
-    over the draws."""
-    draws = predicted if isinstance(predicted, list) else [predicted]
+    relative error (predicted - measured) / measured. `draws`: per draw of the twin
+    (twin_replay.predict_draws), index -> Predicted; a percentile predicted is its mean over them."""
     ok = [m for m in measured if m.error is None and m.ttft_s is not None and m.index in draws[0]]
     out = {"requests": len(measured), "measured_ok": len(ok), "draws": len(draws),
            "errors": [f"request {m.index}: {m.error}" for m in measured if m.error][:10]}

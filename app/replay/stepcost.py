@@ -53,7 +53,7 @@ class StepShape:
     decode_context: int = 0    # sum over decode rows of the positions each attends
     prefill_context: int = 0   # sum over prefill rows of the positions each attends
     pieces: tuple[tuple[int, int], ...] = ()   # (positions before it, rows) of each prompt piece
-    after_prompt: bool = False  # among the first AFTER_PROMPT_PASSES passes after a prompt pass
+    after_prompt: bool = False  # a decode-only pass among the first AFTER_PROMPT_PASSES after a prompt pass
 
 
 def shape_of(batch, after_prompt: bool = False) -> StepShape:
@@ -99,8 +99,7 @@ def features(s: StepShape, pad_rows: int = 0, tile: tuple[int, int] | None = Non
     if tile is not None and s.pieces:
         q, k = tile
         pairs = sum(-(-r // q) * q * (-(-(n + r) // k) * k) for n, r in s.pieces)
-    return [1.0, float(prompt), rows, s.decode_rows, s.decode_context, pairs,
-            float(s.after_prompt and not prompt)]
+    return [1.0, float(prompt), rows, s.decode_rows, s.decode_context, pairs, float(s.after_prompt)]
 
 
 @dataclass(frozen=True)
