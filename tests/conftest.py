@@ -257,6 +257,27 @@ def gemma_installed(monkeypatch, tmp_path):
     return path
 
 
+MOONCAKE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "resources", "traces", "mooncake", "conversation_trace.jsonl")
+
+
+@pytest.fixture(scope="session")
+def mooncake_replay():
+    """replay(the shipped Mooncake trace, ReplayConfig(budget=b)) once per budget for the session:
+    several modules read the same budgets, and each run takes seconds."""
+    from app.replay.results import ReplayConfig
+    from app.replay.simulate import replay
+    from app.replay.trace import open_trace
+
+    done: dict = {}
+
+    def run(budget: int | None):
+        if budget not in done:
+            done[budget] = replay(open_trace(MOONCAKE), ReplayConfig(budget=budget))
+        return done[budget]
+    return run
+
+
 @pytest.fixture(scope="session")
 def reference() -> dict:
     """llama.cpp's tokenizations and greedy runs of the bundled model."""

@@ -35,18 +35,17 @@ def hits(path: str, budget: int | None, policy: str):
 # the shipped Mooncake trace (docs/design.md §10) ---------------------------------------------------------
 
 
-def test_mooncake_trace_infinite_capacity_hit_ratio():
-    r = replay(open_trace(MOONCAKE), ReplayConfig())
+def test_mooncake_trace_infinite_capacity_hit_ratio(mooncake_replay):
+    r = mooncake_replay(None)
     assert round(r.token_hit_ratio, 4) == 0.3734
     assert r.requests == 12031 and r.page_rows == 512 and r.budget is None and r.evicted == 0
     assert r.tokens_saved == 512 * r.blocks_hit
     assert len(r.over_time) >= 64 and r.over_time[-1]["t"] == pytest.approx(3536.999)
 
 
-def test_mooncake_trace_hit_ratio_falls_with_capacity():
-    src = open_trace(MOONCAKE)
+def test_mooncake_trace_hit_ratio_falls_with_capacity(mooncake_replay):
     budgets = (100_000, 30_000, 10_000, 3_000, 1_000)
-    ratios = [replay(src, ReplayConfig(budget=b)).token_hit_ratio for b in budgets]
+    ratios = [mooncake_replay(b).token_hit_ratio for b in budgets]
     assert all(a > b for a, b in zip([0.3734] + ratios, ratios)), ratios
     assert [round(x, 4) for x in ratios] == [0.3710, 0.3371, 0.2193, 0.0686, 0.0459]
 

@@ -18,15 +18,15 @@ MOONCAKE = os.path.join(ROOT, "resources", "traces", "mooncake", "conversation_t
 PROMPT_TOKENS = 144_793_823   # the trace's input_length, summed
 ROUTERS = ("round-robin", "prefix-hash", "random", "least-loaded", "cache-aware", "kv-cost")
 BLOCK = 512
+HEAD_REQUESTS = 5_000
 
 
 def added(parts: dict) -> int:
     return sum(parts[p] for p in parts if p != "disk")
 
 
-def test_mooncake_totals_by_part_at_two_budgets():
-    src = open_trace(MOONCAKE)
-    small, large = (replay(src, ReplayConfig(budget=b)) for b in (3_000, 30_000))
+def test_mooncake_totals_by_part_at_two_budgets(mooncake_replay):
+    small, large = mooncake_replay(3_000), mooncake_replay(30_000)
     for r in (small, large):
         assert added(r.parts) == r.input_tokens == PROMPT_TOKENS
         assert r.parts["cached"] == r.tokens_saved
@@ -51,12 +51,19 @@ def test_hand_trace_repeat_is_cached_but_the_cap_and_a_gone_one_is_evicted(tmp_p
                        "evicted": 2 * BLOCK - 5, "isolated": 0, "new": 5 * BLOCK}
 
 
-def test_routed_per_router_on_four_replicas():
-    src = open_trace(MOONCAKE)
+def test_routed_per_router_on_four_replicas(tmp_path):
+    # the trace's first 5,000 requests (of 12,031): the routers' ranking is set by then
+    head = tmp_path / "head.jsonl"
+    with open(MOONCAKE, encoding="utf-8") as src, open(head, "w", encoding="utf-8") as dst:
+        lines = [line for _, line in zip(range(HEAD_REQUESTS), src)]
+        dst.writelines(lines)
+    prompt_tokens = sum(json.loads(line)["input_length"] for line in lines)
+    src = open_trace(str(head))
     service = ServiceModel(prefill_rate=20_000.0, decode_rate=40.0, slots=4)
     res = {r: replay_cluster(src, ClusterConfig(4, r, service, budget=3_000)) for r in ROUTERS}
     for r in res.values():
-        assert sum(r.parts[p] for p in (*PARTS, "routed")) == PROMPT_TOKENS
+        assert r.requests == HEAD_REQUESTS
+        assert sum(r.parts[p] for p in (*PARTS, "routed")) == prompt_tokens
         assert r.parts["cached"] == r.tokens_saved
     routed = {name: r.parts["routed"] for name, r in res.items()}
     # every request of this trace starts with the same block: prefix-hash keeps it on the hash's

@@ -27,9 +27,10 @@ from .replay import QUICK_REQUESTS, TRACE
 
 FEATURE = "clusters"  # the table's and the JSON's "feature" of its figures
 REPLICAS, BUDGET = (1, 2, 4, 8), 3_000
+QUICK_REPLICAS = (2, 4)  # --quick: half the configurations (seconds, for tests)
 # A GPU-class replica (the README's table): this trace's 41k prompt tokens/s need 4 or more.
 SERVICE = ServiceModel(prefill_rate=10_000.0, decode_rate=30.0, slots=16)
-BIG_REQUESTS, QUICK_BIG_REQUESTS = 1_000_000, 20_000
+BIG_REQUESTS, QUICK_BIG_REQUESTS = 1_000_000, 5_000
 BIG_SETTING = ClusterConfig(4, "cache-aware", SERVICE, budget=BUDGET)
 
 
@@ -49,7 +50,8 @@ def cluster_figures(quick: bool) -> tuple[dict, dict]:
                 for _, line in zip(range(QUICK_REQUESTS), src):
                     dst.write(line)
         src = open_trace(path)
-        configs = cluster_configs(REPLICAS, ROUTERS, [BUDGET], ["leaf-lru"], [None], SERVICE, RouterKnobs())
+        replicas = QUICK_REPLICAS if quick else REPLICAS
+        configs = cluster_configs(replicas, ROUTERS, [BUDGET], ["leaf-lru"], [None], SERVICE, RouterKnobs())
         t0 = time.perf_counter()
         pool = run_sweep(src, configs, workers=cores, fn=replay_cluster)
         pool_s = time.perf_counter() - t0
