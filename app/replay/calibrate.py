@@ -93,9 +93,8 @@ def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float
     workload, the warm-up, left out; a cached prefix's own pass is fitted too).
 
     As in `serve`, the loop steps on a thread of its own and requests arrive from another, while
-    passes run: a pass that another thread's arrivals interrupt ran up to 1.5 times its time
-    alone (docs/twin.md, section 4), so each workload's requests come ARRIVAL_GAP_S apart, after
-    the engine idled IDLE_S."""
+    passes run: each workload's requests come ARRIVAL_GAP_S apart, after the engine idled IDLE_S
+    (docs/twin.md, section 4, says what that does and does not change)."""
     from ..scenario import sample_tokens
     loop = _TimedLoop(model, _TimedRunner(model))
     text = sample_tokens(model, 4096)
