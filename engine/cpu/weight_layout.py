@@ -67,7 +67,11 @@ def to_blocks(w: np.ndarray, layout: str = "blocks") -> np.ndarray | None:
     if N % COLUMN_BLOCK:
         return None
     cols = w.reshape(*lead, K, N // COLUMN_BLOCK, COLUMN_BLOCK)                # [..., K, N/64, 64]
-    return np.ascontiguousarray(np.moveaxis(cols, -3, -1) if layout == "blocks_t" else cols.swapaxes(-3, -2))
+    view = np.moveaxis(cols, -3, -1) if layout == "blocks_t" else cols.swapaxes(-3, -2)
+    out = np.empty(view.shape, dtype=w.dtype)
+    for i in np.ndindex(*lead):  # a matrix at a time: a stack's transposed copy in one go misses
+        out[i] = view[i]         # the cache (30 layers of SmolLM2's gate+up: 0.56 s, 0.20 this way)
+    return out
 
 
 def blocks_matmul(x: np.ndarray, blocks: np.ndarray, one_row: str = "pair",
