@@ -245,6 +245,13 @@ class Batch:
     def draft_lists(self) -> list[list[int]]:
         return self.drafts or [[] for _ in self.decode]
 
+    def parts(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(positions before it, rows) of each decoding stream and of each prompt piece (a
+        turn's closing tokens too): what the pass computes, read before it runs."""
+        decode = [(s.session.n_past, 1 + len(d)) for s, d in zip(self.decode, self.draft_lists())]
+        pieces = [(s.session.n_past, len(p)) for s, p in self.prefill]
+        return decode, pieces + [(s.session.n_past, len(s.closing)) for s in self.closing]
+
     def prompts(self) -> list[bool]:
         """Per session, whether it gives prompt tokens (a prefill piece, a turn's closing
         tokens: the K/V a later prompt's cache hit reads) rather than decoded ones."""

@@ -91,9 +91,15 @@ async def _send_all(url: str, reqs, model: str | None) -> list[Measured]:
 
 def send(url: str, source: TraceSource, speed: float = 1.0, model: str | None = None) -> list[Measured]:
     """Send every request of the trace at its time; the measured requests in trace order."""
+    return send_requests(url, requests_of(source, speed), model)
+
+
+def send_requests(url: str, reqs: list[tuple[float, list[int], int]],
+                  model: str | None = None) -> list[Measured]:
+    """Send (arrival s, prompt ids, output length) requests, each at its time, streamed."""
     base = url.rstrip("/")
     base = base[:-3] if base.endswith("/v1") else base
-    return asyncio.run(_send_all(base, requests_of(source, speed), model))
+    return asyncio.run(_send_all(base, reqs, model))
 
 
 def percentiles(values) -> dict:

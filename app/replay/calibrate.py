@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import threading
 import time
 
@@ -25,6 +26,7 @@ from engine.loop import EngineLoop, Job, Refused
 from engine.scheduler import FinishEvent, ModelRunner, SchedulerSettings
 
 from .stepcost import TERMS, PassShapes, StepCost, StepShape, fit, prompt_shape
+from .steplog import StepLogError, fit_log
 
 # Each workload: (cached prefix tokens, [(own prompt tokens, answer tokens) of each request]),
 # its requests arriving ARRIVAL_GAP_S apart. A prefix is first run alone (its pages then cached), so the
@@ -148,6 +150,44 @@ def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float
     return loop.samples
 
 
+def calibrate_server(url: str, step_log: str, log=None, workloads=WORKLOADS):
+    """Send `workloads` to a running `prefixlab serve --step-log STEP_LOG` at `url`, as `measure`
+    runs them (streamed completions of token ids that run to their length, ARRIVAL_GAP_S apart
+    after IDLE_S idle), and fit the passes the server logged meanwhile (the warm-up's left out):
+    the cost of that server under its own front end. (cost, samples, the log's header)."""
+    from .against import send_requests
+    from .twin import BLOCK_IDS
+    rng, served = random.Random(0), [0]
+
+    def fresh(n: int) -> list[int]:  # a first id no earlier prompt had: no hit by chance
+        served[0] += 1
+        low, high = BLOCK_IDS
+        return [low + served[0] % (high - low)] + [rng.randrange(low, high) for _ in range(n - 1)]
+
+    def run(requests: list[tuple[list[int], int]]) -> None:
+        time.sleep(IDLE_S)
+        failed = [m.error for m in send_requests(url, [(ARRIVAL_GAP_S * i, p, n)
+                                                        for i, (p, n) in enumerate(requests)]) if m.error]
+        if failed:
+            raise StepLogError(f"{url}: a calibration request failed: {failed[0]}")
+
+    if not os.path.exists(step_log):
+        raise StepLogError(f"{step_log}: no such step log (start the server with --step-log {step_log})")
+    start = 0
+    for w, (prefix_len, requests) in enumerate(workloads):
+        prefix = fresh(prefix_len) if prefix_len else []
+        if prefix:
+            run([(prefix, 1)])
+        run([(prefix + fresh(n), new) for n, new in requests])
+        if w == 0:
+            time.sleep(IDLE_S)   # the warm-up's last pass is written: fit what comes after it
+            start = os.path.getsize(step_log)
+        if log:
+            log(f"  workload {w}/{len(workloads) - 1} sent")
+    time.sleep(IDLE_S)
+    return fit_log(step_log, start)
+
+
 def calibrate(model, log=None) -> tuple[StepCost, list[tuple[StepShape, float]]]:
     """Measure and fit; the cost names this machine and the model, and how the engine pads and
     tiles a prompt pass on it (stepcost.features)."""
@@ -250,19 +290,44 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="time real passes of the model and fit the twin's step cost",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(p)
+    p.add_argument("--from-log", metavar="STEPS.jsonl",
+                   help="fit the passes a server logged (`prefixlab serve --step-log`) instead of timing the "
+                        "model here: the cost of that server, under its own traffic and front end")
+    p.add_argument("--url", metavar="URL",
+                   help="with --from-log: first send calibrate's workloads to the server at URL (started "
+                        "with --step-log that file), and fit the passes it logged meanwhile")
     p.add_argument("--out", metavar="FILE.json", help="write the fit here (default: beside the weight image)")
     p.add_argument("--quiet", action="store_true", help="print only the fit, not every pass")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ..common_args import load_model_or_exit
-    m = load_model_or_exit(getattr(args, "model", None))
-    print(f"calibrating the step cost of {os.path.basename(m.path)} on this machine ...", flush=True)
-    cost, samples = calibrate(m, log=None if args.quiet else lambda s: print(s, flush=True))
+    if args.url and not args.from_log:
+        raise SystemExit("prefixlab calibrate: --url needs --from-log, the server's --step-log file")
+    if args.from_log:
+        try:
+            if args.url:
+                print(f"sending calibrate's workloads to {args.url} ...", flush=True)
+                say = None if args.quiet else lambda s: print(s, flush=True)
+                cost, samples, head = calibrate_server(args.url, args.from_log, log=say)
+            else:
+                cost, samples, head = fit_log(args.from_log)
+        except StepLogError as e:
+            raise SystemExit(f"prefixlab calibrate: {e}") from None
+        print(f"fitted {len(samples)} passes a server logged in {args.from_log}", flush=True)
+        model_path = head.get("model_path", "")
+    else:
+        from ..common_args import load_model_or_exit
+        m = load_model_or_exit(getattr(args, "model", None))
+        print(f"calibrating the step cost of {os.path.basename(m.path)} on this machine ...", flush=True)
+        cost, samples = calibrate(m, log=None if args.quiet else lambda s: print(s, flush=True))
+        model_path = m.path
     text = report(cost, samples)
     print(text if not args.quiet else "\n".join(text.splitlines()[-5:]))
-    out = args.out or cost_path(m.path)
+    if not args.out and not os.path.exists(model_path):
+        raise SystemExit(f"prefixlab calibrate: the log names no model file here ({model_path!r}); "
+                         "give --out")
+    out = args.out or cost_path(model_path)
     if os.path.exists(out):
         try:
             print(comparison_report(compare(StepCost.load(out), cost)))

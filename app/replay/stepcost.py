@@ -56,19 +56,22 @@ class StepShape:
     after_prompt: bool = False  # a decode-only pass among the first AFTER_PROMPT_PASSES after a prompt pass
 
 
-def shape_of(batch, after_prompt: bool = False) -> StepShape:
-    """The shape of a planned `engine.stream.Batch` (read before its pass runs)."""
+def shape_from_parts(decode, pieces, after_prompt: bool = False) -> StepShape:
+    """The shape of a pass of these decoding streams and prompt pieces ((positions before, rows))."""
     dec_rows = dec_ctx = pre_rows = pre_ctx = 0
-    for s, drafts in zip(batch.decode, batch.draft_lists()):
-        n, k = s.session.n_past, 1 + len(drafts)
+    for n, k in decode:
         dec_rows += k
         dec_ctx += k * n + k * (k + 1) // 2
-    pieces = [(s.session.n_past, len(p)) for s, p in batch.prefill]
-    pieces += [(s.session.n_past, len(s.closing)) for s in batch.closing]
     for n, k in pieces:
         pre_rows += k
         pre_ctx += k * n + k * (k + 1) // 2  # row j attends n + j + 1 positions
-    return StepShape(pre_rows, dec_rows, dec_ctx, pre_ctx, tuple(pieces), after_prompt and not pre_rows)
+    return StepShape(pre_rows, dec_rows, dec_ctx, pre_ctx, tuple((int(n), int(k)) for n, k in pieces),
+                     after_prompt and not pre_rows)
+
+
+def shape_of(batch, after_prompt: bool = False) -> StepShape:
+    """The shape of a planned `engine.stream.Batch` (read before its pass runs)."""
+    return shape_from_parts(*batch.parts(), after_prompt)
 
 
 class PassShapes:
@@ -79,7 +82,11 @@ class PassShapes:
         self.since_prompt = AFTER_PROMPT_PASSES   # no prompt pass yet
 
     def __call__(self, batch) -> StepShape:
-        shape = shape_of(batch, self.since_prompt < AFTER_PROMPT_PASSES)
+        return self.parts(*batch.parts())
+
+    def parts(self, decode, pieces) -> StepShape:
+        """The next pass's shape from its streams and pieces (a logged pass's, in order)."""
+        shape = shape_from_parts(decode, pieces, self.since_prompt < AFTER_PROMPT_PASSES)
         self.since_prompt = 0 if shape.prefill_rows else self.since_prompt + 1
         return shape
 

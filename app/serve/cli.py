@@ -52,9 +52,23 @@ def add_parser(sub) -> None:
     p.add_argument("--metrics-isolated", action="store_true",
                    help="count prompt tokens another namespace had as 'isolated' in /metrics (default: "
                         "as 'new', so one tenant's scrape says nothing of another's traffic)")
+    p.add_argument("--step-log", metavar="STEPS.jsonl", default=None,
+                   help="append each pass's shape and seconds to this file, for `prefixlab calibrate "
+                        "--from-log` (the twin's cost of this server under its own traffic)")
     add_scheduler_args(p)
     add_kv_events_args(p)
     p.set_defaults(func=run)
+
+
+def step_log_loop(path: str | None):
+    """The engine loop that logs each pass (`--step-log`), or None for the plain one."""
+    if not path:
+        return None
+    from engine.step_log import StepLogLoop
+    try:
+        return StepLogLoop(path)
+    except OSError as e:
+        raise SystemExit(f"prefixlab serve: --step-log {path}: cannot write it: {e.strerror or e}") from None
 
 
 def model_loader(model_path: str | None, settings, kv_budget: int = 0):
@@ -79,6 +93,7 @@ def run(args) -> int:
         check_connection_options(default_max_connections() if args.max_connections is None
                                  else args.max_connections, args.idle_timeout)
         kv_budget = 0 if settings.cache_pages or settings.pool_pages else parse_budget(args.kv_budget)
+        loop = step_log_loop(args.step_log)  # an unwritable --step-log fails before anything binds
         publisher = publisher_from_args(args)  # binds now: a taken port fails before the model loads
     except ValueError as e:
         raise SystemExit(f"prefixlab serve: {e}") from None
@@ -95,7 +110,8 @@ def run(args) -> int:
                         default_max_tokens=args.default_max_tokens, allowed_hosts=args.allowed_hosts,
                         max_body_bytes=args.max_body_bytes, prepare=prepare,
                         max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
-                        metrics_key=args.metrics_key or os.environ.get("PREFIXLAB_METRICS_KEY") or None)
+                        metrics_key=args.metrics_key or os.environ.get("PREFIXLAB_METRICS_KEY") or None,
+                        loop=loop)
         server.backend.ttft.show_isolated = args.metrics_isolated
         server.start()
     except ServeError as e:

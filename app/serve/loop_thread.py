@@ -19,8 +19,9 @@ class LoopThread:
     its scheduler, runs `prepare(scheduler)` (e.g. a KV-event publisher attaching to its cache)
     and steps the loop until stopped."""
 
-    def __init__(self, load: Callable[[], tuple], prepare: Callable[[object], None] | None = None):
-        self.loop = EngineLoop()
+    def __init__(self, load: Callable[[], tuple], prepare: Callable[[object], None] | None = None,
+                 loop: EngineLoop | None = None):
+        self.loop = loop or EngineLoop()  # `serve --step-log`: app/replay/steplog.py's StepLogLoop
         self._load, self._prepare = load, prepare
         self._stopping = threading.Event()
         self.ready = threading.Event()        # set once the scheduler exists (or loading failed)

@@ -118,8 +118,9 @@ class Server:
                  cors: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  allowed_hosts: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  prepare=None, max_connections: int | None = None,
-                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, metrics_key: str | None = None):
-        self.engine = LoopThread(load, prepare)
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, metrics_key: str | None = None,
+                 loop=None):
+        self.engine = LoopThread(load, prepare, loop)
         self.backend = Backend(self.engine.loop, model=self._model, stats=self._stats,
                                load_error=lambda: self.engine.load_error, state=self.engine.state,
                                default_max_tokens=default_max_tokens, info=self._info)

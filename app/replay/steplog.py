@@ -1,0 +1,53 @@
+"""The twin's step cost fitted to a server's own passes (`prefixlab serve --step-log`, written by
+engine/step_log.py): `prefixlab calibrate --from-log FILE [--url URL]` (docs/twin.md, section 1).
+
+A fit made in one process predicts `serve` short on a small machine, where the HTTP side's time
+comes out of the passes (docs/twin.md, section 4); these passes ran under the server's front end.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.step_log import StepLogError, read_step_log
+
+from .stepcost import PassShapes, StepShape, fit
+
+__all__ = ["StepLogError", "fit_log", "logged_passes"]
+
+
+def logged_passes(path: str, start: int = 0) -> list[tuple[dict, list[tuple[StepShape, float]]]]:
+    """[(header, [(shape, seconds)])] of the passes at byte `start` or later, each under the header
+    before it (an after-prompt pass is known from the passes before it, read from its header on)."""
+    out = []
+    for head, passes in read_step_log(path):
+        shapes = PassShapes()
+        kept = [(shapes.parts(decode, pieces), seconds) for _, decode, pieces, seconds in passes]
+        kept = [k for (at, *_), k in zip(passes, kept) if at >= start]
+        if kept:
+            out.append((head, kept))
+    return out
+
+
+def fit_log(path: str, start: int = 0):
+    """The step cost fitted to every pass of the log from byte `start` on (one model, padding and
+    tiling: a log whose headers differ there is refused); (cost, samples, the first header)."""
+    runs = logged_passes(path, start)
+    samples = [s for _, passes in runs for s in passes]
+    if not samples:
+        raise StepLogError(f"{path}: no passes to fit" + (f" after byte {start}" if start else ""))
+    head = runs[0][0]
+    keys = ("prompt_pad_rows", "attention_tile", "model")
+    if any([h.get(k) for k in keys] != [head.get(k) for k in keys] for h, _ in runs):
+        raise StepLogError(f"{path}: its passes come from servers of different models or padding; "
+                           "fit one server's lines (a fresh file per server)")
+    tile = head.get("attention_tile")
+    about = {"machine": head.get("machine", ""), "model": head.get("model", ""),
+             "fit": {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": f"step log {path}"}}
+    try:
+        cost = fit([s for s, _ in samples], [t for _, t in samples],
+                   prompt_pad_rows=int(head.get("prompt_pad_rows") or 0),
+                   attention_tile=tuple(tile) if tile else None, **about)
+    except ValueError as e:  # too few shapes: `calibrate --url` sends the workloads that vary them
+        raise StepLogError(f"{path}: {e}") from None
+    return cost, samples, head
