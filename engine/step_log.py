@@ -33,6 +33,8 @@ class _PartsRunner(ModelRunner):
 
 
 def header(model) -> dict:
+    """How this engine pads and tiles a prompt pass, on which machine, for which model: what a fit
+    of its passes must know (the log's first line; `calibrate` names its fit the same way)."""
     from .attention import KEY_TILE, QUERY_TILE
     from .machine import cpu_model
     size = os.path.getsize(model.path) if os.path.exists(model.path) else 0

@@ -191,14 +191,12 @@ def calibrate_server(url: str, step_log: str, log=None, workloads=WORKLOADS):
 def calibrate(model, log=None) -> tuple[StepCost, list[tuple[StepShape, float]]]:
     """Measure and fit; the cost names this machine and the model, and how the engine pads and
     tiles a prompt pass on it (stepcost.features)."""
-    from engine.attention import KEY_TILE, QUERY_TILE
-    from engine.machine import cpu_model
+    from engine.step_log import header
     samples = measure(model, log)
-    size = os.path.getsize(model.path) if os.path.exists(model.path) else 0
+    head = header(model)   # what a served step log says of the same engine
     cost = fit([s for s, _ in samples], [t for _, t in samples],
-               prompt_pad_rows=model.backend.exact_rows, attention_tile=(QUERY_TILE, KEY_TILE),
-               machine=f"{cpu_model()}, {os.cpu_count()} cores",
-               model=f"{os.path.basename(model.path)} ({size} bytes)",
+               prompt_pad_rows=head["prompt_pad_rows"], attention_tile=tuple(head["attention_tile"]),
+               machine=head["machine"], model=head["model"],
                fit={"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     return cost, samples
 

@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
                    help="count prompt tokens another namespace had as 'isolated' in /metrics (default: "
                         "as 'new', so one tenant's scrape says nothing of another's traffic)")
     p.add_argument("--step-log", metavar="STEPS.jsonl", default=None,
-                   help="append each pass's shape and seconds to this file, for `prefixlab calibrate "
+                   help="append what each pass ran and its seconds to this file, for `prefixlab calibrate "
                         "--from-log` (the twin's cost of this server under its own traffic)")
     add_scheduler_args(p)
     add_kv_events_args(p)

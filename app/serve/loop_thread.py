@@ -21,7 +21,7 @@ class LoopThread:
 
     def __init__(self, load: Callable[[], tuple], prepare: Callable[[object], None] | None = None,
                  loop: EngineLoop | None = None):
-        self.loop = loop or EngineLoop()  # `serve --step-log`: app/replay/steplog.py's StepLogLoop
+        self.loop = loop or EngineLoop()  # `serve --step-log`: engine/step_log.py's StepLogLoop
         self._load, self._prepare = load, prepare
         self._stopping = threading.Event()
         self.ready = threading.Event()        # set once the scheduler exists (or loading failed)
