@@ -140,7 +140,7 @@ def test_calibrate_server_fits_what_the_server_logged_after_the_warm_up(tiny_mod
     three workloads give too few shapes for seven terms)."""
     import app.replay.calibrate as calibrate
     from tests.serve_helpers import scheduler_on, start_server
-    monkeypatch.setattr(calibrate, "fit_log", lambda path, start: logged_passes(path, start))
+    monkeypatch.setattr(calibrate, "fit_log", lambda path, start=0, spans=None: logged_passes(path, start, spans))
     path = tmp_path / "steps.jsonl"
     workloads = ((0, [(12, 2)]), (0, [(40, 3)] * 2), (20, [(8, 2)] * 3))
     server = start_server(scheduler_on(tiny_model, page_rows=16), loop=StepLogLoop(str(path)))
@@ -155,3 +155,30 @@ def test_calibrate_server_fits_what_the_server_logged_after_the_warm_up(tiny_mod
     assert fitted[0][0].pieces == ((0, 40),)
     # the cached prefix's own pass, then three prompts on its full page: each prefills the rest
     assert any(s.pieces and all(n == 16 for n, _ in s.pieces) for s, _ in fitted)
+
+
+def test_a_server_calibrated_twice_or_in_pieces_fits_only_its_own_fresh_passes(tiny_model, tmp_path, monkeypatch):
+    """A second calibration of the same server prefills its prompts whole (the first one's cached
+    pages are no hit for it), and one sent in pieces with other traffic between them (the bench
+    sends it between a trace's bursts) fits its own passes only."""
+    import app.replay.calibrate as calibrate
+    from app.replay.against import send_requests
+    from tests.serve_helpers import scheduler_on, start_server
+    monkeypatch.setattr(calibrate, "fit_log", lambda path, start=0, spans=None: logged_passes(path, start, spans))
+    monkeypatch.setattr(calibrate, "IDLE_S", 0.05)
+    path = tmp_path / "steps.jsonl"
+    workloads = ((0, [(12, 2)]), (0, [(40, 3)] * 2))
+    server = start_server(scheduler_on(tiny_model, page_rows=16), loop=StepLogLoop(str(path)))
+    try:
+        calibrate.calibrate_server(server.url, str(path), workloads=workloads)
+        [(_, again)] = calibrate.calibrate_server(server.url, str(path), workloads=workloads)
+        cal = calibrate.ServerCalibration(server.url, str(path))
+        cal.send(workloads[:1])
+        send_requests(server.url, [(0.0, list(range(5, 35)), 2)])   # another client's request
+        cal.send(workloads[1:])
+        [(_, pieces)] = cal.fit()
+    finally:
+        server.stop()
+    assert [s.pieces for s, _ in again if s.prefill_rows][0] == ((0, 40),)   # no hit on the first's pages
+    prompts = [s.pieces for s, _ in pieces if s.prefill_rows]
+    assert prompts[0] == ((0, 12),) and ((0, 30),) not in prompts and ((0, 40),) in prompts

@@ -150,42 +150,65 @@ def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float
     return loop.samples
 
 
-def calibrate_server(url: str, step_log: str, log=None, workloads=WORKLOADS):
-    """Send `workloads` to a running `prefixlab serve --step-log STEP_LOG` at `url`, as `measure`
-    runs them (streamed completions of token ids that run to their length, ARRIVAL_GAP_S apart
-    after IDLE_S idle), and fit the passes the server logged meanwhile (the warm-up's left out):
-    the cost of that server under its own front end. (cost, samples, the log's header)."""
-    from .against import send_requests
-    from .twin import BLOCK_IDS
-    rng, served = random.Random(0), [0]
+class ServerCalibration:
+    """calibrate's workloads sent to a running `prefixlab serve --step-log STEP_LOG` at `url`, as
+    `measure` runs them (streamed completions of token ids that run to their length,
+    ARRIVAL_GAP_S apart after IDLE_S idle), a few at a time if the caller likes (the bench sends
+    them between a trace's bursts); `fit` fits the passes the server logged while they ran."""
 
-    def fresh(n: int) -> list[int]:  # a first id no earlier prompt had: no hit by chance
-        served[0] += 1
+    def __init__(self, url: str, step_log: str):
+        if not os.path.exists(step_log):
+            raise StepLogError(f"{step_log}: no such step log (start the server with --step-log {step_log})")
+        self.url, self.step_log = url, step_log
+        # a seed of its own: a second calibration of the same server on the first one's prompts
+        # would hit the pages they left cached and time hits' passes, not these workloads'
+        self._rng, self._served, self._sent = random.Random(), 0, 0
+        self.spans: list[tuple[int, int]] = []   # byte ranges of the step log the fitted passes lie in
+
+    def _fresh(self, n: int) -> list[int]:  # a first id no earlier prompt had: no hit by chance
+        from .twin import BLOCK_IDS
+        self._served += 1
         low, high = BLOCK_IDS
-        return [low + served[0] % (high - low)] + [rng.randrange(low, high) for _ in range(n - 1)]
+        return [low + self._served % (high - low)] + [self._rng.randrange(low, high) for _ in range(n - 1)]
 
-    def run(requests: list[tuple[list[int], int]]) -> None:
+    def _run(self, requests: list[tuple[list[int], int]]) -> None:
+        from .against import send_requests
         time.sleep(IDLE_S)
-        failed = [m.error for m in send_requests(url, [(ARRIVAL_GAP_S * i, p, n)
-                                                        for i, (p, n) in enumerate(requests)]) if m.error]
+        failed = [m.error for m in send_requests(self.url, [(ARRIVAL_GAP_S * i, p, n)
+                                                             for i, (p, n) in enumerate(requests)])
+                  if m.error]
         if failed:
-            raise StepLogError(f"{url}: a calibration request failed: {failed[0]}")
+            raise StepLogError(f"{self.url}: a calibration request failed: {failed[0]}")
 
-    if not os.path.exists(step_log):
-        raise StepLogError(f"{step_log}: no such step log (start the server with --step-log {step_log})")
-    start = 0
-    for w, (prefix_len, requests) in enumerate(workloads):
-        prefix = fresh(prefix_len) if prefix_len else []
-        if prefix:
-            run([(prefix, 1)])
-        run([(prefix + fresh(n), new) for n, new in requests])
-        if w == 0:
-            time.sleep(IDLE_S)   # the warm-up's last pass is written: fit what comes after it
-            start = os.path.getsize(step_log)
-        if log:
-            log(f"  workload {w}/{len(workloads) - 1} sent")
-    time.sleep(IDLE_S)
-    return fit_log(step_log, start)
+    def send(self, workloads, fitted: bool = True, log=None) -> None:
+        """Run `workloads` on the server, one after another; `fitted`: `fit` fits their passes."""
+        time.sleep(IDLE_S)   # the last pass before them is written
+        start = os.path.getsize(self.step_log)
+        for prefix_len, requests in workloads:
+            prefix = self._fresh(prefix_len) if prefix_len else []
+            if prefix:
+                self._run([(prefix, 1)])
+            self._run([(prefix + self._fresh(n), new) for n, new in requests])
+            self._sent += 1
+            if log:
+                log(f"  workload {self._sent} sent")
+        time.sleep(IDLE_S)   # and their own last pass
+        if fitted:
+            self.spans.append((start, os.path.getsize(self.step_log)))
+
+    def fit(self):
+        """(cost, samples, the log's header) of the passes `send` ran with `fitted`."""
+        return fit_log(self.step_log, spans=self.spans)
+
+
+def calibrate_server(url: str, step_log: str, log=None, workloads=WORKLOADS):
+    """Send `workloads` to a running `prefixlab serve --step-log STEP_LOG` at `url` and fit the
+    passes the server logged meanwhile (the warm-up's left out): the cost of that server under
+    its own front end. (cost, samples, the log's header)."""
+    cal = ServerCalibration(url, step_log)
+    cal.send(workloads[:1], fitted=False, log=log)
+    cal.send(workloads[1:], log=log)
+    return cal.fit()
 
 
 def calibrate(model, log=None) -> tuple[StepCost, list[tuple[StepShape, float]]]:

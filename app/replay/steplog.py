@@ -16,26 +16,31 @@ from .stepcost import PassShapes, StepShape, fit
 __all__ = ["StepLogError", "fit_log", "logged_passes"]
 
 
-def logged_passes(path: str, start: int = 0) -> list[tuple[dict, list[tuple[StepShape, float]]]]:
-    """[(header, [(shape, seconds)])] of the passes at byte `start` or later, each under the header
-    before it (an after-prompt pass is known from the passes before it, read from its header on)."""
+def logged_passes(path: str, start: int = 0, spans: list[tuple[int, int]] | None = None
+                  ) -> list[tuple[dict, list[tuple[StepShape, float]]]]:
+    """[(header, [(shape, seconds)])] of the passes at byte `start` or later (or within one of the
+    byte ranges `spans`), each under the header before it (an after-prompt pass is known from the
+    passes before it, read from its header on)."""
+    spans = spans if spans is not None else [(start, float("inf"))]
     out = []
     for head, passes in read_step_log(path):
         shapes = PassShapes()
         kept = [(shapes.parts(decode, pieces), seconds) for _, decode, pieces, seconds in passes]
-        kept = [k for (at, *_), k in zip(passes, kept) if at >= start]
+        kept = [k for (at, *_), k in zip(passes, kept) if any(a <= at < b for a, b in spans)]
         if kept:
             out.append((head, kept))
     return out
 
 
-def fit_log(path: str, start: int = 0):
-    """The step cost fitted to every pass of the log from byte `start` on (one model, padding and
-    tiling: a log whose headers differ there is refused); (cost, samples, the first header)."""
-    runs = logged_passes(path, start)
+def fit_log(path: str, start: int = 0, spans: list[tuple[int, int]] | None = None):
+    """The step cost fitted to every pass of the log from byte `start` on, or within the byte
+    ranges `spans` (one model, padding and tiling: a log whose headers differ there is refused);
+    (cost, samples, the first header)."""
+    runs = logged_passes(path, start, spans)
     samples = [s for _, passes in runs for s in passes]
     if not samples:
-        raise StepLogError(f"{path}: no passes to fit" + (f" after byte {start}" if start else ""))
+        raise StepLogError(f"{path}: no passes to fit" + (f" after byte {start}" if start else "")
+                           + (f" in bytes {spans}" if spans else ""))
     head = runs[0][0]
     keys = ("prompt_pad_rows", "attention_tile", "model")
     if any([h.get(k) for k in keys] != [head.get(k) for k in keys] for h, _ in runs):
