@@ -134,13 +134,18 @@ def test_calibrate_url_needs_the_servers_log(tmp_path):
         main(["calibrate", "--url", "http://127.0.0.1:9", "--from-log", str(tmp_path / "none.jsonl")])
 
 
+def _unfitted(path, start=0, spans=None):
+    """fit_log's passes, not fitted (a few workloads give too few shapes for seven terms)."""
+    return logged_passes(path, start, spans)
+
+
 def test_calibrate_server_fits_what_the_server_logged_after_the_warm_up(tiny_model, tmp_path, monkeypatch):
     """Three small workloads sent over HTTP to a real server, the first the warm-up: what is
     fitted is every pass the log gained after the warm-up's (the fit itself is left out here:
     three workloads give too few shapes for seven terms)."""
     import app.replay.calibrate as calibrate
     from tests.serve_helpers import scheduler_on, start_server
-    monkeypatch.setattr(calibrate, "fit_log", lambda path, start=0, spans=None: logged_passes(path, start, spans))
+    monkeypatch.setattr(calibrate, "fit_log", _unfitted)
     path = tmp_path / "steps.jsonl"
     workloads = ((0, [(12, 2)]), (0, [(40, 3)] * 2), (20, [(8, 2)] * 3))
     server = start_server(scheduler_on(tiny_model, page_rows=16), loop=StepLogLoop(str(path)))
@@ -157,14 +162,14 @@ def test_calibrate_server_fits_what_the_server_logged_after_the_warm_up(tiny_mod
     assert any(s.pieces and all(n == 16 for n, _ in s.pieces) for s, _ in fitted)
 
 
-def test_a_server_calibrated_twice_or_in_pieces_fits_only_its_own_fresh_passes(tiny_model, tmp_path, monkeypatch):
+def test_a_server_calibrated_twice_or_in_pieces_fits_only_its_fresh_passes(tiny_model, tmp_path, monkeypatch):
     """A second calibration of the same server prefills its prompts whole (the first one's cached
     pages are no hit for it), and one sent in pieces with other traffic between them (the bench
     sends it between a trace's bursts) fits its own passes only."""
     import app.replay.calibrate as calibrate
     from app.replay.against import send_requests
     from tests.serve_helpers import scheduler_on, start_server
-    monkeypatch.setattr(calibrate, "fit_log", lambda path, start=0, spans=None: logged_passes(path, start, spans))
+    monkeypatch.setattr(calibrate, "fit_log", _unfitted)
     monkeypatch.setattr(calibrate, "IDLE_S", 0.05)
     path = tmp_path / "steps.jsonl"
     workloads = ((0, [(12, 2)]), (0, [(40, 3)] * 2))
