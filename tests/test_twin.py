@@ -364,3 +364,22 @@ def test_the_twin_command_prints_percentiles_and_goodput(tmp_path, capsys):
     assert "goodput under TTFT <= 4 s: 3 of 4 requests" in text     # C's TTFT is 5 s
     rows = [json.loads(line) for line in open(out, encoding="utf-8")]
     assert sorted(r["index"] for r in rows) == [0, 1, 2, 3] and rows[0]["ttft_s"] == 3.0
+
+
+def test_the_bench_calibrates_between_bursts_that_each_end_before_the_next(tmp_path):
+    """The bench's twin section sends calibrate's workloads between the trace's bursts: every
+    workload once, in order, some before the first burst and after the last; and it compares
+    only a trace whose bursts each end before the next one starts, in every draw of the twin
+    (the server idles there, between them, for the workloads)."""
+    from app.bench.twin import _bursts_drain, _chunks, burst_trace
+    from app.replay.calibrate import WORKLOADS
+    between = _chunks(WORKLOADS[1:], 11)
+    assert [w for chunk in between for w in chunk] == list(WORKLOADS[1:]) and all(between)
+    trace = str(tmp_path / "bursts.jsonl")
+    burst_trace(trace, 3, 2)
+    cost = StepCost(c0=0.01, c_prefill=0.001, c_decode=0.002)
+    _, draws = predict_draws(open_trace(trace), TwinConfig(cost), 2, keep=True)
+    assert _bursts_drain(trace, 2, draws)
+    slow = StepCost(c0=0.5, c_prefill=0.001, c_decode=0.002)   # 8-16 tokens at 0.5 s: 4 s and more
+    _, draws = predict_draws(open_trace(trace), TwinConfig(slow), 1, keep=True)
+    assert not _bursts_drain(trace, 2, draws)

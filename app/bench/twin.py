@@ -1,19 +1,22 @@
 """Bench section "twin" (docs/design.md §16): how far the twin's prediction is from the real server.
 
 `prefixlab serve` on the bundled model as shipped (only its queue made long enough for the bursts,
-and `--step-log` on), calibrated on itself: `prefixlab calibrate --url` sends it calibrate's
-workloads and fits the passes it logged, under its own front end. Then a trace of bursts of
-requests sharing one of three system prompts, at a rate that queues, sent `--against` it; the same
-trace through the twin at that fit, DRAWS times (each pass's time drawn from the calibration's
-spread; the percentiles predicted are the draws' means). The figures are the twin's relative
-error on TTFT p50 and p90 (target: within 20 %) and on the total time's.
+and `--step-log` on). A trace of bursts of requests sharing one of three system prompts, at a rate
+that queues, is sent `--against` it burst by burst, and between the bursts, while the server
+would idle, `prefixlab calibrate --url`'s workloads (a few each time): so the fit the twin
+predicts with, of the passes the server logged for those workloads, is timed in the same minutes
+as the trace, under the same front end. This host's speed moves by 15-40 % from one minute to
+the next (docs/twin.md, section 4), so a calibration made before the run measures another
+machine than the one the trace ran on. Each burst starts on an idle server, in the twin as on
+the server (the section checks it), so the twin predicts the trace as one, at its own times.
+The same trace goes through the twin at that fit DRAWS times (each pass's time drawn from the
+calibration's spread; the percentiles predicted are the draws' means). The figures with a
+target are the twin's relative error on TTFT p50 and p90 (within 20 %).
 
-A second calibration of the server after the run says how repeatable a calibration is here (the
-largest difference of a coefficient in standard errors) and how far the machine's speed moved
-during the run: the twin's error at that calibration is kept beside, as a figure without a
-target (the figure with the target is the one calibrated before the run, never after it). So is
-the error at a plain `prefixlab calibrate` made in one process before the server starts (the
-engine without the server's front end: docs/twin.md, section 4).
+Kept beside, without a target: the error at the server's calibration made whole before the run
+(and how far it lies from the interleaved one: the largest difference of a coefficient in
+standard errors), and at a plain `prefixlab calibrate` made in one process before the server
+starts (the engine without the server's front end: docs/twin.md, section 4).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ DRAWS = 12   # the twin's runs of the trace, each pass's time drawn from the cal
 
 def burst_trace(path: str, bursts: int, per_burst: int, seed: int = 7) -> int:
     """Bursts of requests 50 ms apart, each a 4-block system prompt (one of three) and a 1-2 block
-    question of its own, 8-16 answer tokens; a burst every EVERY_S s."""
+    question of its own, 8-16 answer tokens; a burst every EVERY_S s (its requests are
+    per_burst consecutive ones)."""
     rng = random.Random(seed)
     reqs, fresh = [], 1000
     for b in range(bursts):
@@ -62,7 +66,7 @@ def _calibrate(model_path: str, out: str) -> StepCost:
     return StepCost.load(out)
 
 
-AFTER_NOTE = "the server's calibration after the run (machine drift)"
+BEFORE_NOTE = "the server's own calibration, made whole before the run"
 
 
 def _calibrate_server(url: str, step_log: str, out: str) -> StepCost:
@@ -72,17 +76,53 @@ def _calibrate_server(url: str, step_log: str, out: str) -> StepCost:
     return StepCost.load(out)
 
 
+def _interleaved(url: str, step_log: str, trace: str, per_burst: int) -> tuple[list, StepCost]:
+    """The trace sent burst by burst, calibrate's workloads between the bursts (and before the
+    first and after the last): (the requests measured, in trace order; the workloads' fit)."""
+    reqs = against.requests_of(open_trace(trace), 1.0)
+    bursts = [list(range(i, min(i + per_burst, len(reqs)))) for i in range(0, len(reqs), per_burst)]
+    cal = calibrate.ServerCalibration(url, step_log)
+    cal.send(calibrate.WORKLOADS[:1], fitted=False)   # the warm-up
+    between = _chunks(calibrate.WORKLOADS[1:], len(bursts) + 1)
+    measured = []
+    for burst, workloads in zip(bursts, between):
+        cal.send(workloads)
+        t0 = reqs[burst[0]][0]
+        got = against.send_requests(url, [(reqs[i][0] - t0, *reqs[i][1:]) for i in burst])
+        for i, m in zip(burst, got):   # back on the trace's clock and its indices
+            m.index, m.arrival_s = i, reqs[i][0]
+        measured += got
+    cal.send(between[-1])
+    return measured, cal.fit()[0]
+
+
+def _chunks(items: tuple, n: int) -> list[tuple]:
+    """`items` in order, cut into n runs of sizes as even as they can be."""
+    cuts = [round(k * len(items) / n) for k in range(n + 1)]
+    return [items[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _bursts_drain(trace: str, per_burst: int, draws: list[dict]) -> bool:
+    """Whether every burst has ended, in every draw of the twin, before the next one's first
+    arrival (the server idles then, between the bursts, for the calibration's workloads)."""
+    arrivals = [r.arrival_s for r in open_trace(trace)]
+    firsts = arrivals[per_burst::per_burst]
+    return all(max(run[i].end_s for i in range(k * per_burst, (k + 1) * per_burst)) < first
+               for run in draws for k, first in enumerate(firsts))
+
+
 def _predict(trace: str, cost: StepCost) -> tuple[list[dict], object]:
     res, runs = predict_draws(open_trace(trace), TwinConfig(cost), DRAWS, keep=True)  # serve's settings
     return runs, res
 
 
 def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
+    bursts, per_burst = (QUICK_BURSTS, QUICK_PER_BURST) if quick else (BURSTS, PER_BURST)
     with tempfile.TemporaryDirectory(prefix="prefixlab-bench-twin-") as tmp:
         # the engine alone, in one process (`prefixlab calibrate`): kept beside, without a target
         in_process = _calibrate(model_path, os.path.join(tmp, "cost-in-process.json"))
         trace = os.path.join(tmp, "trace.jsonl")
-        n = burst_trace(trace, *((QUICK_BURSTS, QUICK_PER_BURST) if quick else (BURSTS, PER_BURST)))
+        n = burst_trace(trace, bursts, per_burst)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         steps = os.path.join(tmp, "steps.jsonl")
@@ -90,28 +130,34 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
                                       "--port", str(port), "--max-queue", "512", "--step-log", steps],
                                      base + "/v1", env=child_env(), ready_path="/health")
         try:
-            # the fit the twin predicts with: this server's own passes, under its own front end
-            cost = _calibrate_server(base, steps, os.path.join(tmp, "cost.json"))
+            before = _calibrate_server(base, steps, os.path.join(tmp, "cost-before.json"))
             warm = os.path.join(tmp, "warm.jsonl")  # first-use costs (workspaces, pages) are no queue
             write_trace(warm, TraceHeader(block_size=BLOCK), [
                 TraceRequest(arrival_s=0.0, input_length=BLOCK * 5, output_length=4,
                              hash_ids=[9000 + k for k in range(5)])])
             against.send(base, open_trace(warm))
-            measured = against.send(base, open_trace(trace))
-            after = _calibrate_server(base, steps, os.path.join(tmp, "cost-after.json"))
+            # the fit the twin predicts with: this server's own passes, between the trace's bursts
+            measured, cost = _interleaved(base, steps, trace, per_burst)
         finally:
             loadtest.stop_server(proc)
         predicted, res = _predict(trace, cost)
-        predicted_after, _ = _predict(trace, after)
+        predicted_before, _ = _predict(trace, before)
         predicted_in_process, _ = _predict(trace, in_process)
+        if not _bursts_drain(trace, per_burst, predicted):
+            raise RuntimeError("the twin ran a burst into the next one: the trace's bursts, sent one by one "
+                               "with the calibration's workloads between them, are not the trace it predicts")
     cmp = against.compare(measured, predicted)
-    cmp_after = against.compare(measured, predicted_after)
+    cmp_before = against.compare(measured, predicted_before)
     cmp_in_process = against.compare(measured, predicted_in_process)
-    repeat = calibrate.compare(cost, after)
+    repeat = calibrate.compare(before, cost)
     if cmp["measured_ok"] != n:
         raise RuntimeError(f"only {cmp['measured_ok']} of {n} requests measured: {cmp['errors'][:3]}")
+    # the calibration's pages must not have pushed the trace's system prompts out of the cache
+    hits_differ = [m.index for m in measured if m.cached_tokens != predicted[0][m.index].cached_tokens]
     err = {k: cmp[k]["error"] for k in ("ttft", "total")}
-    note = f"{n} requests in bursts, 3 shared system prompts, against prefixlab serve"
+    note = (f"{n} requests in bursts, 3 shared system prompts, against prefixlab serve; calibrated "
+            f"between the bursts")
+    in_process_note = "fitted by `prefixlab calibrate` in one process, without the server's front end"
     figures = {
         "twin_ttft_p50_error": figure(abs(err["ttft"]["p50"]), "ratio", FEATURE, TARGET_ERROR, "<=",
                                       note=note),
@@ -120,27 +166,29 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
         "twin_ttft_p99_error": figure(abs(err["ttft"]["p99"]), "ratio", FEATURE),
         "twin_total_p50_error": figure(abs(err["total"]["p50"]), "ratio", FEATURE),
         "twin_total_p90_error": figure(abs(err["total"]["p90"]), "ratio", FEATURE),
-        "twin_ttft_p50_error_recalibrated": figure(abs(cmp_after["ttft"]["error"]["p50"]), "ratio", FEATURE,
-                                                   note=AFTER_NOTE),
-        "twin_ttft_p90_error_recalibrated": figure(abs(cmp_after["ttft"]["error"]["p90"]), "ratio", FEATURE,
-                                                   note=AFTER_NOTE),
+        "twin_requests_hits_differ": figure(len(hits_differ), "requests", FEATURE, 0, "<=",
+                                            note="requests whose cached tokens the server reported other "
+                                                 "than the twin predicted"),
+        "twin_ttft_p50_error_before_run": figure(abs(cmp_before["ttft"]["error"]["p50"]), "ratio", FEATURE,
+                                                 note=BEFORE_NOTE),
+        "twin_ttft_p90_error_before_run": figure(abs(cmp_before["ttft"]["error"]["p90"]), "ratio", FEATURE,
+                                                 note=BEFORE_NOTE),
         "twin_ttft_p50_error_in_process_fit": figure(abs(cmp_in_process["ttft"]["error"]["p50"]), "ratio",
-                                                     FEATURE, note="fitted by `prefixlab calibrate` in one "
-                                                                   "process, without the server's front end"),
+                                                     FEATURE, note=in_process_note),
         "twin_ttft_p90_error_in_process_fit": figure(abs(cmp_in_process["ttft"]["error"]["p90"]), "ratio",
-                                                     FEATURE, note="fitted by `prefixlab calibrate` in one "
-                                                                   "process, without the server's front end"),
+                                                     FEATURE, note=in_process_note),
         "calibration_repeat_pass_change": figure(repeat["max_abs_pass_change"], "ratio", FEATURE,
                                                  note="largest change of a typical pass's predicted time, "
-                                                      "the server's calibrations before and after the run"),
+                                                      "the server's calibration before the run and the one "
+                                                      "between its bursts"),
         "calibration_repeat_max_z": figure(repeat["max_abs_z"], "standard errors", FEATURE,
                                            calibrate.SAME_WITHIN_SE, "<=",
-                                           note="largest coefficient difference, the server's calibrations "
-                                                "before and after the run"),
+                                           note="largest coefficient difference, the server's calibration "
+                                                "before the run and the one between its bursts"),
     }
-    details = {"compare": cmp, "compare_recalibrated": cmp_after, "compare_in_process_fit": cmp_in_process,
-               "calibration_repeat": repeat, "cost": cost.to_json(), "cost_after": after.to_json(),
-               "cost_in_process": in_process.to_json(), "twin": res.to_json(),
+    details = {"compare": cmp, "compare_before_run": cmp_before, "compare_in_process_fit": cmp_in_process,
+               "calibration_repeat": repeat, "cost": cost.to_json(), "cost_before_run": before.to_json(),
+               "cost_in_process": in_process.to_json(), "twin": res.to_json(), "hits_differ": hits_differ,
                "measured": [m.__dict__ for m in measured],
                "predicted": [predicted[0][i].to_json() for i in sorted(predicted[0])]}
     return figures, details
