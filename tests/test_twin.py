@@ -150,20 +150,28 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
     """Version 2 adds each coefficient's standard error; a hand-written version 1 file has none."""
     true = StepCost(c0=0.02, c_prefill=0.001, c_decode=0.004)
     shapes = [StepShape(p, d) for p, d in itertools.product((0, 16, 128), (0, 1, 4, 8)) if p or d]
-    # each shape timed three times: once fast, once right, once slowed (another process took a core)
-    times = [true.predict(s) * k for s in shapes for k in (0.95, 1.0, 1.5)]
+    # each shape timed three times: once fast, once right, once slowed (another process took a
+    # core), a pass holding prompt rows slowed more (its GEMM waits for the slowest core)
+    def factors(s):
+        return (0.9, 1.0, 2.0) if s.prefill_rows else (0.95, 1.0, 1.5)
+    times = [true.predict(s) * k for s in shapes for k in factors(s)]
     got = fit([s for s in shapes for _ in range(3)], times, machine="test")
     assert got.c0 == pytest.approx(0.02, rel=1e-9) and got.c_decode == pytest.approx(0.004, rel=1e-9)
     assert (got.fit["steps"], got.fit["shapes"]) == (33, 11)      # the median of each shape's three
     assert set(got.stderr) == set(TERMS)
-    # the spread: each pass over its shape's median, 0.95, 1 and 1.5 a third of the time each
-    assert min(got.spread) == pytest.approx(0.95) and max(got.spread) == pytest.approx(1.5)
-    assert sorted(got.spread) == list(got.spread) and got.spread.count(1.0) >= 6
+    # the spreads: each pass over its shape's median, each factor a third of the time, by kind
+    for spread, (low, high) in ((got.spread, (0.95, 1.5)), (got.spread_prompt, (0.9, 2.0))):
+        assert min(spread) == pytest.approx(low) and max(spread) == pytest.approx(high)
+        assert sorted(spread) == list(spread) and spread.count(1.0) >= 6
     path = str(tmp_path / "cost.json")
     got.save(path)
     on_disk = json.loads(open(path).read())
-    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 3)
+    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 4)
     assert StepCost.load(path) == got
+    v3 = tmp_path / "v3.json"   # version 3 kept one spread for every pass: prompt passes draw from it
+    v3.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 3, "c0": 0.5, "spread": [2.0]}))
+    import random
+    assert StepCost.load(str(v3)).draw(prompt_shape(0, 8), random.Random(0)) == pytest.approx(1.0)
     old = tmp_path / "v1.json"
     old.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 1, "c0": 0.5, "c_decode": 0.1}))
     assert StepCost.load(str(old)) == StepCost(c0=0.5, c_decode=0.1)
@@ -212,6 +220,15 @@ def test_the_twin_draws_each_pass_from_the_cost_spread(tmp_path):
     # the hand-worked timeline's first two passes twice as long (0-6, 6-10); C's decode pass then
     # starts at 10, as D arrives, and D's 4 prompt rows join it: 2 x (1 + 0.5 + 0.5) = 4 s
     assert got == {0: (0.0, 6.0, 10.0), 1: (0.0, 6.0, 6.0), 2: (6.0, 10.0, 14.0), 3: (10.0, 14.0, 14.0)}
+    # a pass holding prompt rows draws from its own spread, the others from `spread`: with only
+    # the decode passes doubled, the hand-worked timeline's one decode-only pass (C's second
+    # token, 5-6.5) takes 3 s, 5-8
+    decode_doubled = StepCost(c0=1.0, c_prefill=0.125, c_decode=0.5, spread=(2.0,), spread_prompt=(1.0,))
+    done = []
+    predict(_write(tmp_path, _small_trace(), "d.jsonl"), TwinConfig(decode_doubled, SETTINGS),
+            per_request=done.append)
+    got = {p.index: (p.admitted_s, p.first_token_s, p.end_s) for p in done}
+    assert got == {0: (0.0, 3.0, 5.0), 1: (0.0, 3.0, 3.0), 2: (3.0, 5.0, 8.0), 3: (10.0, 11.5, 11.5)}
     two = StepCost(c0=1.0, c_prefill=0.125, c_decode=0.5, spread=(0.5, 1.5))
     trace = _write(tmp_path, _burst_trace(4.0), "burst.jsonl", 16)
     config = TwinConfig(two, SchedulerSettings(page_rows=16, max_streams=4))

@@ -26,8 +26,11 @@ import random
 import subprocess
 import tempfile
 
+import numpy as np
+
 from ..replay import against, calibrate
 from ..replay.stepcost import StepCost
+from ..replay.steplog import logged_passes
 from ..replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
 from ..replay.twin_replay import TwinConfig, predict_draws
 from ..serve import loadtest
@@ -76,9 +79,10 @@ def _calibrate_server(url: str, step_log: str, out: str) -> StepCost:
     return StepCost.load(out)
 
 
-def _interleaved(url: str, step_log: str, trace: str, per_burst: int) -> tuple[list, StepCost]:
+def _interleaved(url: str, step_log: str, trace: str, per_burst: int) -> tuple[list, StepCost, list]:
     """The trace sent burst by burst, calibrate's workloads between the bursts (and before the
-    first and after the last): (the requests measured, in trace order; the workloads' fit)."""
+    first and after the last): (the requests measured, in trace order; the workloads' fit; the
+    trace's own passes, (shape, seconds), as the server logged them)."""
     reqs = against.requests_of(open_trace(trace), 1.0)
     bursts = [list(range(i, min(i + per_burst, len(reqs)))) for i in range(0, len(reqs), per_burst)]
     cal = calibrate.ServerCalibration(url, step_log)
@@ -93,7 +97,18 @@ def _interleaved(url: str, step_log: str, trace: str, per_burst: int) -> tuple[l
             m.index, m.arrival_s = i, reqs[i][0]
         measured += got
     cal.send(between[-1])
-    return measured, cal.fit()[0]
+    bursts_logged = [(a[1], b[0]) for a, b in zip(cal.spans, cal.spans[1:])]   # between the workloads'
+    return measured, cal.fit()[0], [p for _, passes in logged_passes(step_log, spans=bursts_logged)
+                                    for p in passes]
+
+
+def _pass_ratios(cost: StepCost, passes: list) -> dict:
+    """The median of the trace's passes' seconds over the fit's, prompt passes and decode-only
+    ones apart: whether an error is the passes' time (the machine) or the order they ran in."""
+    ratios = {"prompt": [], "decode": []}
+    for shape, seconds in passes:
+        ratios["prompt" if shape.prefill_rows else "decode"].append(seconds / cost.predict(shape))
+    return {k: float(np.median(v)) if v else None for k, v in ratios.items()}
 
 
 def _chunks(items: tuple, n: int) -> list[tuple]:
@@ -137,7 +152,7 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
                              hash_ids=[9000 + k for k in range(5)])])
             against.send(base, open_trace(warm))
             # the fit the twin predicts with: this server's own passes, between the trace's bursts
-            measured, cost = _interleaved(base, steps, trace, per_burst)
+            measured, cost, trace_passes = _interleaved(base, steps, trace, per_burst)
         finally:
             loadtest.stop_server(proc)
         predicted, res = _predict(trace, cost)
@@ -154,6 +169,7 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
         raise RuntimeError(f"only {cmp['measured_ok']} of {n} requests measured: {cmp['errors'][:3]}")
     # the calibration's pages must not have pushed the trace's system prompts out of the cache
     hits_differ = [m.index for m in measured if m.cached_tokens != predicted[0][m.index].cached_tokens]
+    ratios = _pass_ratios(cost, trace_passes)
     err = {k: cmp[k]["error"] for k in ("ttft", "total")}
     note = (f"{n} requests in bursts, 3 shared system prompts, against prefixlab serve; calibrated "
             f"between the bursts")
@@ -169,6 +185,10 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
         "twin_requests_hits_differ": figure(len(hits_differ), "requests", FEATURE, 0, "<=",
                                             note="requests whose cached tokens the server reported other "
                                                  "than the twin predicted"),
+        "twin_trace_prompt_pass_ratio": figure(ratios["prompt"], "ratio", FEATURE,
+                                               note="the trace's prompt passes' median time over the fit's"),
+        "twin_trace_decode_pass_ratio": figure(ratios["decode"], "ratio", FEATURE,
+                                               note="the trace's decode passes' median time over the fit's"),
         "twin_ttft_p50_error_before_run": figure(abs(cmp_before["ttft"]["error"]["p50"]), "ratio", FEATURE,
                                                  note=BEFORE_NOTE),
         "twin_ttft_p90_error_before_run": figure(abs(cmp_before["ttft"]["error"]["p90"]), "ratio", FEATURE,
@@ -189,6 +209,8 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
     details = {"compare": cmp, "compare_before_run": cmp_before, "compare_in_process_fit": cmp_in_process,
                "calibration_repeat": repeat, "cost": cost.to_json(), "cost_before_run": before.to_json(),
                "cost_in_process": in_process.to_json(), "twin": res.to_json(), "hits_differ": hits_differ,
+               "trace_pass_ratios": ratios,
+               "trace_pass_ratios_before_run": _pass_ratios(before, trace_passes),
                "measured": [m.__dict__ for m in measured],
                "predicted": [predicted[0][i].to_json() for i in sorted(predicted[0])]}
     return figures, details

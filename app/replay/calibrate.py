@@ -241,16 +241,19 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
                   " + c_after_prompt x [a decode pass just after a prompt pass]",
               "  " + "  ".join(f"{n} {_ms(n, getattr(cost, n))}" for n in TERMS),
               f"  a prompt pass pads to {cost.prompt_pad_rows} rows; attention tiles {tile}; a pass's time "
-              f"over its shape's median: " + (f"p10 {cost.spread[len(cost.spread) // 10]:.2f}, p50 "
-                                              f"{cost.spread[len(cost.spread) // 2]:.2f}, p90 "
-                                              f"{cost.spread[len(cost.spread) * 9 // 10]:.2f}"
-                                              if cost.spread else "not measured"),
+              f"over its shape's median, p10 / p50 / p90: prompt passes {_quantiles(cost.spread_prompt)}, "
+              f"the others {_quantiles(cost.spread)}",
               "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS),
               f"  {f['steps']} passes of {f['shapes']} shapes; relative error per shape (its median pass): "
               f"median {f['median_rel_error']:.1%}, p90 {f['p90_rel_error']:.1%}, "
               f"worst {f['max_rel_error']:.1%}; per single pass: median {f['pass_median_rel_error']:.1%}",
               f"  machine: {cost.machine}; model: {cost.model}"]
     return "\n".join(lines)
+
+
+def _quantiles(spread: tuple[float, ...]) -> str:
+    n = len(spread)
+    return " / ".join(f"{spread[i]:.2f}" for i in (n // 10, n // 2, n * 9 // 10)) if n else "not measured"
 
 
 UNITS = {"c0": (1e3, "ms"), "c_prompt": (1e3, "ms"), "c_prefill": (1e3, "ms/row"),

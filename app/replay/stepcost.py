@@ -18,10 +18,13 @@ A pass's shape (`StepShape`) is read from the scheduler's `Batch` before it runs
 their median, so a pass slowed by another process moves the fit little; a coefficient that comes
 out negative is dropped and the rest fitted again (a time never shrinks with more work); each
 coefficient comes with its standard error. The spread of each shape's passes about their median
-is kept too (`spread`): the twin draws each pass's time from it, since a queue's waits grow with
-the spread of its service times, not only their median. A fit is kept as one small versioned JSON
-file with the machine and model it was measured on; another engine's cost is the same file with
-its own numbers (fit it from that engine's per-step timings with `fit`).
+is kept too, for passes that hold prompt rows (`spread_prompt`) apart from the rest (`spread`):
+the twin draws each pass's time from its kind's, since a queue's waits grow with the spread of
+its service times, not only their median, and a prompt pass (a GEMM on every core's BLAS thread,
+as slow as its slowest core) varies more than a decode pass (docs/twin.md, section 4). A fit is
+kept as one small versioned JSON file with the machine and model it was measured on; another
+engine's cost is the same file with its own numbers (fit it from that engine's per-step timings
+with `fit`).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 COST_FORMAT = "prefixlab-step-cost"
-COST_VERSION = 3          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`
-READS_VERSIONS = (1, 2, COST_VERSION)
+COST_VERSION = 4          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
+#                           4 `spread_prompt` (in 3 `spread` held every pass's)
+READS_VERSIONS = (1, 2, 3, COST_VERSION)
 TERMS = ("c0", "c_prompt", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx", "c_after_prompt")
 # Decode-only passes after a prompt pass that find BLAS's threads still spinning: OpenBLAS's
 # threads spin about 2^28 cycles (~0.1 s) after their last GEMM, and the two decode passes in that
@@ -123,6 +127,7 @@ class StepCost:
     prompt_pad_rows: int = 0                  # a prompt pass computes at least this many rows
     attention_tile: tuple[int, int] | None = None  # prompt attention's (queries, keys) per tile
     spread: tuple[float, ...] = ()            # quantiles of a pass's time / its shape's median
+    spread_prompt: tuple[float, ...] = ()     # the same for passes holding prompt rows (else `spread`)
     machine: str = ""
     model: str = ""
     fit: dict = field(default_factory=dict)   # steps, shapes, median and worst relative error, when
@@ -145,12 +150,13 @@ class StepCost:
                 raise ValueError(f"step cost: attention_tile must be [queries, keys], two integers > 0, "
                                  f"got {tile!r}")
             object.__setattr__(self, "attention_tile", tuple(tile))
-        spread = self.spread
-        if not isinstance(spread, (list, tuple)) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                for v in spread):
-            raise ValueError(f"step cost: spread must be a list of numbers > 0, got {spread!r}")
-        object.__setattr__(self, "spread", tuple(float(v) for v in spread))
+        for name in ("spread", "spread_prompt"):
+            spread = getattr(self, name)
+            if not isinstance(spread, (list, tuple)) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    for v in spread):
+                raise ValueError(f"step cost: {name} must be a list of numbers > 0, got {spread!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in spread))
 
     def features(self, shape: StepShape) -> list[float]:
         return features(shape, self.prompt_pad_rows, self.attention_tile)
@@ -161,9 +167,10 @@ class StepCost:
 
     def draw(self, shape: StepShape, rng: random.Random) -> float:
         """One pass's seconds as the calibration saw them vary: the fit's time times a factor
-        drawn from `spread` (the fit's time alone when there is none)."""
+        drawn from its kind's spread (the fit's time alone when there is none)."""
         t = self.predict(shape)
-        return t * self.spread[rng.randrange(len(self.spread))] if self.spread else t
+        spread = self.spread_prompt if shape.prefill_rows and self.spread_prompt else self.spread
+        return t * spread[rng.randrange(len(spread))] if spread else t
 
     def coefficients(self) -> list[float]:
         return [getattr(self, name) for name in TERMS]
@@ -192,7 +199,8 @@ class StepCost:
                              f"versions {readable} (run prefixlab calibrate again)")
         if "c0" not in obj:
             raise ValueError(f"{path}: the step-cost file has no c0")
-        fields = (*TERMS, "prompt_pad_rows", "attention_tile", "spread", "machine", "model", "fit", "stderr")
+        fields = (*TERMS, "prompt_pad_rows", "attention_tile", "spread", "spread_prompt", "machine", "model",
+                  "fit", "stderr")
         known = {k: obj[k] for k in fields if k in obj}
         if not isinstance(known.get("stderr", {}), dict):
             raise ValueError(f"{path}: \"stderr\" must be an object of term -> seconds")
@@ -213,8 +221,9 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     counts for less than one that ran fast), so the weights become 1 / the fitted time and the
     fit is repeated until they settle (iteratively reweighted least squares). The standard
     errors are the weighted fit's: the residuals' variance times (A^T A)^-1's diagonal. The
-    spread is the quantiles of every pass's time over its shape's median, over the shapes timed
-    more than once."""
+    spreads are the quantiles of each pass's time over its shape's median, over the shapes timed
+    more than once: the passes holding prompt rows (`spread_prompt`), and the rest (`spread`; the
+    prompt passes' where no other shape was timed twice)."""
     by_shape: dict[StepShape, list[float]] = {}
     for s, t in zip(shapes, seconds):
         by_shape.setdefault(s, []).append(t)
@@ -231,15 +240,19 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     every = np.asarray(seconds, dtype=np.float64)
     rel_pass = np.abs(np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef
                       - every) / every
-    ratios = [t / np.median(ts) for ts in by_shape.values() if len(ts) > 1 for t in ts]
-    spread = (np.quantile(ratios, (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS).tolist()
-              if ratios else [])
+    spreads = {}
+    for prompt in (True, False):
+        ratios = [t / np.median(ts) for s, ts in by_shape.items()
+                  if len(ts) > 1 and bool(s.prefill_rows) == prompt for t in ts]
+        quantiles = (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS
+        spreads[prompt] = tuple(np.quantile(ratios, quantiles).tolist() if ratios else [])
     about = dict(about)
     about["fit"] = {**about.get("fit", {}), "steps": len(shapes), "shapes": len(by_shape),
                     "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90)),
                     "max_rel_error": float(rel.max()), "pass_median_rel_error": float(np.median(rel_pass))}
     return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about,
-                    prompt_pad_rows=prompt_pad_rows, attention_tile=attention_tile, spread=tuple(spread),
+                    prompt_pad_rows=prompt_pad_rows, attention_tile=attention_tile,
+                    spread=spreads[False] or spreads[True], spread_prompt=spreads[True],
                     stderr={name: float(e) for name, e in zip(TERMS, se)})
 
 
