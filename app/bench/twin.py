@@ -131,6 +131,29 @@ def _predict(trace: str, cost: StepCost) -> tuple[list[dict], object]:
     return runs, res
 
 
+def _served(model_path: str, tmp: str, trace: str, per_burst: int) -> tuple[StepCost, list, StepCost, list]:
+    """`prefixlab serve --step-log` calibrated whole, then the trace sent with the calibration's
+    workloads between its bursts: (the whole fit; the requests measured; the interleaved fit; the
+    trace's own passes)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    steps = os.path.join(tmp, "steps.jsonl")
+    proc = loadtest.start_server([loadtest.python(), "-m", "app.cli", "serve", "--model", model_path,
+                                  "--port", str(port), "--max-queue", "512", "--step-log", steps],
+                                 base + "/v1", env=child_env(), ready_path="/health")
+    try:
+        before = _calibrate_server(base, steps, os.path.join(tmp, "cost-before.json"))
+        warm = os.path.join(tmp, "warm.jsonl")  # first-use costs (workspaces, pages) are no queue
+        write_trace(warm, TraceHeader(block_size=BLOCK), [
+            TraceRequest(arrival_s=0.0, input_length=BLOCK * 5, output_length=4,
+                         hash_ids=[9000 + k for k in range(5)])])
+        against.send(base, open_trace(warm))
+        # the fit the twin predicts with: this server's own passes, between the trace's bursts
+        return (before, *_interleaved(base, steps, trace, per_burst))
+    finally:
+        loadtest.stop_server(proc)
+
+
 def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
     bursts, per_burst = (QUICK_BURSTS, QUICK_PER_BURST) if quick else (BURSTS, PER_BURST)
     with tempfile.TemporaryDirectory(prefix="prefixlab-bench-twin-") as tmp:
@@ -138,23 +161,7 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
         in_process = _calibrate(model_path, os.path.join(tmp, "cost-in-process.json"))
         trace = os.path.join(tmp, "trace.jsonl")
         n = burst_trace(trace, bursts, per_burst)
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        steps = os.path.join(tmp, "steps.jsonl")
-        proc = loadtest.start_server([loadtest.python(), "-m", "app.cli", "serve", "--model", model_path,
-                                      "--port", str(port), "--max-queue", "512", "--step-log", steps],
-                                     base + "/v1", env=child_env(), ready_path="/health")
-        try:
-            before = _calibrate_server(base, steps, os.path.join(tmp, "cost-before.json"))
-            warm = os.path.join(tmp, "warm.jsonl")  # first-use costs (workspaces, pages) are no queue
-            write_trace(warm, TraceHeader(block_size=BLOCK), [
-                TraceRequest(arrival_s=0.0, input_length=BLOCK * 5, output_length=4,
-                             hash_ids=[9000 + k for k in range(5)])])
-            against.send(base, open_trace(warm))
-            # the fit the twin predicts with: this server's own passes, between the trace's bursts
-            measured, cost, trace_passes = _interleaved(base, steps, trace, per_burst)
-        finally:
-            loadtest.stop_server(proc)
+        before, measured, cost, trace_passes = _served(model_path, tmp, trace, per_burst)
         predicted, res = _predict(trace, cost)
         predicted_before, _ = _predict(trace, before)
         predicted_in_process, _ = _predict(trace, in_process)
