@@ -11,7 +11,7 @@ import pytest
 
 from app.replay.calibrate import compare as compare_fits
 from app.replay.calibrate import comparison_report
-from app.replay.stepcost import TERMS, StepCost, StepShape, features, fit, prompt_shape
+from app.replay.stepcost import TERMS, PassTimes, StepCost, StepShape, features, fit, prompt_shape
 from app.replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
 from app.replay.twin_replay import TwinConfig, predict, predict_draws
 from engine.sampler import SamplingParams
@@ -166,12 +166,11 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
     path = str(tmp_path / "cost.json")
     got.save(path)
     on_disk = json.loads(open(path).read())
-    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 4)
+    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 5)
     assert StepCost.load(path) == got
     v3 = tmp_path / "v3.json"   # version 3 kept one spread for every pass: prompt passes draw from it
     v3.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 3, "c0": 0.5, "spread": [2.0]}))
-    import random
-    assert StepCost.load(str(v3)).draw(prompt_shape(0, 8), random.Random(0)) == pytest.approx(1.0)
+    assert PassTimes(StepCost.load(str(v3)))(prompt_shape(0, 8)) == pytest.approx(1.0)
     old = tmp_path / "v1.json"
     old.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 1, "c0": 0.5, "c_decode": 0.1}))
     assert StepCost.load(str(old)) == StepCost(c0=0.5, c_decode=0.1)
@@ -204,10 +203,39 @@ def test_a_prompt_pass_is_padded_and_its_attention_tiled_as_the_engine_runs_it(t
     v2_cost = StepCost.load(str(v2))
     assert v2_cost.predict(hit) == pytest.approx(0.01 + 0.005 + (5 * 128 + 15) * 1e-6)
     for bad, says in (({"attention_tile": [32]}, "attention_tile"),
-                      ({"prompt_pad_rows": -1}, "prompt_pad_rows"), ({"spread": [1.0, 0]}, "spread")):
+                      ({"prompt_pad_rows": -1}, "prompt_pad_rows"), ({"spread": [1.0, 0]}, "spread"),
+                      ({"rho": 1.0}, "rho must be a number between -1 and 1")):
         v2.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 3, "c0": 0.01, **bad}))
         with pytest.raises(ValueError, match=says):
             StepCost.load(str(v2))
+
+
+def test_a_fit_measures_how_slow_passes_follow_each_other_and_the_twin_draws_them_so():
+    """`rho`: the lag-1 correlation of consecutive passes' factors. Slow passes in runs (every
+    shape twice; each shape as often slow as fast) fit near 1, slow and fast by turns near -1,
+    shuffled near 0; the twin's draws then switch between a spread's factors as seldom as the
+    rho they were drawn with says."""
+    import random
+    true = StepCost(c0=0.02, c_prefill=0.001, c_decode=0.004)
+    shapes = [StepShape(p, d) for p, d in itertools.product((0, 16, 128), (0, 1, 4, 8)) if p or d]
+    order = [shapes[i % len(shapes)] for i in range(20 * len(shapes))]
+
+    def fitted(factors):
+        return fit(order, [true.predict(s) * k for s, k in zip(order, factors)]).rho
+    in_runs = [1.5 if (i // (2 * len(shapes))) % 2 else 0.9 for i in range(len(order))]
+    by_turns = [1.5 if i % 2 else 0.9 for i in range(len(order))]
+    shuffled = in_runs[:]
+    random.Random(3).shuffle(shuffled)
+    assert fitted(in_runs) > 0.8 and fitted(by_turns) < -0.8 and abs(fitted(shuffled)) < 0.25
+    assert fit(order, [true.predict(s) for s in order]).rho == 0.0   # no spread, nothing to follow
+
+    def switches(rho):
+        draw = PassTimes(StepCost(c0=1.0, spread=(0.5, 1.5), rho=rho), seed=0)
+        got = [draw(StepShape(0, 1)) for _ in range(2000)]
+        return sum(a != b for a, b in zip(got, got[1:])), got.count(1.5) / len(got)
+    alone, chained = switches(0.0), switches(0.95)
+    assert 800 < alone[0] < 1200 and chained[0] < 0.3 * alone[0]      # a factor seldom alone
+    assert 0.3 < alone[1] < 0.7 and 0.3 < chained[1] < 0.7              # each factor half the time
 
 
 def test_the_twin_draws_each_pass_from_the_cost_spread(tmp_path):

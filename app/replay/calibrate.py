@@ -242,7 +242,8 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
               "  " + "  ".join(f"{n} {_ms(n, getattr(cost, n))}" for n in TERMS),
               f"  a prompt pass pads to {cost.prompt_pad_rows} rows; attention tiles {tile}; a pass's time "
               f"over its shape's median, p10 / p50 / p90: prompt passes {_quantiles(cost.spread_prompt)}, "
-              f"the others {_quantiles(cost.spread)}",
+              f"the others {_quantiles(cost.spread)}; a pass's factor follows the one before it at "
+              f"rho {cost.rho:.2f}",
               "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS),
               f"  {f['steps']} passes of {f['shapes']} shapes; relative error per shape (its median pass): "
               f"median {f['median_rel_error']:.1%}, p90 {f['p90_rel_error']:.1%}, "

@@ -21,7 +21,10 @@ coefficient comes with its standard error. The spread of each shape's passes abo
 is kept too, for passes that hold prompt rows (`spread_prompt`) apart from the rest (`spread`):
 the twin draws each pass's time from its kind's, since a queue's waits grow with the spread of
 its service times, not only their median, and a prompt pass (a GEMM on every core's BLAS thread,
-as slow as its slowest core) varies more than a decode pass (docs/twin.md, section 4). A fit is
+as slow as its slowest core) varies more than a decode pass (docs/twin.md, section 4). A slow pass
+is seldom alone (a host slows a core for seconds), so the fit also keeps how much a pass's factor
+follows the one before it (`rho`, the lag-1 correlation of their normal scores), and the twin
+draws the factors of one run in that chain (`PassTimes`). A fit is
 kept as one small versioned JSON file with the machine and model it was measured on; another
 engine's cost is the same file with its own numbers (fit it from that engine's per-step timings
 with `fit`).
@@ -33,13 +36,14 @@ import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
 
 import numpy as np
 
 COST_FORMAT = "prefixlab-step-cost"
-COST_VERSION = 4          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
-#                           4 `spread_prompt` (in 3 `spread` held every pass's)
-READS_VERSIONS = (1, 2, 3, COST_VERSION)
+COST_VERSION = 5          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
+#                           4 `spread_prompt` (in 3 `spread` held every pass's); 5 `rho` (in 1-4 0)
+READS_VERSIONS = (1, 2, 3, 4, COST_VERSION)
 TERMS = ("c0", "c_prompt", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx", "c_after_prompt")
 # Decode-only passes after a prompt pass that find BLAS's threads still spinning: OpenBLAS's
 # threads spin about 2^28 cycles (~0.1 s) after their last GEMM, and the two decode passes in that
@@ -128,6 +132,7 @@ class StepCost:
     attention_tile: tuple[int, int] | None = None  # prompt attention's (queries, keys) per tile
     spread: tuple[float, ...] = ()            # quantiles of a pass's time / its shape's median
     spread_prompt: tuple[float, ...] = ()     # the same for passes holding prompt rows (else `spread`)
+    rho: float = 0.0                          # lag-1 correlation of consecutive passes' factors
     machine: str = ""
     model: str = ""
     fit: dict = field(default_factory=dict)   # steps, shapes, median and worst relative error, when
@@ -157,6 +162,9 @@ class StepCost:
                     for v in spread):
                 raise ValueError(f"step cost: {name} must be a list of numbers > 0, got {spread!r}")
             object.__setattr__(self, name, tuple(float(v) for v in spread))
+        rho = self.rho
+        if not isinstance(rho, (int, float)) or isinstance(rho, bool) or not -1.0 < rho < 1.0:
+            raise ValueError(f"step cost: rho must be a number between -1 and 1 (exclusive), got {rho!r}")
 
     def features(self, shape: StepShape) -> list[float]:
         return features(shape, self.prompt_pad_rows, self.attention_tile)
@@ -164,13 +172,6 @@ class StepCost:
     def predict(self, shape: StepShape) -> float:
         """The pass's seconds: the fit's own (its shape's median)."""
         return float(np.dot(self.coefficients(), self.features(shape)))
-
-    def draw(self, shape: StepShape, rng: random.Random) -> float:
-        """One pass's seconds as the calibration saw them vary: the fit's time times a factor
-        drawn from its kind's spread (the fit's time alone when there is none)."""
-        t = self.predict(shape)
-        spread = self.spread_prompt if shape.prefill_rows and self.spread_prompt else self.spread
-        return t * spread[rng.randrange(len(spread))] if spread else t
 
     def coefficients(self) -> list[float]:
         return [getattr(self, name) for name in TERMS]
@@ -199,8 +200,8 @@ class StepCost:
                              f"versions {readable} (run prefixlab calibrate again)")
         if "c0" not in obj:
             raise ValueError(f"{path}: the step-cost file has no c0")
-        fields = (*TERMS, "prompt_pad_rows", "attention_tile", "spread", "spread_prompt", "machine", "model",
-                  "fit", "stderr")
+        fields = (*TERMS, "prompt_pad_rows", "attention_tile", "spread", "spread_prompt", "rho", "machine",
+                  "model", "fit", "stderr")
         known = {k: obj[k] for k in fields if k in obj}
         if not isinstance(known.get("stderr", {}), dict):
             raise ValueError(f"{path}: \"stderr\" must be an object of term -> seconds")
@@ -223,7 +224,8 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     errors are the weighted fit's: the residuals' variance times (A^T A)^-1's diagonal. The
     spreads are the quantiles of each pass's time over its shape's median, over the shapes timed
     more than once: the passes holding prompt rows (`spread_prompt`), and the rest (`spread`; the
-    prompt passes' where no other shape was timed twice)."""
+    prompt passes' where no other shape was timed twice); `rho` is how those ratios follow each
+    other, pass after pass in the order given (`_lag1`)."""
     by_shape: dict[StepShape, list[float]] = {}
     for s, t in zip(shapes, seconds):
         by_shape.setdefault(s, []).append(t)
@@ -253,10 +255,63 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about,
                     prompt_pad_rows=prompt_pad_rows, attention_tile=attention_tile,
                     spread=spreads[False] or spreads[True], spread_prompt=spreads[True],
+                    rho=_lag1(shapes, seconds, by_shape),
                     stderr={name: float(e) for name, e in zip(TERMS, se)})
 
 
 REWEIGHTS = 5
+NORMAL = NormalDist()
+RHO_LIMIT = 0.99   # a fitted rho is kept inside (-1, 1): at 1 a run would draw one factor for good
+
+
+def _lag1(shapes: list[StepShape], seconds: list[float], by_shape: dict) -> float:
+    """The lag-1 correlation of consecutive passes' factors (each pass's time over its shape's
+    median, ranked within its kind (ties at their mean rank) and turned into a normal score, the
+    scale `PassTimes` draws on), over the pairs of passes whose shapes were both timed more than
+    once; 0 with fewer than three such pairs."""
+    ratio = [t / np.median(by_shape[s]) if len(by_shape[s]) > 1 else None for s, t in zip(shapes, seconds)]
+    score: list[float | None] = [None] * len(ratio)
+    for prompt in (True, False):
+        kind = [i for i, (s, r) in enumerate(zip(shapes, ratio))
+                if r is not None and bool(s.prefill_rows) == prompt]
+        if not kind:
+            continue
+        values = np.round([ratio[i] for i in kind], 9)   # equal ratios (up to rounding) tie
+        ranks = np.empty(len(kind))
+        ranks[np.argsort(values)] = np.arange(len(kind))
+        _, tie = np.unique(values, return_inverse=True)
+        ranks = (np.bincount(tie, ranks) / np.bincount(tie))[tie]
+        for i, rank in zip(kind, ranks):
+            score[i] = NORMAL.inv_cdf((rank + 0.5) / len(kind))
+    pairs = [(a, b) for a, b in zip(score, score[1:]) if a is not None and b is not None]
+    if len(pairs) < 3:
+        return 0.0
+    a, b = np.array(pairs).T
+    if a.std() == 0 or b.std() == 0:
+        return 0.0
+    return float(np.clip(np.corrcoef(a, b)[0, 1], -RHO_LIMIT, RHO_LIMIT))
+
+
+class PassTimes:
+    """One run's pass times: the cost's time for each shape times a factor from its kind's spread,
+    the factors drawn (seeded) as the calibration saw them follow each other: a chain of normal
+    scores z' = rho z + sqrt(1 - rho^2) e, each turned into its quantile of the spread (a
+    Gaussian copula: every factor keeps the spread's distribution; rho 0 draws each alone). No
+    spread: every pass takes the cost's time."""
+
+    def __init__(self, cost: StepCost, seed: int = 0):
+        self.cost, self.rng = cost, random.Random(seed)
+        self.z: float | None = None   # the last pass's normal score
+
+    def __call__(self, shape: StepShape) -> float:
+        cost = self.cost
+        t = cost.predict(shape)
+        spread = cost.spread_prompt if shape.prefill_rows and cost.spread_prompt else cost.spread
+        if not spread:
+            return t
+        e = self.rng.gauss(0.0, 1.0)
+        self.z = e if self.z is None else cost.rho * self.z + math.sqrt(1.0 - cost.rho ** 2) * e
+        return t * spread[min(int(NORMAL.cdf(self.z) * len(spread)), len(spread) - 1)]
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

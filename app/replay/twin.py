@@ -16,7 +16,6 @@ come at the end of the pass that samples them.
 from __future__ import annotations
 
 import functools
-import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +26,7 @@ from engine.metrics import Timeline
 from engine.sampler import SamplingParams
 from engine.scheduler import FinishEvent, SchedulerSettings, TokenEvent
 
-from .stepcost import PassShapes, StepCost
+from .stepcost import PassShapes, PassTimes, StepCost
 from .trace import TraceRequest
 
 # A stand-in vocabulary as wide as token ids can be (the twin checks no id against a model).
@@ -83,19 +82,20 @@ class Pages(BlockManager):
 
 class TwinRunner:
     """A pass that records its tokens in storage-free pages and predicts its own duration: the
-    cost's time for its shape, times a factor drawn (seeded) from the cost's spread."""
+    cost's time for its shape, times a factor drawn (seeded) from the cost's spread
+    (stepcost.PassTimes)."""
 
     def __init__(self, cost: StepCost, cfg: StandInConfig, seed: int = 0):
         self.cost, self.cfg = cost, cfg
         self.shapes = PassShapes()
-        self.rng = random.Random(seed)
+        self.times = PassTimes(cost, seed)
         self.last_s = 0.0   # the predicted seconds of the latest pass
 
     def new_pool(self, settings: SchedulerSettings) -> BlockManager:
         return Pages(self.cfg, settings.page_rows, settings.pool_pages)
 
     def forward(self, batch) -> np.ndarray:
-        self.last_s = self.cost.draw(self.shapes(batch), self.rng)
+        self.last_s = self.times(self.shapes(batch))
         sessions, tokens = batch.sessions(), batch.tokens()
         pool = sessions[0].pool
         pool.allocate(sessions, [len(t) for t in tokens])
