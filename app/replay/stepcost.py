@@ -242,10 +242,11 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     every = np.asarray(seconds, dtype=np.float64)
     rel_pass = np.abs(np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef
                       - every) / every
+    # each pass's time over its shape's median (None for a shape timed once), in the order given
+    ratio = [t / np.median(by_shape[s]) if len(by_shape[s]) > 1 else None for s, t in zip(shapes, seconds)]
     spreads = {}
     for prompt in (True, False):
-        ratios = [t / np.median(ts) for s, ts in by_shape.items()
-                  if len(ts) > 1 and bool(s.prefill_rows) == prompt for t in ts]
+        ratios = [r for s, r in zip(shapes, ratio) if r is not None and bool(s.prefill_rows) == prompt]
         quantiles = (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS
         spreads[prompt] = tuple(np.quantile(ratios, quantiles).tolist() if ratios else [])
     about = dict(about)
@@ -255,7 +256,7 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about,
                     prompt_pad_rows=prompt_pad_rows, attention_tile=attention_tile,
                     spread=spreads[False] or spreads[True], spread_prompt=spreads[True],
-                    rho=_lag1(shapes, seconds, by_shape),
+                    rho=_lag1(shapes, ratio),
                     stderr={name: float(e) for name, e in zip(TERMS, se)})
 
 
@@ -264,12 +265,11 @@ NORMAL = NormalDist()
 RHO_LIMIT = 0.99   # a fitted rho is kept inside (-1, 1): at 1 a run would draw one factor for good
 
 
-def _lag1(shapes: list[StepShape], seconds: list[float], by_shape: dict) -> float:
-    """The lag-1 correlation of consecutive passes' factors (each pass's time over its shape's
-    median, ranked within its kind (ties at their mean rank) and turned into a normal score, the
-    scale `PassTimes` draws on), over the pairs of passes whose shapes were both timed more than
-    once; 0 with fewer than three such pairs."""
-    ratio = [t / np.median(by_shape[s]) if len(by_shape[s]) > 1 else None for s, t in zip(shapes, seconds)]
+def _lag1(shapes: list[StepShape], ratio: list[float | None]) -> float:
+    """The lag-1 correlation of consecutive passes' factors (`ratio`: each pass's time over its
+    shape's median, ranked within its kind (ties at their mean rank) and turned into a normal
+    score, the scale `PassTimes` draws on), over the pairs of passes whose shapes were both timed
+    more than once (ratio not None); 0 with fewer than three such pairs."""
     score: list[float | None] = [None] * len(ratio)
     for prompt in (True, False):
         kind = [i for i, (s, r) in enumerate(zip(shapes, ratio))
