@@ -4,8 +4,9 @@ how long its step took, as JSON lines (the twin fits its step cost to them: docs
 A step is timed whole, as `prefixlab calibrate` times it (the scheduler's work and the sending of
 events included), but under a server's own traffic and front end. The file opens with a header
 line (how a prompt pass is padded and tiled here, the machine, the model); a restarted server
-appends another, and each header's lines follow it. A pass's line holds its seconds and, for
-each decoding stream and each prompt piece, (positions before it, rows).
+appends another, and each header's lines follow it. A pass's line holds its seconds, when it
+started (seconds after its header: idle moments and the host's slow spells show between passes;
+version 2 on) and, for each decoding stream and each prompt piece, (positions before it, rows).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from .loop import EngineLoop
 from .scheduler import ModelRunner
 
 FORMAT = "prefixlab-step-log"
-VERSION = 1
+VERSION = 2          # 2 added each pass's `start`
+READS_VERSIONS = (1, VERSION)
 
 
 class _PartsRunner(ModelRunner):
@@ -51,6 +53,7 @@ class StepLogLoop(EngineLoop):
         self._file = open(path, "a", encoding="utf-8", buffering=1)  # whole lines while serving
         self._file_lock = threading.Lock()
         self._runner: _PartsRunner | None = None
+        self._since = time.perf_counter()   # the latest header's time: a pass's start counts from it
         super().__init__()
 
     def reset(self, model=None, settings=None, runner=None) -> None:
@@ -59,6 +62,7 @@ class StepLogLoop(EngineLoop):
         self._runner = _PartsRunner(model) if model is not None else None
         super().reset(model, settings, self._runner)
         if model is not None:
+            self._since = time.perf_counter()
             self._write(header(model))
 
     def step(self) -> None:
@@ -72,7 +76,8 @@ class StepLogLoop(EngineLoop):
             seconds = time.perf_counter() - t0
             if runner is not None and runner.parts is not None:
                 decode, pieces = runner.parts
-                self._write({"seconds": seconds, "decode": decode, "pieces": pieces})
+                self._write({"seconds": seconds, "start": round(t0 - self._since, 6), "decode": decode,
+                             "pieces": pieces})
 
     def stop(self) -> None:
         super().stop()
@@ -96,8 +101,9 @@ def _pairs(value, what: str) -> list[tuple[int, int]]:
     return out
 
 
-def read_step_log(path: str) -> list[tuple[dict, list[tuple[int, list, list, float]]]]:
-    """[(header, [(byte offset, decode, pieces, seconds) of each pass after it])] in file order."""
+def read_step_log(path: str) -> list[tuple[dict, list[tuple[int, list, list, float, float | None]]]]:
+    """[(header, [(byte offset, decode, pieces, seconds, start) of each pass after it])] in file
+    order (start: None in a version 1 log)."""
     try:
         with open(path, "rb") as fh:
             raw = fh.read()
@@ -117,20 +123,22 @@ def read_step_log(path: str) -> list[tuple[dict, list[tuple[int, list, list, flo
         if not isinstance(obj, dict):
             raise StepLogError(f"{where}: expected a JSON object")
         if obj.get("format") == FORMAT:
-            if obj.get("version") != VERSION:
+            if obj.get("version") not in READS_VERSIONS:
                 raise StepLogError(f"{where}: step log version {obj.get('version')!r}; this PrefixLab "
-                                   f"reads version {VERSION}")
+                                   f"reads versions {', '.join(map(str, READS_VERSIONS))}")
             runs.append((obj, []))
             continue
         if not runs:
             raise StepLogError(f"{where}: a pass before any header line (is this a `serve --step-log` file?)")
         try:
             seconds = float(obj["seconds"])
-            passed = (at, _pairs(obj["decode"], "decode"), _pairs(obj["pieces"], "pieces"), seconds)
+            start = float(obj["start"]) if runs[-1][0]["version"] > 1 else None
+            passed = (at, _pairs(obj["decode"], "decode"), _pairs(obj["pieces"], "pieces"), seconds, start)
         except (KeyError, TypeError, ValueError) as e:
-            raise StepLogError(f"{where}: a pass needs seconds, decode and pieces, each a list of "
-                               f"[positions, rows] ({type(e).__name__}: {e})") from None
-        if not seconds > 0 or not (passed[1] or passed[2]):
-            raise StepLogError(f"{where}: a pass takes seconds > 0 and runs a stream or a piece")
+            raise StepLogError(f"{where}: a pass needs seconds, start (version 2), decode and pieces, "
+                               f"each a list of [positions, rows] ({type(e).__name__}: {e})") from None
+        if not seconds > 0 or not (passed[1] or passed[2]) or (start is not None and not start >= 0):
+            raise StepLogError(f"{where}: a pass takes seconds > 0, starts at >= 0 s and runs a stream or a "
+                               "piece")
         runs[-1][1].append(passed)
     return runs

@@ -17,6 +17,7 @@ from engine.step_log import FORMAT, StepLogError, StepLogLoop, read_step_log
 
 HEADER = {"format": FORMAT, "version": 1, "prompt_pad_rows": 28, "attention_tile": [32, 128],
           "machine": "test", "model": "test.gguf (1 bytes)", "model_path": "/nowhere/test.gguf"}
+V2 = {**HEADER, "version": 2}   # a pass's line holds its start too
 COST = StepCost(c0=0.02, c_prompt=0.05, c_prefill=0.0015, c_decode=0.0008, c_ctx=6e-6, c_prefill_ctx=1.2e-6,
                 c_after_prompt=0.002, prompt_pad_rows=28, attention_tile=(32, 128))
 
@@ -75,7 +76,10 @@ def test_a_log_of_a_known_cost_fits_back_to_it_from_an_offset(tmp_path):
     (json.dumps(HEADER) + "\nnot json\n", "line 2: not JSON"),
     (json.dumps({**HEADER, "version": 9}) + "\n", "step log version 9"),
     (json.dumps(HEADER) + '\n{"seconds": 0.1, "decode": []}\n',
-     "line 2: a pass needs seconds, decode and pieces"),
+     "line 2: a pass needs seconds, start"),
+    (json.dumps(V2) + "\n" + row([], [[0, 4]], 0.1), "line 2: a pass needs seconds, start"),
+    (json.dumps(V2) + '\n{"seconds": 0.1, "start": -1, "decode": [], "pieces": [[0, 4]]}\n',
+     "starts at >= 0 s"),
     (json.dumps(HEADER) + "\n" + row([], [[0, 4]], -1), "seconds > 0"),
     (json.dumps(HEADER) + "\n" + row([], [[0, -4]], 0.1), "rows >= 1"),
 ])
@@ -109,11 +113,14 @@ def test_the_loop_logs_what_each_pass_ran(tiny_model, tmp_path):
     loop.stop()
     [(head, passes)] = read_step_log(str(path))
     assert head["prompt_pad_rows"] == tiny_model.backend.exact_rows and head["model_path"] == tiny_model.path
-    _, decode, pieces, seconds = passes[0]
+    _, decode, pieces, seconds, start = passes[0]
     assert decode == [] and sorted(pieces) == [(0, 7), (0, 20)] and seconds > 0
     # 4 tokens each, the first from the prefill: three passes of both streams, each one further on
-    assert [sorted(d) for _, d, p, _ in passes[1:]] == [[(7, 1), (20, 1)], [(8, 1), (21, 1)],
-                                                         [(9, 1), (22, 1)]]
+    assert [sorted(d) for _, d, p, _, _ in passes[1:]] == [[(7, 1), (20, 1)], [(8, 1), (21, 1)],
+                                                            [(9, 1), (22, 1)]]
+    # each pass starts after the one before it has run (seconds from the header, to the microsecond)
+    starts, took = [p[4] for p in passes], [p[3] for p in passes]
+    assert 0 <= starts[0] and all(b >= a + t - 2e-6 for a, b, t in zip(starts, starts[1:], took))
     [(_, shapes)] = logged_passes(str(path))
     assert [s.after_prompt for s, _ in shapes] == [False, True, True, False]
 

@@ -152,21 +152,22 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
     shapes = [StepShape(p, d) for p, d in itertools.product((0, 16, 128), (0, 1, 4, 8)) if p or d]
     # each shape timed three times: once fast, once right, once slowed (another process took a
     # core), a pass holding prompt rows slowed more (its GEMM waits for the slowest core)
-    def factors(s):
-        return (0.9, 1.0, 2.0) if s.prefill_rows else (0.95, 1.0, 1.5)
-    times = [true.predict(s) * k for s in shapes for k in factors(s)]
+    def extras(s):
+        return (-0.01, 0.0, 0.2) if s.prefill_rows else (-0.002, 0.0, 0.05)
+    times = [true.predict(s) + e for s in shapes for e in extras(s)]
     got = fit([s for s in shapes for _ in range(3)], times, machine="test")
     assert got.c0 == pytest.approx(0.02, rel=1e-9) and got.c_decode == pytest.approx(0.004, rel=1e-9)
     assert (got.fit["steps"], got.fit["shapes"]) == (33, 11)      # the median of each shape's three
     assert set(got.stderr) == set(TERMS)
-    # the spreads: each pass over its shape's median, each factor a third of the time, by kind
-    for spread, (low, high) in ((got.spread, (0.95, 1.5)), (got.spread_prompt, (0.9, 2.0))):
-        assert min(spread) == pytest.approx(low) and max(spread) == pytest.approx(high)
-        assert sorted(spread) == list(spread) and spread.count(1.0) >= 6
+    # the extras: each pass's seconds over its shape's median, each a third of the time, by kind
+    for extra, (low, high) in ((got.extra_s, (-0.002, 0.05)), (got.extra_prompt_s, (-0.01, 0.2))):
+        assert min(extra) == pytest.approx(low) and max(extra) == pytest.approx(high)
+        assert sorted(extra) == list(extra) and sum(abs(e) < 1e-12 for e in extra) >= 6
+    assert got.spread == got.spread_prompt == ()
     path = str(tmp_path / "cost.json")
     got.save(path)
     on_disk = json.loads(open(path).read())
-    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 5)
+    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 6)
     assert StepCost.load(path) == got
     v3 = tmp_path / "v3.json"   # version 3 kept one spread for every pass: prompt passes draw from it
     v3.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 3, "c0": 0.5, "spread": [2.0]}))
@@ -204,14 +205,16 @@ def test_a_prompt_pass_is_padded_and_its_attention_tiled_as_the_engine_runs_it(t
     assert v2_cost.predict(hit) == pytest.approx(0.01 + 0.005 + (5 * 128 + 15) * 1e-6)
     for bad, says in (({"attention_tile": [32]}, "attention_tile"),
                       ({"prompt_pad_rows": -1}, "prompt_pad_rows"), ({"spread": [1.0, 0]}, "spread"),
-                      ({"rho": 1.0}, "rho must be a number between -1 and 1")):
+                      ({"rho": 1.0}, "rho must be a number between -1 and 1"),
+                      ({"extra_prompt_s": [0.1, "x"]}, "extra_prompt_s must be a list of finite numbers"),
+                      ({"extra_s": [0.1], "spread": [1.2]}, "extra seconds or as factors, not both")):
         v2.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 3, "c0": 0.01, **bad}))
         with pytest.raises(ValueError, match=says):
             StepCost.load(str(v2))
 
 
 def test_a_fit_measures_how_slow_passes_follow_each_other_and_the_twin_draws_them_so():
-    """`rho`: the lag-1 correlation of consecutive passes' factors. Slow passes in runs (every
+    """`rho`: the lag-1 correlation of consecutive passes' draws. Slow passes in runs (every
     shape twice; each shape as often slow as fast) fit near 1, slow and fast by turns near -1,
     shuffled near 0; the twin's draws then switch between a spread's factors as seldom as the
     rho they were drawn with says."""
@@ -220,10 +223,10 @@ def test_a_fit_measures_how_slow_passes_follow_each_other_and_the_twin_draws_the
     shapes = [StepShape(p, d) for p, d in itertools.product((0, 16, 128), (0, 1, 4, 8)) if p or d]
     order = [shapes[i % len(shapes)] for i in range(20 * len(shapes))]
 
-    def fitted(factors):
-        return fit(order, [true.predict(s) * k for s, k in zip(order, factors)]).rho
-    in_runs = [1.5 if (i // (2 * len(shapes))) % 2 else 0.9 for i in range(len(order))]
-    by_turns = [1.5 if i % 2 else 0.9 for i in range(len(order))]
+    def fitted(extras):
+        return fit(order, [true.predict(s) + e for s, e in zip(order, extras)]).rho
+    in_runs = [0.05 if (i // (2 * len(shapes))) % 2 else -0.01 for i in range(len(order))]
+    by_turns = [0.05 if i % 2 else -0.01 for i in range(len(order))]
     shuffled = in_runs[:]
     random.Random(3).shuffle(shuffled)
     assert fitted(in_runs) > 0.8 and fitted(by_turns) < -0.8 and abs(fitted(shuffled)) < 0.25
@@ -236,6 +239,27 @@ def test_a_fit_measures_how_slow_passes_follow_each_other_and_the_twin_draws_the
     alone, chained = switches(0.0), switches(0.95)
     assert 800 < alone[0] < 1200 and chained[0] < 0.3 * alone[0]      # a factor seldom alone
     assert 0.3 < alone[1] < 0.7 and 0.3 < chained[1] < 0.7              # each factor half the time
+
+
+def test_the_twin_adds_the_same_seconds_to_a_small_prompt_pass_as_to_a_large_one():
+    """Version 6 keeps a pass's spread as seconds over its shape's median: in a slow spell of the
+    host a small prompt pass ran 1.5-1.85 times its median and a large one 1.13-1.2 times, about
+    the same seconds over it. The twin adds the extra drawn, and never runs a pass under half its
+    fitted time."""
+    cost = StepCost(c0=0.01, c_prompt=0.05, c_prefill=0.001, c_decode=0.002, extra_prompt_s=(0.1,),
+                    extra_s=(-0.5,))
+    small, large = prompt_shape(128, 30), prompt_shape(0, 900)
+    draw = PassTimes(cost)
+    for shape in (small, large):
+        assert draw(shape) == pytest.approx(cost.predict(shape) + 0.1)
+    decode = StepShape(decode_rows=4, decode_context=400)
+    assert draw(decode) == pytest.approx(cost.predict(decode) * 0.5)   # -0.5 s: floored at half
+    # fitted from passes slowed so, the extras hold the seconds, whatever each pass's size
+    shapes = [prompt_shape(n, rows) for n in (0, 128) for rows in (30, 300, 900)] + \
+             [StepShape(decode_rows=d, decode_context=d * c) for d in (1, 4, 8) for c in (50, 400)]
+    times = [cost.predict(s) + e for s in shapes for e in ((0.0, 0.0, 0.15) if s.prefill_rows else (0, 0, 0))]
+    got = fit([s for s in shapes for _ in range(3)], times)
+    assert max(got.extra_prompt_s) == pytest.approx(0.15) and min(got.extra_prompt_s) == pytest.approx(0.0)
 
 
 def test_the_twin_draws_each_pass_from_the_cost_spread(tmp_path):
@@ -428,3 +452,18 @@ def test_the_bench_calibrates_between_bursts_that_each_end_before_the_next(tmp_p
     slow = StepCost(c0=0.5, c_prefill=0.001, c_decode=0.002)   # 8-16 tokens at 0.5 s: 4 s and more
     _, draws = predict_draws(open_trace(trace), TwinConfig(slow), 1, keep=True)
     assert not _bursts_drain(trace, 2, draws)
+
+
+def test_the_bench_gives_the_measured_percentiles_their_own_error_over_its_bursts():
+    """A burst's requests share its passes and the host's moment, so the bench resamples whole
+    bursts for the measured TTFT's own standard error: bursts alike give none (resampling single
+    requests would), bursts unlike give one."""
+    from types import SimpleNamespace
+
+    from app.bench.twin import _measured_spread
+    alike = [SimpleNamespace(ttft_s=t) for _ in range(4) for t in (0.1, 0.2, 0.4)]
+    assert max(_measured_spread(alike, 3).values()) < 1e-12   # every draw the same percentiles
+    unlike = [SimpleNamespace(ttft_s=t) for b in range(4) for t in (0.1 * (b + 1),) * 3]
+    spread = _measured_spread(unlike, 3)
+    assert 0.1 < spread["p50"] < 1.0 and spread["p90"] > 0.05
+    assert _measured_spread(unlike, 3) == spread   # seeded: a bench run's figure repeats

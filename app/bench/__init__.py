@@ -26,7 +26,7 @@ time per page beside the prefill time it spares.
 --peer llama-cpp adds the peer section ("llama.cpp peer"): llama-cpp-python on the same
 GGUF, prefill, decode, eight streams and the W8 workload, as ratios with their targets
 (its llama.cpp tok/s are the llama_cpp_* figures, which the llama_cpp section then reuses).
-twin ("twin"): 60 requests in bursts sent to `prefixlab serve`, calibrated on its own passes
+twin ("twin"): 180 requests in bursts sent to `prefixlab serve`, calibrated on its own passes
 between the bursts, and predicted by the twin: the error of TTFT p50 and p90 (not in --quick);
 twin_scale ("twin"): 10,000 synthetic requests through one twin replica in a child process:
 requests and passes a second, peak RSS and its growth (not in --quick).

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..replay import against, calibrate
 from ..replay.stepcost import StepCost
-from ..replay.steplog import logged_passes
+from ..replay.steplog import logged_passes, read_step_log
 from ..replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
 from ..replay.twin_replay import TwinConfig, predict_draws
 from ..serve import loadtest
@@ -40,7 +40,9 @@ from .serve import free_port
 FEATURE = "twin"  # the table's and the JSON's "feature" of its figures
 TARGET_ERROR = 0.20
 BLOCK = 32
-BURSTS, PER_BURST, EVERY_S = 10, 6, 4.0          # 60 requests
+# 180 requests: the measured TTFT p90 of 60 (10 bursts) moved by 13-43 % (one standard error)
+# when its bursts were resampled, more than the target allows (docs/twin.md, section 4)
+BURSTS, PER_BURST, EVERY_S = 30, 6, 4.0
 QUICK_BURSTS, QUICK_PER_BURST = 3, 3
 DRAWS = 12   # the twin's runs of the trace, each pass's time drawn from the calibration's spread
 
@@ -69,6 +71,7 @@ def _calibrate(model_path: str, out: str) -> StepCost:
     return StepCost.load(out)
 
 
+SE_NOTE = "the measured percentile's own standard error, its bursts resampled (relative to it)"
 BEFORE_NOTE = "the server's own calibration, made whole before the run"
 
 
@@ -79,10 +82,10 @@ def _calibrate_server(url: str, step_log: str, out: str) -> StepCost:
     return StepCost.load(out)
 
 
-def _interleaved(url: str, step_log: str, trace: str, per_burst: int) -> tuple[list, StepCost, list]:
+def _interleaved(url: str, step_log: str, trace: str, per_burst: int) -> tuple[list, StepCost, list, list]:
     """The trace sent burst by burst, calibrate's workloads between the bursts (and before the
     first and after the last): (the requests measured, in trace order; the workloads' fit; the
-    trace's own passes, (shape, seconds), as the server logged them)."""
+    trace's own passes, (shape, seconds), as the server logged them; every pass logged, `_passes`)."""
     reqs = against.requests_of(open_trace(trace), 1.0)
     bursts = [list(range(i, min(i + per_burst, len(reqs)))) for i in range(0, len(reqs), per_burst)]
     cal = calibrate.ServerCalibration(url, step_log)
@@ -99,7 +102,18 @@ def _interleaved(url: str, step_log: str, trace: str, per_burst: int) -> tuple[l
     cal.send(between[-1])
     bursts_logged = [(a[1], b[0]) for a, b in zip(cal.spans, cal.spans[1:])]   # between the workloads'
     return measured, cal.fit()[0], [p for _, passes in logged_passes(step_log, spans=bursts_logged)
-                                    for p in passes]
+                                    for p in passes], _passes(step_log, cal.spans, bursts_logged)
+
+
+def _passes(step_log: str, fitted: list, bursts: list) -> list[dict]:
+    """Every pass the server logged, in order, for the JSON (a figure can be worked out again from
+    it): its start and seconds, decode streams and prompt pieces, and what ran it ("fit": the
+    interleaved calibration's workloads; "trace"; "other": the whole calibration before, warm-ups)."""
+    def part(at: int) -> str:
+        inside = lambda spans: any(a <= at < b for a, b in spans)   # noqa: E731
+        return "fit" if inside(fitted) else "trace" if inside(bursts) else "other"
+    return [{"start": start, "seconds": seconds, "decode": decode, "pieces": pieces, "part": part(at)}
+            for _, passes in read_step_log(step_log) for at, decode, pieces, seconds, start in passes]
 
 
 def _pass_ratios(cost: StepCost, passes: list) -> dict:
@@ -109,6 +123,22 @@ def _pass_ratios(cost: StepCost, passes: list) -> dict:
     for shape, seconds in passes:
         ratios["prompt" if shape.prefill_rows else "decode"].append(seconds / cost.predict(shape))
     return {k: float(np.median(v)) if v else None for k, v in ratios.items()}
+
+
+RESAMPLES = 2000   # of the measured bursts, for the measured percentiles' own standard error
+
+
+def _measured_spread(measured: list, per_burst: int, seed: int = 0) -> dict:
+    """The measured TTFT p50's and p90's own standard error, relative to them: the bursts drawn
+    again with replacement (a block bootstrap: a burst's requests share its passes and the host's
+    moment, so they vary together), the percentiles' standard deviation over RESAMPLES draws."""
+    ttft = np.array([m.ttft_s for m in measured], dtype=np.float64)
+    blocks = [ttft[i:i + per_burst] for i in range(0, len(ttft), per_burst)]
+    rng = np.random.default_rng(seed)
+    picks = [np.concatenate([blocks[k] for k in rng.integers(0, len(blocks), len(blocks))])
+             for _ in range(RESAMPLES)]
+    return {f"p{q}": float(np.std([np.percentile(p, q) for p in picks]) / np.percentile(ttft, q))
+            for q in (50, 90)}
 
 
 def _chunks(items: tuple, n: int) -> list[tuple]:
@@ -131,10 +161,11 @@ def _predict(trace: str, cost: StepCost) -> tuple[list[dict], object]:
     return runs, res
 
 
-def _served(model_path: str, tmp: str, trace: str, per_burst: int) -> tuple[StepCost, list, StepCost, list]:
+def _served(model_path: str, tmp: str, trace: str, per_burst: int
+            ) -> tuple[StepCost, list, StepCost, list, list]:
     """`prefixlab serve --step-log` calibrated whole, then the trace sent with the calibration's
     workloads between its bursts: (the whole fit; the requests measured; the interleaved fit; the
-    trace's own passes)."""
+    trace's own passes; every pass logged)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     steps = os.path.join(tmp, "steps.jsonl")
@@ -161,7 +192,7 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
         in_process = _calibrate(model_path, os.path.join(tmp, "cost-in-process.json"))
         trace = os.path.join(tmp, "trace.jsonl")
         n = burst_trace(trace, bursts, per_burst)
-        before, measured, cost, trace_passes = _served(model_path, tmp, trace, per_burst)
+        before, measured, cost, trace_passes, passes = _served(model_path, tmp, trace, per_burst)
         predicted, res = _predict(trace, cost)
         predicted_before, _ = _predict(trace, before)
         predicted_in_process, _ = _predict(trace, in_process)
@@ -177,6 +208,7 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
     # the calibration's pages must not have pushed the trace's system prompts out of the cache
     hits_differ = [m.index for m in measured if m.cached_tokens != predicted[0][m.index].cached_tokens]
     ratios = _pass_ratios(cost, trace_passes)
+    spread = _measured_spread(measured, per_burst)
     err = {k: cmp[k]["error"] for k in ("ttft", "total")}
     note = (f"{n} requests in bursts, 3 shared system prompts, against prefixlab serve; calibrated "
             f"between the bursts")
@@ -189,6 +221,7 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
         "twin_ttft_p99_error": figure(abs(err["ttft"]["p99"]), "ratio", FEATURE),
         "twin_total_p50_error": figure(abs(err["total"]["p50"]), "ratio", FEATURE),
         "twin_total_p90_error": figure(abs(err["total"]["p90"]), "ratio", FEATURE),
+        **{f"twin_ttft_{q}_measured_se": figure(spread[q], "ratio", FEATURE, note=SE_NOTE) for q in spread},
         "twin_requests_hits_differ": figure(len(hits_differ), "requests", FEATURE, 0, "<=",
                                             note="requests whose cached tokens the server reported other "
                                                  "than the twin predicted"),
@@ -216,8 +249,8 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
     details = {"compare": cmp, "compare_before_run": cmp_before, "compare_in_process_fit": cmp_in_process,
                "calibration_repeat": repeat, "cost": cost.to_json(), "cost_before_run": before.to_json(),
                "cost_in_process": in_process.to_json(), "twin": res.to_json(), "hits_differ": hits_differ,
-               "trace_pass_ratios": ratios,
+               "trace_pass_ratios": ratios, "measured_se": spread,
                "trace_pass_ratios_before_run": _pass_ratios(before, trace_passes),
                "measured": [m.__dict__ for m in measured],
-               "predicted": [predicted[0][i].to_json() for i in sorted(predicted[0])]}
+               "predicted": [predicted[0][i].to_json() for i in sorted(predicted[0])], "passes": passes}
     return figures, details

@@ -240,9 +240,9 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
                   " + c_decode x decode rows + c_ctx x decode context + c_prefill_ctx x prompt pairs"
                   " + c_after_prompt x [a decode pass just after a prompt pass]",
               "  " + "  ".join(f"{n} {_ms(n, getattr(cost, n))}" for n in TERMS),
-              f"  a prompt pass pads to {cost.prompt_pad_rows} rows; attention tiles {tile}; a pass's time "
-              f"over its shape's median, p10 / p50 / p90: prompt passes {_quantiles(cost.spread_prompt)}, "
-              f"the others {_quantiles(cost.spread)}; a pass's factor follows the one before it at "
+              f"  a prompt pass pads to {cost.prompt_pad_rows} rows; attention tiles {tile}; a pass's ms "
+              f"over its shape's median, p10 / p50 / p90: prompt passes {_quantiles(cost.extra_prompt_s)}, "
+              f"the others {_quantiles(cost.extra_s)}; a pass's draw follows the one before it at "
               f"rho {cost.rho:.2f}",
               "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS),
               f"  {f['steps']} passes of {f['shapes']} shapes; relative error per shape (its median pass): "
@@ -252,9 +252,11 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
     return "\n".join(lines)
 
 
-def _quantiles(spread: tuple[float, ...]) -> str:
-    n = len(spread)
-    return " / ".join(f"{spread[i]:.2f}" for i in (n // 10, n // 2, n * 9 // 10)) if n else "not measured"
+def _quantiles(extra_s: tuple[float, ...]) -> str:
+    n = len(extra_s)
+    if not n:
+        return "not measured"
+    return " / ".join(f"{extra_s[i] * 1e3:+.1f}" for i in (n // 10, n // 2, n * 9 // 10))
 
 
 UNITS = {"c0": (1e3, "ms"), "c_prompt": (1e3, "ms"), "c_prefill": (1e3, "ms/row"),

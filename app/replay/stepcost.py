@@ -18,10 +18,15 @@ A pass's shape (`StepShape`) is read from the scheduler's `Batch` before it runs
 their median, so a pass slowed by another process moves the fit little; a coefficient that comes
 out negative is dropped and the rest fitted again (a time never shrinks with more work); each
 coefficient comes with its standard error. The spread of each shape's passes about their median
-is kept too, for passes that hold prompt rows (`spread_prompt`) apart from the rest (`spread`):
-the twin draws each pass's time from its kind's, since a queue's waits grow with the spread of
-its service times, not only their median, and a prompt pass (a GEMM on every core's BLAS thread,
-as slow as its slowest core) varies more than a decode pass (docs/twin.md, section 4). A slow pass
+is kept too, as the seconds each pass ran over it, for passes that hold prompt rows
+(`extra_prompt_s`) apart from the rest (`extra_s`): the twin adds to each pass's time an extra
+drawn from its kind's, since a queue's waits grow with the spread of its service times, not only
+their median, and a prompt pass (a GEMM on every core's BLAS thread, as slow as its slowest core)
+varies more than a decode pass (docs/twin.md, section 4). Seconds, not a factor: in a slow spell
+of the host a small prompt pass ran 1.5-1.85 times its median and a large one 1.13-1.2 times,
+about the same 0.1-0.15 s over it, so a factor pooled over every size gave the small passes that
+start a burst too short a tail (a cost written by hand, or fitted before version 6, may still
+give factors: `spread`, `spread_prompt`). A slow pass
 is seldom alone (a host slows a core for seconds), so the fit also keeps how much a pass's factor
 follows the one before it (`rho`, the lag-1 correlation of their normal scores), and the twin
 draws the factors of one run in that chain (`PassTimes`). A fit is
@@ -41,8 +46,9 @@ from statistics import NormalDist
 import numpy as np
 
 COST_FORMAT = "prefixlab-step-cost"
-COST_VERSION = 5          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
-#                           4 `spread_prompt` (in 3 `spread` held every pass's); 5 `rho` (in 1-4 0)
+COST_VERSION = 6          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
+#                           4 `spread_prompt` (in 3 `spread` held every pass's); 5 `rho` (in 1-4 0);
+#                           6 `extra_s` and `extra_prompt_s`, fitted in place of the two spreads
 READS_VERSIONS = (1, 2, 3, 4, COST_VERSION)
 TERMS = ("c0", "c_prompt", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx", "c_after_prompt")
 # Decode-only passes after a prompt pass that find BLAS's threads still spinning: OpenBLAS's
@@ -130,7 +136,9 @@ class StepCost:
     c_after_prompt: float = 0.0
     prompt_pad_rows: int = 0                  # a prompt pass computes at least this many rows
     attention_tile: tuple[int, int] | None = None  # prompt attention's (queries, keys) per tile
-    spread: tuple[float, ...] = ()            # quantiles of a pass's time / its shape's median
+    extra_s: tuple[float, ...] = ()           # quantiles of a pass's seconds over its shape's median
+    extra_prompt_s: tuple[float, ...] = ()    # the same for passes holding prompt rows (else `extra_s`)
+    spread: tuple[float, ...] = ()            # or factors: quantiles of a pass's time / its shape's median
     spread_prompt: tuple[float, ...] = ()     # the same for passes holding prompt rows (else `spread`)
     rho: float = 0.0                          # lag-1 correlation of consecutive passes' factors
     machine: str = ""
@@ -155,13 +163,17 @@ class StepCost:
                 raise ValueError(f"step cost: attention_tile must be [queries, keys], two integers > 0, "
                                  f"got {tile!r}")
             object.__setattr__(self, "attention_tile", tuple(tile))
-        for name in ("spread", "spread_prompt"):
+        for name, low in (("spread", 0.0), ("spread_prompt", 0.0), ("extra_s", -math.inf),
+                          ("extra_prompt_s", -math.inf)):
             spread = getattr(self, name)
             if not isinstance(spread, (list, tuple)) or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > low
                     for v in spread):
-                raise ValueError(f"step cost: {name} must be a list of numbers > 0, got {spread!r}")
+                what = "numbers > 0" if low == 0 else "finite numbers (seconds)"
+                raise ValueError(f"step cost: {name} must be a list of {what}, got {spread!r}")
             object.__setattr__(self, name, tuple(float(v) for v in spread))
+        if (self.extra_s or self.extra_prompt_s) and (self.spread or self.spread_prompt):
+            raise ValueError("step cost: give a pass's spread as extra seconds or as factors, not both")
         rho = self.rho
         if not isinstance(rho, (int, float)) or isinstance(rho, bool) or not -1.0 < rho < 1.0:
             raise ValueError(f"step cost: rho must be a number between -1 and 1 (exclusive), got {rho!r}")
@@ -200,8 +212,8 @@ class StepCost:
                              f"versions {readable} (run prefixlab calibrate again)")
         if "c0" not in obj:
             raise ValueError(f"{path}: the step-cost file has no c0")
-        fields = (*TERMS, "prompt_pad_rows", "attention_tile", "spread", "spread_prompt", "rho", "machine",
-                  "model", "fit", "stderr")
+        fields = (*TERMS, "prompt_pad_rows", "attention_tile", "extra_s", "extra_prompt_s", "spread",
+                  "spread_prompt", "rho", "machine", "model", "fit", "stderr")
         known = {k: obj[k] for k in fields if k in obj}
         if not isinstance(known.get("stderr", {}), dict):
             raise ValueError(f"{path}: \"stderr\" must be an object of term -> seconds")
@@ -222,10 +234,10 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     counts for less than one that ran fast), so the weights become 1 / the fitted time and the
     fit is repeated until they settle (iteratively reweighted least squares). The standard
     errors are the weighted fit's: the residuals' variance times (A^T A)^-1's diagonal. The
-    spreads are the quantiles of each pass's time over its shape's median, over the shapes timed
-    more than once: the passes holding prompt rows (`spread_prompt`), and the rest (`spread`; the
-    prompt passes' where no other shape was timed twice); `rho` is how those ratios follow each
-    other, pass after pass in the order given (`_lag1`)."""
+    extras are the quantiles of the seconds each pass ran over its shape's median, over the shapes
+    timed more than once: the passes holding prompt rows (`extra_prompt_s`), and the rest
+    (`extra_s`); `rho` is how those extras follow each other, pass after pass in the order given
+    (`_lag1`)."""
     by_shape: dict[StepShape, list[float]] = {}
     for s, t in zip(shapes, seconds):
         by_shape.setdefault(s, []).append(t)
@@ -242,31 +254,31 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     every = np.asarray(seconds, dtype=np.float64)
     rel_pass = np.abs(np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef
                       - every) / every
-    # each pass's time over its shape's median (None for a shape timed once), in the order given
-    ratio = [t / np.median(by_shape[s]) if len(by_shape[s]) > 1 else None for s, t in zip(shapes, seconds)]
+    # each pass's seconds over its shape's median (None for a shape timed once), in the order given
+    extra = [t - np.median(by_shape[s]) if len(by_shape[s]) > 1 else None for s, t in zip(shapes, seconds)]
     spreads = {}
     for prompt in (True, False):
-        ratios = [r for s, r in zip(shapes, ratio) if r is not None and bool(s.prefill_rows) == prompt]
+        extras = [e for s, e in zip(shapes, extra) if e is not None and bool(s.prefill_rows) == prompt]
         quantiles = (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS
-        spreads[prompt] = tuple(np.quantile(ratios, quantiles).tolist() if ratios else [])
+        spreads[prompt] = tuple(np.quantile(extras, quantiles).tolist() if extras else [])
     about = dict(about)
     about["fit"] = {**about.get("fit", {}), "steps": len(shapes), "shapes": len(by_shape),
                     "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90)),
                     "max_rel_error": float(rel.max()), "pass_median_rel_error": float(np.median(rel_pass))}
     return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about,
                     prompt_pad_rows=prompt_pad_rows, attention_tile=attention_tile,
-                    spread=spreads[False] or spreads[True], spread_prompt=spreads[True],
-                    rho=_lag1(shapes, ratio),
+                    extra_s=spreads[False], extra_prompt_s=spreads[True], rho=_lag1(shapes, extra),
                     stderr={name: float(e) for name, e in zip(TERMS, se)})
 
 
 REWEIGHTS = 5
 NORMAL = NormalDist()
+MIN_SHARE = 0.5    # of its fitted time, the least a pass drawn with an extra runs
 RHO_LIMIT = 0.99   # a fitted rho is kept inside (-1, 1): at 1 a run would draw one factor for good
 
 
 def _lag1(shapes: list[StepShape], ratio: list[float | None]) -> float:
-    """The lag-1 correlation of consecutive passes' factors (`ratio`: each pass's time over its
+    """The lag-1 correlation of consecutive passes' draws (`ratio`: each pass's seconds over its
     shape's median, ranked within its kind (ties at their mean rank) and turned into a normal
     score, the scale `PassTimes` draws on), over the pairs of passes whose shapes were both timed
     more than once (ratio not None); 0 with fewer than three such pairs."""
@@ -293,11 +305,12 @@ def _lag1(shapes: list[StepShape], ratio: list[float | None]) -> float:
 
 
 class PassTimes:
-    """One run's pass times: the cost's time for each shape times a factor from its kind's spread,
-    the factors drawn (seeded) as the calibration saw them follow each other: a chain of normal
-    scores z' = rho z + sqrt(1 - rho^2) e, each turned into its quantile of the spread (a
-    Gaussian copula: every factor keeps the spread's distribution; rho 0 draws each alone). No
-    spread: every pass takes the cost's time."""
+    """One run's pass times: the cost's time for each shape plus an extra from its kind's extras
+    (or times a factor from its kind's spread, in a cost that gives factors), drawn (seeded) as the
+    calibration saw them follow each other: a chain of normal scores z' = rho z + sqrt(1 - rho^2) e,
+    each turned into its quantile of the extras (a Gaussian copula: every draw keeps their
+    distribution; rho 0 draws each alone). A pass runs at least MIN_SHARE of the cost's time (an
+    extra below its median came from a larger pass). Neither: every pass takes the cost's time."""
 
     def __init__(self, cost: StepCost, seed: int = 0):
         self.cost, self.rng = cost, random.Random(seed)
@@ -306,12 +319,17 @@ class PassTimes:
     def __call__(self, shape: StepShape) -> float:
         cost = self.cost
         t = cost.predict(shape)
-        spread = cost.spread_prompt if shape.prefill_rows and cost.spread_prompt else cost.spread
-        if not spread:
+        prompt = bool(shape.prefill_rows)
+        extra = cost.extra_prompt_s if prompt and cost.extra_prompt_s else cost.extra_s
+        spread = cost.spread_prompt if prompt and cost.spread_prompt else cost.spread
+        if not (extra or spread):
             return t
         e = self.rng.gauss(0.0, 1.0)
         self.z = e if self.z is None else cost.rho * self.z + math.sqrt(1.0 - cost.rho ** 2) * e
-        return t * spread[min(int(NORMAL.cdf(self.z) * len(spread)), len(spread) - 1)]
+        at = NORMAL.cdf(self.z)
+        if extra:
+            return max(t + extra[min(int(at * len(extra)), len(extra) - 1)], MIN_SHARE * t)
+        return t * spread[min(int(at * len(spread)), len(spread) - 1)]
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ from engine.step_log import StepLogError, read_step_log
 
 from .stepcost import PassShapes, StepShape, fit
 
-__all__ = ["StepLogError", "fit_log", "logged_passes"]
+__all__ = ["StepLogError", "fit_log", "logged_passes", "read_step_log"]
 
 
 def logged_passes(path: str, start: int = 0, spans: list[tuple[int, int]] | None = None
@@ -25,7 +25,7 @@ def logged_passes(path: str, start: int = 0, spans: list[tuple[int, int]] | None
     out = []
     for head, passes in read_step_log(path):
         shapes = PassShapes()
-        kept = [(shapes.parts(decode, pieces), seconds) for _, decode, pieces, seconds in passes]
+        kept = [(shapes.parts(decode, pieces), seconds) for _, decode, pieces, seconds, _ in passes]
         kept = [k for (at, *_), k in zip(passes, kept) if any(a <= at < b for a, b in spans)]
         if kept:
             out.append((head, kept))
