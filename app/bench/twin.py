@@ -11,7 +11,9 @@ machine than the one the trace ran on. Each burst starts on an idle server, in t
 the server (the section checks it), so the twin predicts the trace as one, at its own times.
 The same trace goes through the twin at that fit DRAWS times (each pass's time drawn from the
 calibration's spread; the percentiles predicted are the draws' means). The figures with a
-target are the twin's relative error on TTFT p50 and p90 (within 20 %).
+target are the twin's relative error on TTFT p50 and p90 (within 20 %); beside them, the
+measured percentiles' own standard error (their bursts resampled), so an error can be read
+against the noise of the measurement itself. The JSON keeps every pass the server logged.
 
 Kept beside, without a target: the error at the server's calibration made whole before the run
 (and how far it lies from the interleaved one: the largest difference of a coefficient in

@@ -4,7 +4,7 @@ nothing, each pass timed by a step-cost model on a virtual clock.
 Admission, chunked prefill, lending, continuous batching and eviction are the scheduler's own
 code (the code `serve` runs); only the forward pass is replaced (`TwinRunner`, an
 `engine.scheduler.Runner`): it records the pass's tokens in the pages, as `eval_batch` does,
-and predicts the pass's seconds from its shape (app/replay/stepcost.py), times a factor drawn
+and predicts the pass's seconds from its shape (app/replay/stepcost.py), plus an extra drawn
 from the spread the calibration measured (seeded: a run repeats exactly; no spread, no draw).
 Each request's answer is forced to the trace's output length (greedy over one-logit rows, no
 stop tokens). A pass starts when the one before ends, or when a request arrives at an idle
@@ -82,7 +82,7 @@ class Pages(BlockManager):
 
 class TwinRunner:
     """A pass that records its tokens in storage-free pages and predicts its own duration: the
-    cost's time for its shape, times a factor drawn (seeded) from the cost's spread
+    cost's time for its shape, plus an extra drawn (seeded) from the cost's spread
     (stepcost.PassTimes)."""
 
     def __init__(self, cost: StepCost, cfg: StandInConfig, seed: int = 0):

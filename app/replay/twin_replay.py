@@ -39,7 +39,7 @@ class TwinConfig:
     slo_tpot_s: float | None = None
     context_length: int = TWIN_VOCAB
     speed: float = 1.0        # arrivals at the trace's times divided by this
-    seed: int = 0             # of the draws from the cost's spread (stepcost.StepCost.draw)
+    seed: int = 0             # of the draws from the cost's spread (stepcost.PassTimes)
 
 
 @dataclass
