@@ -17,8 +17,8 @@ A pass's shape (`StepShape`) is read from the scheduler's `Batch` before it runs
 `fit` is least squares over timed passes: the passes of one shape (timed several times) enter as
 their median, so a pass slowed by another process moves the fit little; a coefficient that comes
 out negative is dropped and the rest fitted again (a time never shrinks with more work); each
-coefficient comes with its standard error. The spread of each shape's passes about their median
-is kept too, as the seconds each pass ran over it, for passes that hold prompt rows
+coefficient comes with its standard error. The spread of the passes about the fit is kept too,
+as the seconds each pass ran over the fit's time for its shape, for passes that hold prompt rows
 (`extra_prompt_s`) apart from the rest (`extra_s`): the twin adds to each pass's time an extra
 drawn from its kind's, since a queue's waits grow with the spread of its service times, not only
 their median, and a prompt pass (a GEMM on every core's BLAS thread, as slow as its slowest core)
@@ -26,10 +26,11 @@ varies more than a decode pass (docs/twin.md, section 4). Seconds, not a factor:
 of the host a small prompt pass ran 1.5-1.85 times its median and a large one 1.13-1.2 times,
 about the same 0.1-0.15 s over it, so a factor pooled over every size gave the small passes that
 start a burst too short a tail (a cost written by hand, or fitted before version 6, may still
-give factors: `spread`, `spread_prompt`). A slow pass
-is seldom alone (a host slows a core for seconds), so the fit also keeps how much a pass's factor
-follows the one before it (`rho`, the lag-1 correlation of their normal scores), and the twin
-draws the factors of one run in that chain (`PassTimes`). A fit is
+give factors: `spread`, `spread_prompt`). Over the fit, not each shape's median: the fit weighs
+relative error, so it sits under some shapes' medians, and the twin adds the extras to the fit's
+time. A slow pass is seldom alone (a host slows a core for seconds), so the fit also keeps how
+much a pass's extra follows the one before it (`rho`, the lag-1 correlation of their normal
+scores), and the twin draws the extras of one run in that chain (`PassTimes`). A fit is
 kept as one small versioned JSON file with the machine and model it was measured on; another
 engine's cost is the same file with its own numbers (fit it from that engine's per-step timings
 with `fit`).
@@ -136,7 +137,7 @@ class StepCost:
     c_after_prompt: float = 0.0
     prompt_pad_rows: int = 0                  # a prompt pass computes at least this many rows
     attention_tile: tuple[int, int] | None = None  # prompt attention's (queries, keys) per tile
-    extra_s: tuple[float, ...] = ()           # quantiles of a pass's seconds over its shape's median
+    extra_s: tuple[float, ...] = ()           # quantiles of a pass's seconds over the fit's
     extra_prompt_s: tuple[float, ...] = ()    # the same for passes holding prompt rows (else `extra_s`)
     spread: tuple[float, ...] = ()            # or factors: quantiles of a pass's time / its shape's median
     spread_prompt: tuple[float, ...] = ()     # the same for passes holding prompt rows (else `spread`)
@@ -234,10 +235,9 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     counts for less than one that ran fast), so the weights become 1 / the fitted time and the
     fit is repeated until they settle (iteratively reweighted least squares). The standard
     errors are the weighted fit's: the residuals' variance times (A^T A)^-1's diagonal. The
-    extras are the quantiles of the seconds each pass ran over its shape's median, over the shapes
-    timed more than once: the passes holding prompt rows (`extra_prompt_s`), and the rest
-    (`extra_s`); `rho` is how those extras follow each other, pass after pass in the order given
-    (`_lag1`)."""
+    extras are the quantiles of the seconds each pass ran over the fit's time for its shape: the
+    passes holding prompt rows (`extra_prompt_s`), and the rest (`extra_s`); `rho` is how those
+    extras follow each other, pass after pass in the order given (`_lag1`)."""
     by_shape: dict[StepShape, list[float]] = {}
     for s, t in zip(shapes, seconds):
         by_shape.setdefault(s, []).append(t)
@@ -252,13 +252,12 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
         coef, se = _nonnegative_lstsq(x, y, w)
     rel = np.abs(x @ coef - y) / y
     every = np.asarray(seconds, dtype=np.float64)
-    rel_pass = np.abs(np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef
-                      - every) / every
-    # each pass's seconds over its shape's median (None for a shape timed once), in the order given
-    extra = [t - np.median(by_shape[s]) if len(by_shape[s]) > 1 else None for s, t in zip(shapes, seconds)]
+    # each pass's seconds over the fit's for its shape, in the order given: what the twin adds
+    extra = (every - np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef).tolist()
+    rel_pass = np.abs(extra) / every
     spreads = {}
     for prompt in (True, False):
-        extras = [e for s, e in zip(shapes, extra) if e is not None and bool(s.prefill_rows) == prompt]
+        extras = [e for s, e in zip(shapes, extra) if bool(s.prefill_rows) == prompt]
         quantiles = (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS
         spreads[prompt] = tuple(np.quantile(extras, quantiles).tolist() if extras else [])
     about = dict(about)
@@ -277,29 +276,23 @@ MIN_SHARE = 0.5    # of its fitted time, the least a pass drawn with an extra ru
 RHO_LIMIT = 0.99   # a fitted rho is kept inside (-1, 1): at 1 a run would draw one factor for good
 
 
-def _lag1(shapes: list[StepShape], ratio: list[float | None]) -> float:
-    """The lag-1 correlation of consecutive passes' draws (`ratio`: each pass's seconds over its
-    shape's median, ranked within its kind (ties at their mean rank) and turned into a normal
-    score, the scale `PassTimes` draws on), over the pairs of passes whose shapes were both timed
-    more than once (ratio not None); 0 with fewer than three such pairs."""
-    score: list[float | None] = [None] * len(ratio)
+def _lag1(shapes: list[StepShape], extra: list[float]) -> float:
+    """The lag-1 correlation of consecutive passes' draws (`extra`: each pass's seconds over the
+    fit's, ranked within its kind (ties at their mean rank) and turned into a normal score, the
+    scale `PassTimes` draws on); 0 with fewer than four passes or no spread."""
+    score = np.zeros(len(extra))
     for prompt in (True, False):
-        kind = [i for i, (s, r) in enumerate(zip(shapes, ratio))
-                if r is not None and bool(s.prefill_rows) == prompt]
+        kind = [i for i, s in enumerate(shapes) if bool(s.prefill_rows) == prompt]
         if not kind:
             continue
-        values = np.round([ratio[i] for i in kind], 9)   # equal ratios (up to rounding) tie
+        values = np.round([extra[i] for i in kind], 9)   # equal extras (up to rounding) tie
         ranks = np.empty(len(kind))
         ranks[np.argsort(values)] = np.arange(len(kind))
         _, tie = np.unique(values, return_inverse=True)
         ranks = (np.bincount(tie, ranks) / np.bincount(tie))[tie]
-        for i, rank in zip(kind, ranks):
-            score[i] = NORMAL.inv_cdf((rank + 0.5) / len(kind))
-    pairs = [(a, b) for a, b in zip(score, score[1:]) if a is not None and b is not None]
-    if len(pairs) < 3:
-        return 0.0
-    a, b = np.array(pairs).T
-    if a.std() == 0 or b.std() == 0:
+        score[kind] = [NORMAL.inv_cdf((rank + 0.5) / len(kind)) for rank in ranks]
+    a, b = score[:-1], score[1:]
+    if len(a) < 3 or a.std() == 0 or b.std() == 0:
         return 0.0
     return float(np.clip(np.corrcoef(a, b)[0, 1], -RHO_LIMIT, RHO_LIMIT))
 
@@ -309,8 +302,8 @@ class PassTimes:
     (or times a factor from its kind's spread, in a cost that gives factors), drawn (seeded) as the
     calibration saw them follow each other: a chain of normal scores z' = rho z + sqrt(1 - rho^2) e,
     each turned into its quantile of the extras (a Gaussian copula: every draw keeps their
-    distribution; rho 0 draws each alone). A pass runs at least MIN_SHARE of the cost's time (an
-    extra below its median came from a larger pass). Neither: every pass takes the cost's time."""
+    distribution; rho 0 draws each alone). A pass runs at least MIN_SHARE of the cost's time (a
+    large negative extra came from a larger pass). Neither: every pass takes the cost's time."""
 
     def __init__(self, cost: StepCost, seed: int = 0):
         self.cost, self.rng = cost, random.Random(seed)
