@@ -241,7 +241,7 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
                   " + c_after_prompt x [a decode pass just after a prompt pass]",
               "  " + "  ".join(f"{n} {_ms(n, getattr(cost, n))}" for n in TERMS),
               f"  a prompt pass pads to {cost.prompt_pad_rows} rows; attention tiles {tile}; a pass's ms "
-              f"over its shape's median, p10 / p50 / p90: prompt passes {_quantiles(cost.extra_prompt_s)}, "
+              f"over the fit's, p10 / p50 / p90: prompt passes {_quantiles(cost.extra_prompt_s)}, "
               f"the others {_quantiles(cost.extra_s)}; a pass's draw follows the one before it at "
               f"rho {cost.rho:.2f}",
               "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS),
