@@ -172,6 +172,11 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
     v3 = tmp_path / "v3.json"   # version 3 kept one spread for every pass: prompt passes draw from it
     v3.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 3, "c0": 0.5, "spread": [2.0]}))
     assert PassTimes(StepCost.load(str(v3)))(prompt_shape(0, 8)) == pytest.approx(1.0)
+    v5 = tmp_path / "v5.json"   # version 5's spreads are factors, drawn as factors, in its chain
+    v5.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 5, "c0": 0.5, "spread": [2.0],
+                              "spread_prompt": [3.0], "rho": 0.4}))
+    five = StepCost.load(str(v5))
+    assert five.rho == 0.4 and PassTimes(five)(prompt_shape(0, 8)) == pytest.approx(1.5)
     old = tmp_path / "v1.json"
     old.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 1, "c0": 0.5, "c_decode": 0.1}))
     assert StepCost.load(str(old)) == StepCost(c0=0.5, c_decode=0.1)

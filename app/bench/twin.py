@@ -42,7 +42,7 @@ from .serve import free_port
 FEATURE = "twin"  # the table's and the JSON's "feature" of its figures
 TARGET_ERROR = 0.20
 BLOCK = 32
-# 180 requests: the measured TTFT p90 of 60 (10 bursts) moved by 13-43 % (one standard error)
+# 180 requests: the measured TTFT p90 of 60 (10 bursts) moved by 12-44 % (one standard error)
 # when its bursts were resampled, more than the target allows (docs/twin.md, section 4)
 BURSTS, PER_BURST, EVERY_S = 30, 6, 4.0
 QUICK_BURSTS, QUICK_PER_BURST = 3, 3

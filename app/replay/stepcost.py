@@ -50,7 +50,7 @@ COST_FORMAT = "prefixlab-step-cost"
 COST_VERSION = 6          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
 #                           4 `spread_prompt` (in 3 `spread` held every pass's); 5 `rho` (in 1-4 0);
 #                           6 `extra_s` and `extra_prompt_s`, fitted in place of the two spreads
-READS_VERSIONS = (1, 2, 3, 4, COST_VERSION)
+READS_VERSIONS = (1, 2, 3, 4, 5, COST_VERSION)
 TERMS = ("c0", "c_prompt", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx", "c_after_prompt")
 # Decode-only passes after a prompt pass that find BLAS's threads still spinning: OpenBLAS's
 # threads spin about 2^28 cycles (~0.1 s) after their last GEMM, and the two decode passes in that
