@@ -5,11 +5,12 @@ the file's form, the fit's algebra."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from app.replay.stepcost import PassShapes, StepCost
+from app.replay.stepcost import IDLE_GAP_S, PassShapes, StepCost
 from app.replay.steplog import fit_log, logged_passes
 from engine.loop import Job
 from engine.scheduler import FinishEvent, SchedulerSettings
@@ -71,6 +72,34 @@ def test_a_log_of_a_known_cost_fits_back_to_it_from_an_offset(tmp_path):
     assert whole.c_prompt != pytest.approx(COST.c_prompt, rel=1e-3)
 
 
+def test_a_version_2_log_tells_a_hit_right_after_an_idle_moment_by_its_start(tmp_path):
+    """The varied passes twice: the first time each prompt pass starts after an idle half-second,
+    the second time straight after the pass before it. A prompt pass on cached positions after an
+    idle moment is a `hit_after_idle` pass and the fit recovers its term; a fresh prompt after one
+    is not, nor is any pass of a version 1 log (it stamps no start)."""
+    cost = dataclasses.replace(COST, c_hit_after_idle=0.03)
+    shapes, now, lines, expected, unstamped = PassShapes(), 0.0, [], [], []
+    for round_ in (1, 2):
+        for decode, pieces in varied_passes():
+            idle = round_ == 1 and bool(pieces)
+            now += 0.5 if idle else IDLE_GAP_S / 100
+            seconds = cost.predict(shapes.parts(decode, pieces, idle))
+            lines.append(json.dumps({"seconds": seconds, "start": round(now, 6), "decode": decode,
+                                     "pieces": pieces}) + "\n")
+            expected.append(idle and any(n > 0 for n, _ in pieces))
+            unstamped.append((decode, pieces, seconds))
+            now += seconds
+    path = tmp_path / "steps.jsonl"
+    path.write_text(json.dumps(V2) + "\n" + "".join(lines))
+    got, samples, _ = fit_log(str(path))
+    assert [s.hit_after_idle for s, _ in samples] == expected and sum(expected) == 6
+    for term in ("c_hit_after_idle", "c_prompt", "c_prefill_ctx"):
+        assert getattr(got, term) == pytest.approx(getattr(cost, term), rel=1e-6), term
+    v1 = tmp_path / "v1.jsonl"
+    write_log(v1, unstamped)
+    assert not any(s.hit_after_idle for _, passes in logged_passes(str(v1)) for s, _ in passes)
+
+
 @pytest.mark.parametrize("text, says", [
     ('{"seconds": 0.1}\n', "a pass before any header line"),
     (json.dumps(HEADER) + "\nnot json\n", "line 2: not JSON"),
@@ -93,7 +122,7 @@ def test_a_bad_step_log_names_its_line(tmp_path, text, says):
 def test_too_few_shapes_or_two_servers_models_are_refused_by_name(tmp_path):
     path = tmp_path / "steps.jsonl"
     write_log(path, [([], [[0, 4]], 0.1), ([[5, 1]], [], 0.03)])
-    with pytest.raises(StepLogError, match=f"{path}: fitting a step cost needs passes of at least 7"):
+    with pytest.raises(StepLogError, match=f"{path}: fitting a step cost needs passes of at least 8"):
         fit_log(str(path))
     write_log(path, with_costs(varied_passes()), header={**HEADER, "model": "other.gguf"})
     with pytest.raises(StepLogError, match="servers of different models"):

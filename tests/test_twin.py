@@ -3,6 +3,7 @@ clock. Deterministic: a given cost file, no timing."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -11,7 +12,16 @@ import pytest
 
 from app.replay.calibrate import compare as compare_fits
 from app.replay.calibrate import comparison_report
-from app.replay.stepcost import TERMS, PassTimes, StepCost, StepShape, features, fit, prompt_shape
+from app.replay.stepcost import (
+    TERMS,
+    PassTimes,
+    StepCost,
+    StepShape,
+    features,
+    fit,
+    prompt_shape,
+    shape_from_parts,
+)
 from app.replay.trace import TraceHeader, TraceRequest, open_trace, write_trace
 from app.replay.twin_replay import TwinConfig, predict, predict_draws
 from engine.sampler import SamplingParams
@@ -58,6 +68,28 @@ def test_the_predicted_timeline_is_the_one_worked_out_by_hand(tmp_path):
     assert res.steps == 4
     assert res.ttft_s["p50"] == pytest.approx(3.0)
     assert res.token_hit_ratio == pytest.approx(16 / 40)
+
+
+def test_a_hit_right_after_an_idle_moment_costs_its_term_and_only_then(tmp_path):
+    """`c_hit_after_idle` at 1/2 s on the hand-worked timeline: pass 1 (0-3.5) is the idle
+    replica's first and B's piece starts after A's two pages: 3 + 1/2 s. Passes 2 and 3 run back
+    to back (3.5-5.5, 5.5-7). D at 10 hits the cached pages of an idle replica: 1.5 + 1/2 s. D at
+    7 + 1/16 comes too soon after pass 3 for an idle moment (stepcost.IDLE_GAP_S): 1.5 s. C alone
+    prefills no cached page after its idle moment: 1 + 4/8 s, then its decode pass."""
+    from app.replay.stepcost import IDLE_GAP_S
+    assert 1 / 16 < IDLE_GAP_S < 3
+    cost = dataclasses.replace(COST, c_hit_after_idle=0.5)
+
+    def timeline(requests, name):
+        done = []
+        predict(_write(tmp_path, requests, name), TwinConfig(cost, SETTINGS), per_request=done.append)
+        return {p.index: (p.admitted_s, p.first_token_s, p.end_s) for p in done}
+    assert timeline(_small_trace(), "a.jsonl") == {0: (0.0, 3.5, 5.5), 1: (0.0, 3.5, 3.5),
+                                                   2: (3.5, 5.5, 7.0), 3: (10.0, 12.0, 12.0)}
+    soon = _small_trace()
+    soon[3] = dataclasses.replace(soon[3], arrival_s=7.0625)
+    assert timeline(soon, "b.jsonl")[3] == (7.0625, 8.5625, 8.5625)
+    assert timeline([_small_trace()[2]], "c.jsonl") == {0: (0.0, 1.5, 3.0)}
 
 
 def test_the_real_scheduler_admits_and_finishes_in_the_twins_order(tiny_model, tmp_path):
@@ -167,7 +199,7 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
     path = str(tmp_path / "cost.json")
     got.save(path)
     on_disk = json.loads(open(path).read())
-    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 6)
+    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 7)
     assert StepCost.load(path) == got
     v3 = tmp_path / "v3.json"   # version 3 kept one spread for every pass: prompt passes draw from it
     v3.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 3, "c0": 0.5, "spread": [2.0]}))
@@ -177,6 +209,10 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
                               "spread_prompt": [3.0], "rho": 0.4}))
     five = StepCost.load(str(v5))
     assert five.rho == 0.4 and PassTimes(five)(prompt_shape(0, 8)) == pytest.approx(1.5)
+    v6 = tmp_path / "v6.json"   # version 6 had no c_hit_after_idle: such a pass costs nothing more
+    v6.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 6, "c0": 0.5, "c_prompt": 0.25}))
+    idle_hit = StepShape(prefill_rows=4, prefill_context=4 * 8 + 10, pieces=((8, 4),), hit_after_idle=True)
+    assert StepCost.load(str(v6)).predict(idle_hit) == pytest.approx(0.75)
     old = tmp_path / "v1.json"
     old.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 1, "c0": 0.5, "c_decode": 0.1}))
     assert StepCost.load(str(old)) == StepCost(c0=0.5, c_decode=0.1)
@@ -189,13 +225,17 @@ def test_a_prompt_pass_is_padded_and_its_attention_tiled_as_the_engine_runs_it(t
     hit = StepShape(prefill_rows=5, decode_rows=2, decode_context=2 * 300,
                     prefill_context=5 * 128 + 15, pieces=((128, 5),))   # 5 rows on a cached 128
     # 28 rows padded, the 2 decode rows among them; 1 x 2 tiles: 32 queries x 256 keys
-    assert features(hit, 28, (32, 128)) == [1, 1, 26, 2, 600, 32 * 256, 0]
+    assert features(hit, 28, (32, 128)) == [1, 1, 26, 2, 600, 32 * 256, 0, 0]
     # without padding or tiles (another engine; a version 2 file): rows as they are, causal pairs
-    assert features(hit, 0, None) == [1, 1, 5, 2, 600, 5 * 128 + 15, 0]
+    assert features(hit, 0, None) == [1, 1, 5, 2, 600, 5 * 128 + 15, 0, 0]
     fresh = prompt_shape(0, 40)                                          # 2 x 1 tiles
-    assert features(fresh, 28, (32, 128)) == [1, 1, 40, 0, 0, 64 * 128, 0]
+    assert features(fresh, 28, (32, 128)) == [1, 1, 40, 0, 0, 64 * 128, 0, 0]
     decode = StepShape(decode_rows=3, decode_context=600, after_prompt=True)
-    assert features(decode, 28, (32, 128)) == [1, 0, 0, 3, 600, 0, 1]
+    assert features(decode, 28, (32, 128)) == [1, 0, 0, 3, 600, 0, 1, 0]
+    # the same hit right after an idle moment (shape_from_parts: a piece after cached positions)
+    idle_hit = shape_from_parts([(299, 1)] * 2, [(128, 5)], after_idle=True)
+    assert features(idle_hit, 28, (32, 128)) == [1, 1, 26, 2, 600, 32 * 256, 0, 1]
+    assert not shape_from_parts([], [(0, 40)], after_idle=True).hit_after_idle   # nothing cached
     cost = StepCost(c0=0.01, c_prompt=0.05, c_prefill=0.001, c_decode=0.002, c_prefill_ctx=1e-6,
                     c_after_prompt=0.015, prompt_pad_rows=28, attention_tile=(32, 128))
     assert cost.predict(hit) == pytest.approx(0.01 + 0.05 + 0.026 + 0.004 + 32 * 256e-6)
@@ -341,6 +381,9 @@ def test_calibrate_times_the_passes_of_prefix_cache_hits(tiny_model):
     # rows each, row j attending 32 + j + 1; nothing prefilled the prefix again
     hits = [s for s in shapes[1:] if s.prefill_rows]
     assert [p for s in hits for p in s.pieces] == [(32, 16), (32, 16)]
+    # each workload starts after the engine idled: the first hit's pass is a hit after an idle
+    # moment, the prefix's own pass (nothing cached yet) is not
+    assert hits[0].hit_after_idle and not shapes[0].hit_after_idle
     assert all(s.prefill_context == len(s.pieces) * (16 * 32 + 16 * 17 // 2) for s in hits)
     # a decode pass is `after_prompt` when it is one of the first two after a prompt pass
     since = 2

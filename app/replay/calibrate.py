@@ -25,7 +25,7 @@ import time
 from engine.loop import EngineLoop, Job, Refused
 from engine.scheduler import FinishEvent, ModelRunner, SchedulerSettings
 
-from .stepcost import TERMS, PassShapes, StepCost, StepShape, fit, prompt_shape
+from .stepcost import IDLE_GAP_S, TERMS, PassShapes, StepCost, StepShape, fit, prompt_shape
 from .steplog import StepLogError, fit_log
 
 # Each workload: (cached prefix tokens, [(own prompt tokens, answer tokens) of each request]),
@@ -58,13 +58,14 @@ class _TimedRunner(ModelRunner):
     """The model's pass, noting each pass's shape for the caller's timing."""
 
     shape: StepShape | None = None
+    after_idle = True   # the loop says, before each step
 
     def __init__(self, model):
         super().__init__(model)
         self.shapes = PassShapes()
 
     def forward(self, batch):
-        self.shape = self.shapes(batch)
+        self.shape = self.shapes(batch, self.after_idle)
         return super().forward(batch)
 
 
@@ -80,14 +81,19 @@ class _TimedLoop(EngineLoop):
         self.runner = runner
         self.samples: list[tuple[StepShape, float]] = []
         self.fitted = False
+        self.last_end: float | None = None   # when the last pass ended
 
     def step(self):
         self.runner.shape, fitted = None, self.fitted
         t0 = time.perf_counter()
+        # as a server's step log tells it (steplog.logged_passes)
+        self.runner.after_idle = self.last_end is None or t0 - self.last_end >= IDLE_GAP_S
         super().step()
         seconds = time.perf_counter() - t0
-        if self.runner.shape is not None and fitted:
-            self.samples.append((self.runner.shape, seconds))
+        if self.runner.shape is not None:
+            self.last_end = t0 + seconds
+            if fitted:
+                self.samples.append((self.runner.shape, seconds))
 
 
 def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float]]:
@@ -226,19 +232,20 @@ def calibrate(model, log=None) -> tuple[StepCost, list[tuple[StepShape, float]]]
 
 def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
     """The fit, its inputs and each pass's error, as the command prints them."""
-    lines = ["pass  prompt rows  (padded)  decode rows  decode ctx  prompt pairs  after  measured ms  "
-             "predicted ms  error"]
+    lines = ["pass  prompt rows  (padded)  decode rows  decode ctx  prompt pairs  after  idle hit  "
+             "measured ms  predicted ms  error"]
     for i, (s, t) in enumerate(samples):
         p = cost.predict(s)
-        _, _, padded, _, _, pairs, after = cost.features(s)
+        _, _, padded, _, _, pairs, after, idle_hit = cost.features(s)
         lines.append(f"{i:4d}  {s.prefill_rows:11d}  {padded:8.0f}  {s.decode_rows:11d}  "
-                     f"{s.decode_context:10d}  {pairs:12.0f}  {after:5.0f}  {t * 1e3:11.2f}  "
-                     f"{p * 1e3:12.2f}  {(p - t) / t:+6.1%}")
+                     f"{s.decode_context:10d}  {pairs:12.0f}  {after:5.0f}  {idle_hit:8.0f}  "
+                     f"{t * 1e3:11.2f}  {p * 1e3:12.2f}  {(p - t) / t:+6.1%}")
     f = cost.fit
     tile = "x".join(map(str, cost.attention_tile)) if cost.attention_tile else "none"
     lines += ["", "step seconds = c0 + c_prompt x [prompt rows] + c_prefill x prompt rows (padded)"
                   " + c_decode x decode rows + c_ctx x decode context + c_prefill_ctx x prompt pairs"
-                  " + c_after_prompt x [a decode pass just after a prompt pass]",
+                  " + c_after_prompt x [a decode pass just after a prompt pass]"
+                  " + c_hit_after_idle x [a prompt pass on cached pages right after an idle moment]",
               "  " + "  ".join(f"{n} {_ms(n, getattr(cost, n))}" for n in TERMS),
               f"  a prompt pass pads to {cost.prompt_pad_rows} rows; attention tiles {tile}; a pass's ms "
               f"over the fit's, p10 / p50 / p90: prompt passes {_quantiles(cost.extra_prompt_s)}, "
@@ -261,7 +268,7 @@ def _quantiles(extra_s: tuple[float, ...]) -> str:
 
 UNITS = {"c0": (1e3, "ms"), "c_prompt": (1e3, "ms"), "c_prefill": (1e3, "ms/row"),
          "c_decode": (1e3, "ms/row"), "c_ctx": (1e6, "us/position"), "c_prefill_ctx": (1e6, "us/pair"),
-         "c_after_prompt": (1e3, "ms")}
+         "c_after_prompt": (1e3, "ms"), "c_hit_after_idle": (1e3, "ms")}
 
 
 def _ms(term: str, seconds: float) -> str:

@@ -4,14 +4,18 @@
               + c_decode x decode rows + c_ctx x positions the decode rows attend
               + c_prefill_ctx x (prompt row, key) pairs computed
               + c_after_prompt x [a decode-only pass among the first AFTER_PROMPT_PASSES after a prompt pass]
+              + c_hit_after_idle x [a prompt pass right after an idle moment that reads cached pages]
 
 Each term is a cost the engine pays (docs/twin.md, section 1): a pass that holds prompt rows runs
 every matmul as one GEMM on BLAS's threads, which packs every weight once whatever its rows
 (`c_prompt`), padded to `prompt_pad_rows` rows (CpuBackend.exact_rows); its prompt rows attend in
 tiles of `attention_tile` (queries, keys), every tile computed whole (attention.tiled_attention);
 and BLAS's threads spin on after a prompt pass, on the core the next decode passes share their
-matmuls on (`c_after_prompt`). A cost without the padding and tiles (another engine's; a file of
-version 1 or 2) counts prompt rows as they are and the pairs a causal mask leaves.
+matmuls on (`c_after_prompt`). A prompt pass on positions already in the pages (a hit's) right
+after the engine idled ran slower than back to back on the 2-core EPYC, in the calibrations and
+the bench's trace alike (`c_hit_after_idle`; why is not known yet: docs/twin.md, section 4). A
+cost without the padding and tiles (another engine's; a file of version 1 or 2) counts prompt
+rows as they are and the pairs a causal mask leaves.
 
 A pass's shape (`StepShape`) is read from the scheduler's `Batch` before it runs (`PassShapes`).
 `fit` is least squares over timed passes: the passes of one shape (timed several times) enter as
@@ -47,15 +51,20 @@ from statistics import NormalDist
 import numpy as np
 
 COST_FORMAT = "prefixlab-step-cost"
-COST_VERSION = 6          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
+COST_VERSION = 7          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
 #                           4 `spread_prompt` (in 3 `spread` held every pass's); 5 `rho` (in 1-4 0);
-#                           6 `extra_s` and `extra_prompt_s`, fitted in place of the two spreads
-READS_VERSIONS = (1, 2, 3, 4, 5, COST_VERSION)
-TERMS = ("c0", "c_prompt", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx", "c_after_prompt")
+#                           6 `extra_s` and `extra_prompt_s`, fitted in place of the two spreads;
+#                           7 `c_hit_after_idle` (in 1-6 0)
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, COST_VERSION)
+TERMS = ("c0", "c_prompt", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx", "c_after_prompt",
+         "c_hit_after_idle")
 # Decode-only passes after a prompt pass that find BLAS's threads still spinning: OpenBLAS's
 # threads spin about 2^28 cycles (~0.1 s) after their last GEMM, and the two decode passes in that
 # time ran 15-25 ms slower than later ones on the 2-core EPYC (docs/twin.md, section 1).
 AFTER_PROMPT_PASSES = 2
+# A pass that starts this long after the one before it ended follows an idle moment: a server's
+# passes ran back to back (under 2 ms apart) or after an idle one (over 0.5 s) in the bench's runs.
+IDLE_GAP_S = 0.1
 SPREAD_POINTS = 20        # quantiles of the per-pass spread a fit keeps
 
 
@@ -69,10 +78,12 @@ class StepShape:
     prefill_context: int = 0   # sum over prefill rows of the positions each attends
     pieces: tuple[tuple[int, int], ...] = ()   # (positions before it, rows) of each prompt piece
     after_prompt: bool = False  # a decode-only pass among the first AFTER_PROMPT_PASSES after a prompt pass
+    hit_after_idle: bool = False  # a prompt pass right after an idle moment, a piece of it on cached pages
 
 
-def shape_from_parts(decode, pieces, after_prompt: bool = False) -> StepShape:
-    """The shape of a pass of these decoding streams and prompt pieces ((positions before, rows))."""
+def shape_from_parts(decode, pieces, after_prompt: bool = False, after_idle: bool = False) -> StepShape:
+    """The shape of a pass of these decoding streams and prompt pieces ((positions before, rows));
+    `after_idle`: the engine had nothing to run just before it (IDLE_GAP_S)."""
     dec_rows = dec_ctx = pre_rows = pre_ctx = 0
     for n, k in decode:
         dec_rows += k
@@ -80,28 +91,31 @@ def shape_from_parts(decode, pieces, after_prompt: bool = False) -> StepShape:
     for n, k in pieces:
         pre_rows += k
         pre_ctx += k * n + k * (k + 1) // 2  # row j attends n + j + 1 positions
+    # a piece after positions already there right after an idle moment: a hit's first piece (a
+    # prompt's later chunk runs straight after its first)
+    hit_after_idle = after_idle and any(n > 0 for n, _ in pieces)
     return StepShape(pre_rows, dec_rows, dec_ctx, pre_ctx, tuple((int(n), int(k)) for n, k in pieces),
-                     after_prompt and not pre_rows)
+                     after_prompt and not pre_rows, hit_after_idle)
 
 
-def shape_of(batch, after_prompt: bool = False) -> StepShape:
+def shape_of(batch, after_prompt: bool = False, after_idle: bool = False) -> StepShape:
     """The shape of a planned `engine.stream.Batch` (read before its pass runs)."""
-    return shape_from_parts(*batch.parts(), after_prompt)
+    return shape_from_parts(*batch.parts(), after_prompt, after_idle)
 
 
 class PassShapes:
     """Reads the shapes of one scheduler's passes in order (a pass's cost depends on the one
-    before it: `after_prompt`)."""
+    before it: `after_prompt`; whether the engine idled before it, the caller says)."""
 
     def __init__(self):
         self.since_prompt = AFTER_PROMPT_PASSES   # no prompt pass yet
 
-    def __call__(self, batch) -> StepShape:
-        return self.parts(*batch.parts())
+    def __call__(self, batch, after_idle: bool = False) -> StepShape:
+        return self.parts(*batch.parts(), after_idle)
 
-    def parts(self, decode, pieces) -> StepShape:
+    def parts(self, decode, pieces, after_idle: bool = False) -> StepShape:
         """The next pass's shape from its streams and pieces (a logged pass's, in order)."""
-        shape = shape_from_parts(decode, pieces, self.since_prompt < AFTER_PROMPT_PASSES)
+        shape = shape_from_parts(decode, pieces, self.since_prompt < AFTER_PROMPT_PASSES, after_idle)
         self.since_prompt = 0 if shape.prefill_rows else self.since_prompt + 1
         return shape
 
@@ -121,7 +135,8 @@ def features(s: StepShape, pad_rows: int = 0, tile: tuple[int, int] | None = Non
     if tile is not None and s.pieces:
         q, k = tile
         pairs = sum(-(-r // q) * q * (-(-(n + r) // k) * k) for n, r in s.pieces)
-    return [1.0, float(prompt), rows, s.decode_rows, s.decode_context, pairs, float(s.after_prompt)]
+    return [1.0, float(prompt), rows, s.decode_rows, s.decode_context, pairs, float(s.after_prompt),
+            float(s.hit_after_idle)]
 
 
 @dataclass(frozen=True)
@@ -135,6 +150,7 @@ class StepCost:
     c_prefill_ctx: float = 0.0
     c_prompt: float = 0.0
     c_after_prompt: float = 0.0
+    c_hit_after_idle: float = 0.0
     prompt_pad_rows: int = 0                  # a prompt pass computes at least this many rows
     attention_tile: tuple[int, int] | None = None  # prompt attention's (queries, keys) per tile
     extra_s: tuple[float, ...] = ()           # quantiles of a pass's seconds over the fit's

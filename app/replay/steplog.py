@@ -11,7 +11,7 @@ import time
 
 from engine.step_log import StepLogError, read_step_log
 
-from .stepcost import PassShapes, StepShape, fit
+from .stepcost import IDLE_GAP_S, PassShapes, StepShape, fit
 
 __all__ = ["StepLogError", "fit_log", "logged_passes", "read_step_log"]
 
@@ -20,12 +20,17 @@ def logged_passes(path: str, start: int = 0, spans: list[tuple[int, int]] | None
                   ) -> list[tuple[dict, list[tuple[StepShape, float]]]]:
     """[(header, [(shape, seconds)])] of the passes at byte `start` or later (or within one of the
     byte ranges `spans`), each under the header before it (an after-prompt pass is known from the
-    passes before it, read from its header on)."""
+    passes before it, read from its header on; a pass after an idle moment from when it and the
+    one before it started, in a version 2 log)."""
     spans = spans if spans is not None else [(start, float("inf"))]
     out = []
     for head, passes in read_step_log(path):
-        shapes = PassShapes()
-        kept = [(shapes.parts(decode, pieces), seconds) for _, decode, pieces, seconds, _ in passes]
+        shapes, end, kept = PassShapes(), None, []
+        for _, decode, pieces, seconds, began in passes:
+            # a version 1 log stamps no start: none of its passes is known to follow an idle moment
+            idle = began is not None and (end is None or began - end >= IDLE_GAP_S)
+            kept.append((shapes.parts(decode, pieces, idle), seconds))
+            end = None if began is None else began + seconds
         kept = [k for (at, *_), k in zip(passes, kept) if any(a <= at < b for a, b in spans)]
         if kept:
             out.append((head, kept))

@@ -26,7 +26,7 @@ from engine.metrics import Timeline
 from engine.sampler import SamplingParams
 from engine.scheduler import FinishEvent, SchedulerSettings, TokenEvent
 
-from .stepcost import PassShapes, PassTimes, StepCost
+from .stepcost import IDLE_GAP_S, PassShapes, PassTimes, StepCost
 from .trace import TraceRequest
 
 # A stand-in vocabulary as wide as token ids can be (the twin checks no id against a model).
@@ -90,12 +90,13 @@ class TwinRunner:
         self.shapes = PassShapes()
         self.times = PassTimes(cost, seed)
         self.last_s = 0.0   # the predicted seconds of the latest pass
+        self.after_idle = True   # the replica had nothing to run before the next pass (Twin.step says)
 
     def new_pool(self, settings: SchedulerSettings) -> BlockManager:
         return Pages(self.cfg, settings.page_rows, settings.pool_pages)
 
     def forward(self, batch) -> np.ndarray:
-        self.last_s = self.times(self.shapes(batch))
+        self.last_s = self.times(self.shapes(batch, self.after_idle))
         sessions, tokens = batch.sessions(), batch.tokens()
         pool = sessions[0].pool
         pool.allocate(sessions, [len(t) for t in tokens])
@@ -153,6 +154,7 @@ class Twin:
         self.scheduler.max_ended_records = KEPT_RECORDS
         self.scheduler.timeline = Timeline(keep=0)  # a million requests' passes: no row per pass
         self.now = 0.0
+        self.last_end: float | None = None   # when the last pass ended
         self.on_done = on_done or (lambda p: None)   # called with each finished request's Predicted
         self._live: dict[int, tuple[Predicted, int, int]] = {}   # id -> (its books, work, KV pages)
         self._queued: dict[int, Predicted] = {}
@@ -191,12 +193,15 @@ class Twin:
     def step(self) -> None:
         start, sched = self.now, self.scheduler
         self.runner.last_s = 0.0
+        self.runner.after_idle = self.last_end is None or start - self.last_end >= IDLE_GAP_S
         self._events.clear()
         self.loop.step()
         events = [ev for ev in self._events if isinstance(ev, (TokenEvent, FinishEvent))]
         if not self.runner.last_s and sched.has_work():
             raise RuntimeError("the twin's scheduler ran a pass with nothing in it while requests wait")
         self.now = start + self.runner.last_s
+        if self.runner.last_s:
+            self.last_end = self.now
         self.steps += 1
         if len(self._queued) > sched.queue_depth():  # some were admitted: find which (O(queue))
             waiting = {rid for rid, _, _ in sched.queued()}
