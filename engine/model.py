@@ -196,5 +196,5 @@ def forward(model: Model, pool: KVPool, sessions: list[SeqSlots], token_lists: l
         x = block(x, w, linear, cfg, layer, pool, plan, ropes[layer], slots)
     rows = slice(None) if all_positions else logit_rows(counts, n_logits)
     h = rms_norm(x[rows], w.output_norm, cfg.norm_eps)             # [B or N, d]
-    logits = cpu.linear(h, "output_t")                               # [B or N, vocab]
+    logits = cpu.head(h, any(prompts))                               # [B or N, vocab]
     return logits.astype(np.float32, copy=False)

@@ -156,6 +156,16 @@ class CpuBackend:
             last.follow(site)  # the pass's order, learned: helpers read ahead into what comes next
         return site_matmul(x, site, self.one_row)                                # [N, out]
 
+    def head(self, h: np.ndarray, prompt: bool) -> np.ndarray:
+        """The output head, h [B, d] @ output_t: logits [B, vocab]. In a prompt pass over the plain
+        layout each row goes alone: that layout takes one row as a GEMV and several as a GEMM,
+        which round differently, so a hit's last row beside decoding streams would differ from the
+        miss's, alone in its pass (docs/perf-notes.md, "Hit == miss"). A block layout computes a
+        row the same whatever rides with it, and a decode pass needs no such care."""
+        if prompt and len(h) > 1 and self.site("output_t") is None:
+            return np.concatenate([self.linear(h[i:i + 1], "output_t") for i in range(len(h))])
+        return self.linear(h, "output_t")                                      # [B, vocab]
+
     def site(self, name: str, layer: int | None = None) -> Site | None:
         """The matmul of `name` (`layer`'s) as decode repeats it, where blocks are the copy read."""
         key = (self.layout, name, layer)
