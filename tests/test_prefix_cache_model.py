@@ -158,15 +158,18 @@ def test_a_tail_shorter_than_the_padding_equals_the_miss(m, kv_dtype):
     release_all(pool, cache, [hit, miss])
 
 
-@pytest.mark.parametrize("layout", ["measured", "plain"])
+@pytest.mark.parametrize("layout", ["measured", "one row as a GEMV", "plain"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_a_tail_beside_decoding_streams_equals_the_miss(m, kv_dtype, layout, monkeypatch):
     # A serve step: the hit's 19-row tail shares one pass with two streams' decode rows (21
     # rows, which decode sends 8 at a time), as the scheduler's chunked prefill batches them.
-    # The layout this machine measured fastest, and the plain one, which takes one row of the
-    # output head as a GEMV and three as a GEMM (CpuBackend.head).
-    if layout != "measured":
-        monkeypatch.setattr(m.backend, "layout", layout)
+    # The layout this machine measured fastest (with the way it reads one row), that layout
+    # reading one row as a GEMV (as a decode pass may), and the plain layout: the miss's output
+    # head has one row, the hit's three (CpuBackend.head).
+    if layout == "plain":
+        monkeypatch.setattr(m.backend, "layout", "plain")
+    elif layout != "measured":
+        monkeypatch.setattr(m.backend, "one_row", "gemv")
     p1, p2 = chat(m, SYSTEM, Q1), chat(m, SYSTEM, Q2)
     pool, cache, miss, logits_miss, hit, matched = hit_and_miss(m, kv_dtype, p1, p2)
     others = [dl.create_session(m, pool) for _ in range(2)]

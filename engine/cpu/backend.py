@@ -157,14 +157,19 @@ class CpuBackend:
         return site_matmul(x, site, self.one_row)                                # [N, out]
 
     def head(self, h: np.ndarray, prompt: bool) -> np.ndarray:
-        """The output head, h [B, d] @ output_t: logits [B, vocab]. In a prompt pass over the plain
-        layout each row goes alone: that layout takes one row as a GEMV and several as a GEMM,
-        which round differently, so a hit's last row beside decoding streams would differ from the
-        miss's, alone in its pass (docs/perf-notes.md, "Hit == miss"). A block layout computes a
-        row the same whatever rides with it, and a decode pass needs no such care."""
-        if prompt and len(h) > 1 and self.site("output_t") is None:
-            return np.concatenate([self.linear(h[i:i + 1], "output_t") for i in range(len(h))])
-        return self.linear(h, "output_t")                                      # [B, vocab]
+        """The output head, h [B, d] @ output_t: logits [B, vocab]. A prompt pass never takes one
+        row of it the way a decode pass may: a GEMV rounds unlike a GEMM of several rows, so a hit's
+        last row beside decoding streams would differ from the miss's, alone in its pass
+        (docs/perf-notes.md, "Hit == miss"). Over blocks, one row goes as a pair, as several rows
+        go; over the plain layout, where a GEMM of a few rows packs the whole head (5x a GEMV's
+        time), every row goes alone as a GEMV."""
+        if not prompt:
+            return self.linear(h, "output_t")                                  # [B, vocab]
+        site = self.site("output_t")
+        if site is not None:
+            return site_matmul(h, site, "pair")                                # [B, vocab]
+        w = self.weights.output_t
+        return np.concatenate([plain_matmul(h[i:i + 1], w) for i in range(len(h))])   # [B, vocab]
 
     def site(self, name: str, layer: int | None = None) -> Site | None:
         """The matmul of `name` (`layer`'s) as decode repeats it, where blocks are the copy read."""
