@@ -11,7 +11,7 @@ import json
 import pytest
 
 from app.replay.stepcost import IDLE_GAP_S, PassShapes, StepCost
-from app.replay.steplog import fit_log, logged_passes
+from app.replay.steplog import logged_passes_at, fit_log, logged_passes
 from engine.loop import Job
 from engine.scheduler import FinishEvent, SchedulerSettings
 from engine.step_log import FORMAT, StepLogError, StepLogLoop, read_step_log
@@ -170,9 +170,12 @@ def test_calibrate_url_needs_the_servers_log(tmp_path):
         main(["calibrate", "--url", "http://127.0.0.1:9", "--from-log", str(tmp_path / "none.jsonl")])
 
 
-def _unfitted(path, start=0, spans=None):
-    """fit_log's passes, not fitted (a few workloads give too few shapes for seven terms)."""
-    return logged_passes(path, start, spans)
+def _unfitted(path, start=0, spans=None, groups=None):
+    """fit_log's passes, not fitted (a few workloads give too few shapes for eight terms), each
+    with the (workload, run) `groups` gives it (None: in none)."""
+    runs = logged_passes_at(path, start, spans)
+    return [(head, [(s, t, next((key for a, b, key in groups or () if a <= at < b), None))
+                    for at, s, t in passes]) for head, passes in runs]
 
 
 def test_calibrate_server_fits_what_the_server_logged_after_the_warm_up(tiny_model, tmp_path, monkeypatch):
@@ -191,11 +194,14 @@ def test_calibrate_server_fits_what_the_server_logged_after_the_warm_up(tiny_mod
         server.stop()
     [(_, logged)] = logged_passes(str(path))
     warm_up = logged[:len(logged) - len(fitted)]
-    assert fitted == logged[len(warm_up):] and warm_up
+    assert [(s, t) for s, t, _ in fitted] == logged[len(warm_up):] and warm_up
+    # each fitted pass is known by its workload and run (stepcost.fit's standard errors)
+    assert [g for _, _, g in fitted] == sorted(g for _, _, g in fitted) and fitted[-1][2] == (2, 2)
+    assert {g for _, _, g in fitted} == {(1, 1), (2, 2)}
     assert [s.pieces for s, _ in warm_up if s.prefill_rows] == [((0, 12),)]   # the warm-up's prompt
     assert fitted[0][0].pieces == ((0, 40),)
     # the cached prefix's own pass, then three prompts on its full page: each prefills the rest
-    assert any(s.pieces and all(n == 16 for n, _ in s.pieces) for s, _ in fitted)
+    assert any(s.pieces and all(n == 16 for n, _ in s.pieces) for s, _, _ in fitted)
 
 
 def test_a_server_calibrated_twice_or_in_pieces_fits_only_its_fresh_passes(tiny_model, tmp_path, monkeypatch):
@@ -220,6 +226,10 @@ def test_a_server_calibrated_twice_or_in_pieces_fits_only_its_fresh_passes(tiny_
         [(_, pieces)] = cal.fit()
     finally:
         server.stop()
-    assert [s.pieces for s, _ in again if s.prefill_rows][0] == ((0, 40),)   # no hit on the first's pages
-    prompts = [s.pieces for s, _ in pieces if s.prefill_rows]
+    assert [s.pieces for s, _, _ in again if s.prefill_rows][0] == ((0, 40),)   # no hit on the first's pages
+    prompts = [s.pieces for s, _, _ in pieces if s.prefill_rows]
+    # sent in two pieces, another client's request between: every fitted pass is known by its
+    # workload and run, in the order sent
+    groups = [g for _, _, g in pieces]
+    assert groups == sorted(groups) and set(groups) == {(0, 0), (1, 1)}
     assert prompts[0] == ((0, 12),) and ((0, 30),) not in prompts and ((0, 40),) in prompts

@@ -199,8 +199,18 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
     path = str(tmp_path / "cost.json")
     got.save(path)
     on_disk = json.loads(open(path).read())
-    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 7)
-    assert StepCost.load(path) == got
+    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 8)
+    assert StepCost.load(path) == got and len(got.covariance) == len(TERMS)
+    assert got.fit["stderr_from"] == "residuals"   # no runs given: the residuals' own
+    assert got.stderr["c0"] ** 2 == pytest.approx(got.covariance[0][0])
+    v7 = tmp_path / "v7.json"   # version 7 kept no covariance: the terms taken as independent
+    v7.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 7, "c0": 0.5,
+                              "stderr": {"c0": 0.01}}))
+    assert StepCost.load(str(v7)).covariance == ()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 8, "c0": 0.5, "covariance": [[1]]}))
+    with pytest.raises(ValueError, match="covariance must be 8 rows of 8"):
+        StepCost.load(str(bad))
     v3 = tmp_path / "v3.json"   # version 3 kept one spread for every pass: prompt passes draw from it
     v3.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 3, "c0": 0.5, "spread": [2.0]}))
     assert PassTimes(StepCost.load(str(v3)))(prompt_shape(0, 8)) == pytest.approx(1.0)
@@ -353,20 +363,91 @@ def test_calibrate_compares_a_new_fit_with_the_kept_one_in_standard_errors():
                     stderr={"c0": 0.0004, "c_prefill": 3e-5, "c_decode": 1e-4})
     cmp = compare_fits(kept, near)
     assert cmp["terms"]["c0"]["z"] == pytest.approx(0.8)           # 0.4 ms / hypot(0.3, 0.4) ms
-    assert cmp["within_noise"] and cmp["max_abs_z"] == pytest.approx(0.8)
+    assert cmp["max_abs_z"] == pytest.approx(0.8)
+    # no covariance kept (a version 2-7 file): the terms taken as independent, the distance the
+    # sum of their z^2, over the three terms either fit has noise on (chi-square 95 %: 7.815)
+    assert cmp["distance"] == pytest.approx(0.64) and cmp["terms_compared"] == 3 and cmp["within_noise"]
     far = StepCost(c0=0.020, c_prefill=0.0012, c_decode=0.004,
                    stderr={"c0": 0.0003, "c_prefill": 3e-5, "c_decode": 1e-4})
     cmp = compare_fits(kept, far)
     assert cmp["terms"]["c_prefill"]["z"] == pytest.approx(4.0) and not cmp["within_noise"]
+    assert cmp["distance"] == pytest.approx(16.0)
     text = comparison_report(cmp)
-    assert "NOT within noise" in text and "c_prefill" in text and "+4.0" in text
+    assert "NOT within noise" in text and "c_prefill" in text and "+4.0" in text and "16.0" in text
     # two fits without standard errors (version 1 files): no verdict
     unknown = compare_fits(StepCost(c0=0.020, c_prefill=0.001, c_decode=0.004),
                            StepCost(c0=0.020, c_prefill=0.0012, c_decode=0.004))
-    assert unknown["max_abs_z"] is None and not unknown["within_noise"]
+    assert unknown["distance"] is None and not unknown["within_noise"]
     assert "neither fit has its standard error" in comparison_report(unknown)
     assert cmp["pass_change"]["512 prefill rows"] == pytest.approx(512 * 0.0002 / (0.020 + 512 * 0.001))
 
+
+def _with_covariance(c_prefill: float, c_prefill_ctx: float, rho: float) -> StepCost:
+    se = {"c_prefill": 1e-4, "c_prefill_ctx": 1e-7}
+    cov = [[0.0] * len(TERMS) for _ in TERMS]
+    i, j = TERMS.index("c_prefill"), TERMS.index("c_prefill_ctx")
+    cov[i][i], cov[j][j] = se["c_prefill"] ** 2, se["c_prefill_ctx"] ** 2
+    cov[i][j] = cov[j][i] = rho * se["c_prefill"] * se["c_prefill_ctx"]
+    return StepCost(c0=0.02, c_prefill=c_prefill, c_prefill_ctx=c_prefill_ctx, stderr=se, covariance=cov)
+
+
+def test_two_fits_are_judged_by_all_their_terms_together_as_the_terms_trade_off():
+    """Prefill rows and their pairs trade off: in a fit where they move against each other
+    (correlation -0.9), one up and the other down by 1.5 standard errors each is the noise, both
+    up by as much is not, though every term alone is as far (1.5 / sqrt(2) standard errors)."""
+    kept = _with_covariance(1e-3, 1e-6, -0.9)
+    traded = _with_covariance(1e-3 + 1.5e-4, 1e-6 - 1.5e-7, -0.9)
+    both = _with_covariance(1e-3 + 1.5e-4, 1e-6 + 1.5e-7, -0.9)
+    one, two = compare_fits(kept, traded), compare_fits(kept, both)
+    assert one["max_abs_z"] == pytest.approx(two["max_abs_z"]) == pytest.approx(1.5 / 2 ** 0.5)
+    # d' S^-1 d with S twice each fit's: (a^2 + b^2 - 2 rho a b) / (2 (1 - rho^2)), a = +-b = 1.5
+    assert one["distance"] == pytest.approx(1.5 ** 2 * 2 * (1 - 0.9) / (2 * (1 - 0.81)))
+    assert two["distance"] == pytest.approx(1.5 ** 2 * 2 * (1 + 0.9) / (2 * (1 - 0.81)))
+    assert one["terms_compared"] == 2 and one["within_noise"] and not two["within_noise"]
+
+
+def _host_calibration(seed: int, true: StepCost) -> tuple[list[StepShape], list[float], list]:
+    """A calibration on a host whose speed moves between a workload's runs (10 % of its time,
+    one draw per run) far more than between passes of one run (1 %): six workloads of 8 passes, each run
+    three times, each run a prompt pass then decode passes on top of it, or a batch decoding."""
+    import random
+    rng = random.Random(seed)
+    workloads = [[prompt_shape(0, p)] + [StepShape(decode_rows=1, decode_context=p + k) for k in range(1, 8)]
+                 for p in (16, 64, 256)]
+    workloads += [[StepShape(decode_rows=d, decode_context=d * (40 + k)) for k in range(8)] for d in (2, 4, 8)]
+    shapes, seconds, groups = [], [], []
+    for run in range(3):
+        for w, passes in enumerate(workloads):
+            speed = rng.lognormvariate(0.0, 0.1)
+            for s in passes:
+                shapes.append(s)
+                seconds.append(true.predict(s) * speed * rng.lognormvariate(0.0, 0.01))
+                groups.append((w, run * len(workloads) + w))
+    return shapes, seconds, groups
+
+
+def test_a_fits_standard_errors_see_the_host_move_between_the_runs_of_a_workload(monkeypatch):
+    """The residuals of one calibration see the noise of passes close together; its runs of each
+    workload see the host's speed move. Two calibrations of one host are within noise by the
+    runs' spread about as often as the 95 % point says, and by the residuals' seldom."""
+    import app.replay.stepcost as stepcost
+    monkeypatch.setattr(stepcost, "RESAMPLES", 60)   # fewer draws: the suite's time
+    true = StepCost(c0=0.02, c_prompt=0.03, c_prefill=0.001, c_decode=0.004, c_ctx=2e-6, c_prefill_ctx=1e-7)
+    by_runs, by_residuals, wider = [], [], []
+    for pair in range(8):
+        a, b = _host_calibration(2 * pair, true), _host_calibration(2 * pair + 1, true)
+        runs = [fit(*c[:2], groups=c[2]) for c in (a, b)]
+        assert all(f.fit["stderr_from"] == "runs resampled" for f in runs)
+        wider.append(runs[0].stderr["c_decode"] / runs[0].fit["residual_stderr"]["c_decode"])
+        by_runs.append(compare_fits(*runs)["within_noise"])
+        by_residuals.append(compare_fits(fit(*a[:2]), fit(*b[:2]))["within_noise"])
+    # the 95 % point: about 7.6 of 8 pairs within noise by a right standard error
+    assert sum(by_runs) >= 7 and sum(by_residuals) <= 3
+    # a run's passes move together: the residuals take them as apart, and a term's error too small
+    assert sorted(wider)[len(wider) // 2] > 3
+    # a workload run once says nothing of the runs' spread: the residuals' standard errors
+    shapes, seconds, groups = _host_calibration(99, true)
+    assert fit(shapes, seconds, groups=[(i, 0) for i in range(len(shapes))]).fit["stderr_from"] == "residuals"
 
 
 def test_calibrate_times_the_passes_of_prefix_cache_hits(tiny_model):
@@ -374,7 +455,9 @@ def test_calibrate_times_the_passes_of_prefix_cache_hits(tiny_model):
     together: they attach the prefix and prefill only their own tokens on top of it, so the fit
     sees passes whose prefill rows attend a context they did not compute (serve's hits)."""
     from app.replay.calibrate import measure
-    shapes = [s for s, _ in measure(tiny_model, workloads=[(0, [(8, 2)]), (32, [(16, 4)] * 2)])]
+    samples, groups = measure(tiny_model, workloads=[(0, [(8, 2)]), (32, [(16, 4)] * 2)])
+    shapes = [s for s, _ in samples]
+    assert groups == [(1, 1)] * len(samples)   # every fitted pass is the second workload's, its one run
     # the prefix's own pass: 32 fresh rows (row j attends j + 1 positions), then its answer
     assert shapes[0] == prompt_shape(0, 32)
     # the requests (arriving 50 ms apart, in one pass or two) hit the 32 cached tokens: 16 own

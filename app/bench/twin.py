@@ -244,9 +244,13 @@ def twin_figures(model_path: str, quick: bool) -> tuple[dict, dict]:
                                                       "the server's calibration before the run and the one "
                                                       "between its bursts"),
         "calibration_repeat_max_z": figure(repeat["max_abs_z"], "standard errors", FEATURE,
-                                           calibrate.SAME_WITHIN_SE, "<=",
                                            note="largest coefficient difference, the server's calibration "
                                                 "before the run and the one between its bursts"),
+        "calibration_repeat_distance": figure(
+            None if repeat["distance"] is None or not repeat["distance_limit"]
+            else repeat["distance"] / repeat["distance_limit"], "ratio", FEATURE, 1.0, "<=",
+            note="the two calibrations' difference, all terms together, over the chi-square's 95 % "
+                 "point (under 1: within noise; calibrate.compare)"),
     }
     details = {"compare": cmp, "compare_before_run": cmp_before, "compare_in_process_fit": cmp_in_process,
                "calibration_repeat": repeat, "cost": cost.to_json(), "cost_before_run": before.to_json(),

@@ -22,6 +22,8 @@ import random
 import threading
 import time
 
+import numpy as np
+
 from engine.loop import EngineLoop, Job, Refused
 from engine.scheduler import FinishEvent, ModelRunner, SchedulerSettings
 
@@ -45,7 +47,6 @@ WORKLOADS = (
       (128, [(48, 6)] * 6), (384, [(96, 6)] * 3), (640, [(32, 4)])] * REPEATS,
 )
 RUN_TIMEOUT_S = 600   # a workload that takes longer has hung
-SAME_WITHIN_SE = 2.0   # two fits agree on a term when they differ by less than this many standard errors
 
 
 def cost_path(model_path: str) -> str:
@@ -80,6 +81,8 @@ class _TimedLoop(EngineLoop):
         super().__init__(model, SchedulerSettings(), runner=runner)  # as serve runs it: the cache on
         self.runner = runner
         self.samples: list[tuple[StepShape, float]] = []
+        self.groups: list[tuple[int, int]] = []   # each sample's (workload, run of it): stepcost.fit
+        self.group = (0, 0)
         self.fitted = False
         self.last_end: float | None = None   # when the last pass ended
 
@@ -94,11 +97,14 @@ class _TimedLoop(EngineLoop):
             self.last_end = t0 + seconds
             if fitted:
                 self.samples.append((self.runner.shape, seconds))
+                self.groups.append(self.group)
 
 
-def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float]]:
+def measure(model, log=None, workloads=WORKLOADS
+            ) -> tuple[list[tuple[StepShape, float]], list[tuple[int, int]]]:
     """(shape, seconds) of every pass of `workloads` through the real scheduler (the first
-    workload, the warm-up, left out; a cached prefix's own pass is fitted too).
+    workload, the warm-up, left out; a cached prefix's own pass is fitted too), and each pass's
+    (workload, run): the workload's first place in `workloads`, and this run's place.
 
     As in `serve`, the loop steps on a thread of its own and requests arrive from another, while
     passes run: each workload's requests come ARRIVAL_GAP_S apart, after the engine idled IDLE_S
@@ -112,7 +118,7 @@ def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float
                               daemon=True)
     thread.start()
 
-    def run(requests: list[tuple[list[int], int]], fitted: bool) -> None:
+    def run(requests: list[tuple[list[int], int]], fitted: bool, group: tuple[int, int]) -> None:
         left, done, refused = [len(requests)], threading.Event(), []
 
         def sink(event) -> None:
@@ -123,7 +129,7 @@ def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float
                 if not left[0]:
                     done.set()
         time.sleep(IDLE_S)
-        loop.fitted = fitted   # the loop is idle: the previous workload's passes have all been timed
+        loop.fitted, loop.group = fitted, group   # the loop is idle: the last workload's passes are timed
         for i, (prompt, new) in enumerate(requests):
             if i:
                 time.sleep(ARRIVAL_GAP_S)
@@ -140,11 +146,13 @@ def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float
         return ([served % model.config.vocab_size] + text[start:] + text[:start])[:n]
 
     try:
-        for w, (prefix_len, requests) in enumerate(workloads):
+        for w, workload in enumerate(workloads):
+            prefix_len, requests = workload
+            group = (workloads.index(workload), w)
             prefix = fresh(prefix_len) if prefix_len else []
             if prefix:
-                run([(prefix, 1)], w > 0)
-            run([(prefix + fresh(n), new) for n, new in requests], w > 0)
+                run([(prefix, 1)], w > 0, group)
+            run([(prefix + fresh(n), new) for n, new in requests], w > 0, group)
             if log:
                 about = f" after a cached prefix of {prefix_len}" if prefix_len else ""
                 log(f"  workload {w}/{len(workloads) - 1}: {len(requests)} request(s) of {requests[0][0]} "
@@ -153,7 +161,7 @@ def measure(model, log=None, workloads=WORKLOADS) -> list[tuple[StepShape, float
         stopping.set()
         loop.wake()
         thread.join()
-    return loop.samples
+    return loop.samples, loop.groups
 
 
 class ServerCalibration:
@@ -170,6 +178,9 @@ class ServerCalibration:
         # would hit the pages they left cached and time hits' passes, not these workloads'
         self._rng, self._served, self._sent = random.Random(), 0, 0
         self.spans: list[tuple[int, int]] = []   # byte ranges of the step log the fitted passes lie in
+        # and of each workload's passes, with its (workload, run) for stepcost.fit's standard errors
+        self.groups: list[tuple[int, int, tuple[int, int]]] = []
+        self._kinds: dict[str, int] = {}
 
     def _fresh(self, n: int) -> list[int]:  # a first id no earlier prompt had: no hit by chance
         from .twin import BLOCK_IDS
@@ -177,9 +188,11 @@ class ServerCalibration:
         low, high = BLOCK_IDS
         return [low + self._served % (high - low)] + [self._rng.randrange(low, high) for _ in range(n - 1)]
 
-    def _run(self, requests: list[tuple[list[int], int]]) -> None:
+    def _run(self, requests: list[tuple[list[int], int]], marks: list[int] | None = None) -> None:
         from .against import send_requests
-        time.sleep(IDLE_S)
+        time.sleep(IDLE_S)   # the passes before these are written: where they start in the log
+        if marks is not None:
+            marks.append(os.path.getsize(self.step_log))
         failed = [m.error for m in send_requests(self.url, [(ARRIVAL_GAP_S * i, p, n)
                                                              for i, (p, n) in enumerate(requests)])
                   if m.error]
@@ -189,22 +202,28 @@ class ServerCalibration:
     def send(self, workloads, fitted: bool = True, log=None) -> None:
         """Run `workloads` on the server, one after another; `fitted`: `fit` fits their passes."""
         time.sleep(IDLE_S)   # the last pass before them is written
-        start = os.path.getsize(self.step_log)
+        starts, kinds = [os.path.getsize(self.step_log)], []
         for prefix_len, requests in workloads:
+            marks = None if len(kinds) == 0 else starts
+            kinds.append(self._kinds.setdefault(repr((prefix_len, requests)), len(self._kinds)))
             prefix = self._fresh(prefix_len) if prefix_len else []
             if prefix:
-                self._run([(prefix, 1)])
-            self._run([(prefix + self._fresh(n), new) for n, new in requests])
+                self._run([(prefix, 1)], marks)
+                marks = None
+            self._run([(prefix + self._fresh(n), new) for n, new in requests], marks)
             self._sent += 1
             if log:
                 log(f"  workload {self._sent} sent")
         time.sleep(IDLE_S)   # and their own last pass
         if fitted:
-            self.spans.append((start, os.path.getsize(self.step_log)))
+            end = os.path.getsize(self.step_log)
+            self.spans.append((starts[0], end))
+            self.groups += [(a, b, (kind, self._sent - len(kinds) + i))
+                            for i, (a, b, kind) in enumerate(zip(starts, starts[1:] + [end], kinds))]
 
     def fit(self):
         """(cost, samples, the log's header) of the passes `send` ran with `fitted`."""
-        return fit_log(self.step_log, spans=self.spans)
+        return fit_log(self.step_log, spans=self.spans, groups=self.groups)
 
 
 def calibrate_server(url: str, step_log: str, log=None, workloads=WORKLOADS):
@@ -221,9 +240,9 @@ def calibrate(model, log=None) -> tuple[StepCost, list[tuple[StepShape, float]]]
     """Measure and fit; the cost names this machine and the model, and how the engine pads and
     tiles a prompt pass on it (stepcost.features)."""
     from engine.step_log import header
-    samples = measure(model, log)
+    samples, groups = measure(model, log)
     head = header(model)   # what a served step log says of the same engine
-    cost = fit([s for s, _ in samples], [t for _, t in samples],
+    cost = fit([s for s, _ in samples], [t for _, t in samples], groups=groups,
                prompt_pad_rows=head["prompt_pad_rows"], attention_tile=tuple(head["attention_tile"]),
                machine=head["machine"], model=head["model"],
                fit={"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
@@ -277,8 +296,14 @@ def _ms(term: str, seconds: float) -> str:
 
 
 def compare(kept: StepCost, new: StepCost) -> dict:
-    """Each term of two fits side by side: the difference, in units of the two fits' combined
-    standard error (sqrt(se1^2 + se2^2)), and whether they agree within SAME_WITHIN_SE."""
+    """Two fits side by side: each term's difference in units of the two fits' combined standard
+    error (sqrt(se1^2 + se2^2)), and the verdict, whether the difference of all the terms
+    together lies within the noise of the two: its squared Mahalanobis distance under the sum of
+    the two fits' covariances (a fit without one: its standard errors, the terms independent)
+    under the chi-square 95 % point for as many terms (`_joint`). Per term, the largest of eight
+    z's passes 2 in about a third of pairs of fits of one machine even when every standard error
+    is right (1 - 0.954^8); and terms trade off (prefill rows against their pairs), which the
+    covariance weighs and one term's z cannot (docs/twin.md, section 1)."""
     terms = {}
     for n in TERMS:
         a, b = getattr(kept, n), getattr(new, n)
@@ -287,12 +312,47 @@ def compare(kept: StepCost, new: StepCost) -> dict:
         terms[n] = {"kept": a, "new": b, "difference": b - a, "combined_stderr": se, "z": z}
     zs = [t["z"] for t in terms.values()]
     worst = None if None in zs else max(abs(z) for z in zs)
+    distance, dof = _joint(kept, new)
+    limit = CHI2_95[dof - 1] if dof else None
     # terms trade off against each other (prefill rows and their context), so the passes they
     # predict say more than any one term: the relative change of each typical pass's time
     moved = {name: (new.predict(s) - kept.predict(s)) / kept.predict(s) for name, s in TYPICAL.items()}
-    return {"terms": terms, "max_abs_z": worst, "within_noise": worst is not None and worst < SAME_WITHIN_SE,
+    return {"terms": terms, "max_abs_z": worst, "distance": distance, "terms_compared": dof,
+            "distance_limit": limit, "within_noise": distance is not None and dof > 0 and distance < limit,
             "pass_change": moved, "max_abs_pass_change": max(abs(v) for v in moved.values()),
-            "kept_when": kept.fit.get("when"), "new_when": new.fit.get("when")}
+            "kept_when": kept.fit.get("when"), "new_when": new.fit.get("when"),
+            "stderr_from": [c.fit.get("stderr_from", "residuals") for c in (kept, new)]}
+
+
+# the chi-square distribution's 95 % point for 1-8 degrees of freedom (NIST/SEMATECH e-Handbook of
+# Statistical Methods, section 1.3.6.7.4): a distance under it is within the noise
+CHI2_95 = (3.841, 5.991, 7.815, 9.488, 11.070, 12.592, 14.067, 15.507)
+
+
+def _covariance(cost: StepCost) -> np.ndarray:
+    if cost.covariance:
+        return np.array(cost.covariance, dtype=np.float64)
+    return np.diag([cost.stderr.get(n, 0.0) ** 2 for n in TERMS])
+
+
+def _joint(kept: StepCost, new: StepCost) -> tuple[float | None, int]:
+    """(d' S^+ d, the rank of S): d the coefficients' difference, S the sum of the two fits'
+    covariances, over the terms either fit has noise on; (None, 0) when a term differs and
+    neither has any (no verdict). Under the noise alone the distance follows a chi-square with
+    as many degrees of freedom as the rank."""
+    d = np.array(new.coefficients()) - np.array(kept.coefficients())
+    cov = _covariance(kept) + _covariance(new)
+    noisy = np.diag(cov) > 0
+    if np.any(d[~noisy] != 0):
+        return None, 0
+    d, cov = d[noisy], cov[np.ix_(noisy, noisy)]
+    if not len(d):
+        return 0.0, 0
+    # each term scaled by its standard error first: the terms' units differ by 10^6
+    scale = np.sqrt(np.diag(cov))
+    corr = cov / np.outer(scale, scale)
+    return float((d / scale) @ np.linalg.pinv(corr, rcond=1e-9, hermitian=True) @ (d / scale)), \
+        int(np.linalg.matrix_rank(corr, tol=1e-9, hermitian=True))
 
 
 # typical passes, by what they run: the change of their predicted time compares two fits
@@ -304,15 +364,18 @@ TYPICAL = {"one decode row at 200": StepShape(decode_rows=1, decode_context=201)
 
 def comparison_report(cmp: dict) -> str:
     lines = [f"beside the kept fit (of {cmp['kept_when'] or 'unknown time'}):",
-             "  term            kept               new                difference / standard error"]
+             "  term              kept               new                difference / standard error"]
     for n, t in cmp["terms"].items():
         z = "no standard error kept" if t["z"] is None else f"{t['z']:+.1f}"
-        lines.append(f"  {n:14s}  {_ms(n, t['kept']):17s}  {_ms(n, t['new']):17s}  {z}")
-    worst = cmp["max_abs_z"]
-    verdict = ("  not judged within noise: a term differs and neither fit has its standard error"
-               if worst is None else
-               f"  {'within noise' if cmp['within_noise'] else 'NOT within noise'}: the largest difference "
-               f"is {worst:.1f} standard errors (within noise: under {SAME_WITHIN_SE:g})")
+        lines.append(f"  {n:16s}  {_ms(n, t['kept']):17s}  {_ms(n, t['new']):17s}  {z}")
+    if cmp["distance"] is None:
+        verdict = "  not judged within noise: a term differs and neither fit has its standard error"
+    else:
+        said = "within noise" if cmp["within_noise"] else "NOT within noise"
+        verdict = (f"  {said}: all the terms together differ by a distance of {cmp['distance']:.1f} over "
+                   f"{cmp['terms_compared']} terms (within noise: under {cmp['distance_limit'] or 0:g}, the "
+                   f"chi-square's 95 % point); the largest one alone by {cmp['max_abs_z']:.1f} standard "
+                   "errors")
     lines += [verdict,
               "  a typical pass's predicted time moved: "
               + ", ".join(f"{name} {v:+.1%}" for name, v in cmp["pass_change"].items())]

@@ -21,7 +21,9 @@ A pass's shape (`StepShape`) is read from the scheduler's `Batch` before it runs
 `fit` is least squares over timed passes: the passes of one shape (timed several times) enter as
 their median, so a pass slowed by another process moves the fit little; a coefficient that comes
 out negative is dropped and the rest fitted again (a time never shrinks with more work); each
-coefficient comes with its standard error. The spread of the passes about the fit is kept too,
+coefficient comes with its standard error, and the fit with their covariance (from a run's repeats
+of each workload when the caller names them: the host's speed moves between them; `fit`). The
+spread of the passes about the fit is kept too,
 as the seconds each pass ran over the fit's time for its shape, for passes that hold prompt rows
 (`extra_prompt_s`) apart from the rest (`extra_s`): the twin adds to each pass's time an extra
 drawn from its kind's, since a queue's waits grow with the spread of its service times, not only
@@ -51,11 +53,12 @@ from statistics import NormalDist
 import numpy as np
 
 COST_FORMAT = "prefixlab-step-cost"
-COST_VERSION = 7          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
+COST_VERSION = 8          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
 #                           4 `spread_prompt` (in 3 `spread` held every pass's); 5 `rho` (in 1-4 0);
 #                           6 `extra_s` and `extra_prompt_s`, fitted in place of the two spreads;
-#                           7 `c_hit_after_idle` (in 1-6 0)
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, COST_VERSION)
+#                           7 `c_hit_after_idle` (in 1-6 0); 8 `covariance`, and `stderr` from the
+#                           run's repeats resampled when the fit knows them (in 2-7 the residuals')
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, COST_VERSION)
 TERMS = ("c0", "c_prompt", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx", "c_after_prompt",
          "c_hit_after_idle")
 # Decode-only passes after a prompt pass that find BLAS's threads still spinning: OpenBLAS's
@@ -162,6 +165,7 @@ class StepCost:
     model: str = ""
     fit: dict = field(default_factory=dict)   # steps, shapes, median and worst relative error, when
     stderr: dict = field(default_factory=dict)  # term -> standard error of its coefficient (s)
+    covariance: tuple = ()                    # the coefficients' covariance, TERMS x TERMS (s^2)
 
     def __post_init__(self):
         for name in TERMS:
@@ -191,6 +195,17 @@ class StepCost:
             object.__setattr__(self, name, tuple(float(v) for v in spread))
         if (self.extra_s or self.extra_prompt_s) and (self.spread or self.spread_prompt):
             raise ValueError("step cost: give a pass's spread as extra seconds or as factors, not both")
+        cov = self.covariance
+        if not cov:
+            object.__setattr__(self, "covariance", ())
+        else:
+            if (not isinstance(cov, (list, tuple)) or len(cov) != len(TERMS)
+                    or not all(isinstance(r, (list, tuple)) and len(r) == len(TERMS) for r in cov)
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                               for r in cov for v in r)):
+                raise ValueError(f"step cost: covariance must be {len(TERMS)} rows of {len(TERMS)} finite "
+                                 f"numbers (one per term: {', '.join(TERMS)})")
+            object.__setattr__(self, "covariance", tuple(tuple(float(v) for v in r) for r in cov))
         rho = self.rho
         if not isinstance(rho, (int, float)) or isinstance(rho, bool) or not -1.0 < rho < 1.0:
             raise ValueError(f"step cost: rho must be a number between -1 and 1 (exclusive), got {rho!r}")
@@ -230,7 +245,7 @@ class StepCost:
         if "c0" not in obj:
             raise ValueError(f"{path}: the step-cost file has no c0")
         fields = (*TERMS, "prompt_pad_rows", "attention_tile", "extra_s", "extra_prompt_s", "spread",
-                  "spread_prompt", "rho", "machine", "model", "fit", "stderr")
+                  "spread_prompt", "rho", "machine", "model", "fit", "stderr", "covariance")
         known = {k: obj[k] for k in fields if k in obj}
         if not isinstance(known.get("stderr", {}), dict):
             raise ValueError(f"{path}: \"stderr\" must be an object of term -> seconds")
@@ -241,7 +256,7 @@ class StepCost:
 
 
 def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
-        attention_tile: tuple[int, int] | None = None, **about) -> StepCost:
+        attention_tile: tuple[int, int] | None = None, groups: list | None = None, **about) -> StepCost:
     """Least squares on relative error (a short pass counts as much as a long one), negative
     coefficients dropped; `prompt_pad_rows` and `attention_tile` say how the engine timed pads
     and tiles its prompt passes (features); `about` sets machine and model.
@@ -249,24 +264,22 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     The passes of one shape enter once, as their median time (robust to the odd pass another
     process slowed). Weighting each by 1 / its measured time biases the fit low (a slowed pass
     counts for less than one that ran fast), so the weights become 1 / the fitted time and the
-    fit is repeated until they settle (iteratively reweighted least squares). The standard
-    errors are the weighted fit's: the residuals' variance times (A^T A)^-1's diagonal. The
-    extras are the quantiles of the seconds each pass ran over the fit's time for its shape: the
-    passes holding prompt rows (`extra_prompt_s`), and the rest (`extra_s`); `rho` is how those
-    extras follow each other, pass after pass in the order given (`_lag1`)."""
-    by_shape: dict[StepShape, list[float]] = {}
-    for s, t in zip(shapes, seconds):
-        by_shape.setdefault(s, []).append(t)
-    if len(by_shape) < len(TERMS):
-        raise ValueError(f"fitting a step cost needs passes of at least {len(TERMS)} different shapes, "
-                         f"got {len(by_shape)}")
-    x = np.array([features(s, prompt_pad_rows, attention_tile) for s in by_shape], dtype=np.float64)
-    y = np.array([np.median(ts) for ts in by_shape.values()], dtype=np.float64)
-    coef, _ = _nonnegative_lstsq(x, y, 1.0 / y)
-    for _ in range(REWEIGHTS):
-        w = 1.0 / np.maximum(x @ coef, y.min() * 0.01)
-        coef, se = _nonnegative_lstsq(x, y, w)
-    rel = np.abs(x @ coef - y) / y
+    fit is repeated until they settle (iteratively reweighted least squares).
+
+    The standard errors: with `groups` (each pass's (workload, run of it): calibrate runs every
+    workload REPEATS times, spread over its minute), the spread of the fit over the runs drawn
+    again with replacement, within each workload (`_resampled`); a residual sees the noise of
+    passes close together in time, the runs also how the host's speed moved between them
+    (docs/twin.md, section 1). Without, or when a workload ran once, the weighted fit's own: the
+    residuals' variance times (A^T A)^-1. The extras are the quantiles of the seconds each pass
+    ran over the fit's time for its shape: the passes holding prompt rows (`extra_prompt_s`), and
+    the rest (`extra_s`); `rho` is how those extras follow each other, pass after pass in the
+    order given (`_lag1`)."""
+    coef, cov, rel, n_shapes = _fit(shapes, seconds, prompt_pad_rows, attention_tile)
+    residual_se = np.sqrt(np.maximum(np.diag(cov), 0.0))
+    resampled = _resampled(shapes, seconds, groups, prompt_pad_rows, attention_tile) if groups else None
+    if resampled is not None:
+        cov = resampled
     every = np.asarray(seconds, dtype=np.float64)
     # each pass's seconds over the fit's for its shape, in the order given: what the twin adds
     extra = (every - np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef).tolist()
@@ -277,13 +290,67 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
         quantiles = (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS
         spreads[prompt] = tuple(np.quantile(extras, quantiles).tolist() if extras else [])
     about = dict(about)
-    about["fit"] = {**about.get("fit", {}), "steps": len(shapes), "shapes": len(by_shape),
+    about["fit"] = {**about.get("fit", {}), "steps": len(shapes), "shapes": n_shapes,
                     "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90)),
-                    "max_rel_error": float(rel.max()), "pass_median_rel_error": float(np.median(rel_pass))}
+                    "max_rel_error": float(rel.max()), "pass_median_rel_error": float(np.median(rel_pass)),
+                    "stderr_from": "runs resampled" if resampled is not None else "residuals",
+                    "residual_stderr": {name: float(e) for name, e in zip(TERMS, residual_se)}}
+    se = np.sqrt(np.maximum(np.diag(cov), 0.0))
     return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about,
                     prompt_pad_rows=prompt_pad_rows, attention_tile=attention_tile,
                     extra_s=spreads[False], extra_prompt_s=spreads[True], rho=_lag1(shapes, extra),
-                    stderr={name: float(e) for name, e in zip(TERMS, se)})
+                    stderr={name: float(e) for name, e in zip(TERMS, se)}, covariance=cov.tolist())
+
+
+def _fit(shapes, seconds, pad, tile) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(coefficients, their covariance from the residuals, each shape's relative error, shapes)."""
+    by_shape: dict[StepShape, list[float]] = {}
+    for s, t in zip(shapes, seconds):
+        by_shape.setdefault(s, []).append(t)
+    if len(by_shape) < len(TERMS):
+        raise ValueError(f"fitting a step cost needs passes of at least {len(TERMS)} different shapes, "
+                         f"got {len(by_shape)}")
+    x = np.array([features(s, pad, tile) for s in by_shape], dtype=np.float64)
+    y = np.array([np.median(ts) for ts in by_shape.values()], dtype=np.float64)
+    coef, _ = _nonnegative_lstsq(x, y, 1.0 / y)
+    for _ in range(REWEIGHTS):
+        w = 1.0 / np.maximum(x @ coef, y.min() * 0.01)
+        coef, cov = _nonnegative_lstsq(x, y, w)
+    return coef, cov, np.abs(x @ coef - y) / y, len(by_shape)
+
+
+RESAMPLES = 200   # draws of the runs for the standard errors (seeded: the same passes, the same errors)
+
+
+def _resampled(shapes, seconds, groups, pad, tile) -> np.ndarray | None:
+    """The coefficients' covariance over the runs drawn again: `groups` gives each pass's
+    (workload, run); each draw takes, for every workload, as many of its runs as it had, with
+    replacement, and fits their passes (a stratified block bootstrap: a run's passes share the
+    host's moment, so they are drawn together). Drawn so, n runs give a mean (n - 1) / n of its
+    variance (the bootstrap's plug-in variance divides by n, not n - 1), so the covariance is
+    scaled by n / (n - 1), n the fewest runs of a workload. None when a workload ran only once
+    (its runs say nothing of their spread)."""
+    runs: dict = {}
+    for i, (workload, run) in enumerate(groups):
+        runs.setdefault(workload, {}).setdefault(run, []).append(i)
+    n = min(len(r) for r in runs.values())
+    if n < 2:
+        return None
+    rng = np.random.default_rng(0)
+    draws = []
+    for _ in range(RESAMPLES):
+        picked: list[int] = []
+        for by_run in runs.values():
+            each = list(by_run.values())
+            for k in rng.integers(len(each), size=len(each)):
+                picked += each[k]
+        try:
+            draws.append(_fit([shapes[i] for i in picked], [seconds[i] for i in picked], pad, tile)[0])
+        except ValueError:   # a draw of too few shapes says nothing
+            continue
+    if len(draws) < RESAMPLES // 2:
+        return None
+    return np.atleast_2d(np.cov(np.array(draws).T, ddof=1)) * n / (n - 1)
 
 
 REWEIGHTS = 5
@@ -344,7 +411,7 @@ class PassTimes:
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Weighted least squares; the most negative term dropped and the rest fitted again until
     none is negative (a time never shrinks with more work). Returns the coefficients and their
-    standard errors (0 for a dropped term, and for all when the fit has no spare equations)."""
+    covariance (0 for a dropped term, and for all when the fit has no spare equations)."""
     keep = [i for i in range(x.shape[1]) if x[:, i].any()]
     while True:
         a = x[:, keep] * w[:, None]
@@ -353,12 +420,11 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.
         if (sol >= 0).all() or len(keep) == 1:
             break
         del keep[int(np.argmin(sol))]
-    coef, se = np.zeros(x.shape[1]), np.zeros(x.shape[1])
+    coef, cov = np.zeros(x.shape[1]), np.zeros((x.shape[1], x.shape[1]))
     coef[keep] = np.maximum(sol, 0.0)
     spare = len(y) - len(keep)
     if spare > 0:
         resid = (y - x[:, keep] @ sol) * w
         an = a / scale
-        cov = np.linalg.pinv(an.T @ an) * (resid @ resid / spare)
-        se[keep] = np.sqrt(np.maximum(np.diag(cov), 0.0)) / scale
-    return coef, se
+        cov[np.ix_(keep, keep)] = np.linalg.pinv(an.T @ an) * (resid @ resid / spare) / np.outer(scale, scale)
+    return coef, cov
