@@ -11,7 +11,7 @@ import json
 import pytest
 
 from app.replay.stepcost import IDLE_GAP_S, PassShapes, StepCost
-from app.replay.steplog import logged_passes_at, fit_log, logged_passes
+from app.replay.steplog import fit_log, logged_passes, logged_passes_at
 from engine.loop import Job
 from engine.scheduler import FinishEvent, SchedulerSettings
 from engine.step_log import FORMAT, StepLogError, StepLogLoop, read_step_log

@@ -208,7 +208,8 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
                               "stderr": {"c0": 0.01}}))
     assert StepCost.load(str(v7)).covariance == ()
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 8, "c0": 0.5, "covariance": [[1]]}))
+    bad.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 8, "c0": 0.5,
+                               "covariance": [[1]]}))
     with pytest.raises(ValueError, match="covariance must be 8 rows of 8"):
         StepCost.load(str(bad))
     v3 = tmp_path / "v3.json"   # version 3 kept one spread for every pass: prompt passes draw from it
@@ -414,7 +415,8 @@ def _host_calibration(seed: int, true: StepCost) -> tuple[list[StepShape], list[
     rng = random.Random(seed)
     workloads = [[prompt_shape(0, p)] + [StepShape(decode_rows=1, decode_context=p + k) for k in range(1, 8)]
                  for p in (16, 64, 256)]
-    workloads += [[StepShape(decode_rows=d, decode_context=d * (40 + k)) for k in range(8)] for d in (2, 4, 8)]
+    workloads += [[StepShape(decode_rows=d, decode_context=d * (40 + k)) for k in range(8)]
+                  for d in (2, 4, 8)]
     shapes, seconds, groups = [], [], []
     for run in range(3):
         for w, passes in enumerate(workloads):
