@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 
 import pytest
 
 from app.replay.calibrate import compare as compare_fits
-from app.replay.calibrate import comparison_report
+from app.replay.calibrate import comparison_report, report
 from app.replay.stepcost import (
     TERMS,
     PassTimes,
@@ -170,8 +171,8 @@ def test_a_cost_file_round_trips_and_bad_ones_say_what_is_wrong(tmp_path):
     bad.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 1, "c0": -1}))
     with pytest.raises(ValueError, match="c0 must be a finite number >= 0"):
         StepCost.load(str(bad))
-    bad.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 9, "c0": 1}))
-    with pytest.raises(ValueError, match="version 9"):
+    bad.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 10, "c0": 1}))
+    with pytest.raises(ValueError, match="version 10"):
         StepCost.load(str(bad))
     bad.write_text("{}")
     with pytest.raises(ValueError, match="not a step-cost file"):
@@ -199,10 +200,13 @@ def test_a_fit_keeps_its_standard_errors_and_a_version_1_file_still_reads(tmp_pa
     path = str(tmp_path / "cost.json")
     got.save(path)
     on_disk = json.loads(open(path).read())
-    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 8)
+    assert (on_disk["format"], on_disk["version"]) == ("prefixlab-step-cost", 9)
     assert StepCost.load(path) == got and len(got.covariance) == len(TERMS)
     assert got.fit["stderr_from"] == "residuals"   # no runs given: the residuals' own
     assert got.stderr["c0"] ** 2 == pytest.approx(got.covariance[0][0])
+    v8 = tmp_path / "v8.json"   # version 8's errors left the rounds' levels out: read as they are
+    v8.write_text(json.dumps({**on_disk, "version": 8, "fit": {"stderr_from": "runs resampled"}}))
+    assert StepCost.load(str(v8)).covariance == got.covariance
     v7 = tmp_path / "v7.json"   # version 7 kept no covariance: the terms taken as independent
     v7.write_text(json.dumps({"format": "prefixlab-step-cost", "version": 7, "c0": 0.5,
                               "stderr": {"c0": 0.01}}))
@@ -407,10 +411,13 @@ def test_two_fits_are_judged_by_all_their_terms_together_as_the_terms_trade_off(
     assert one["terms_compared"] == 2 and one["within_noise"] and not two["within_noise"]
 
 
-def _host_calibration(seed: int, true: StepCost) -> tuple[list[StepShape], list[float], list]:
-    """A calibration on a host whose speed moves between a workload's runs (10 % of its time,
-    one draw per run) far more than between passes of one run (1 %): six workloads of 8 passes, each run
-    three times, each run a prompt pass then decode passes on top of it, or a batch decoding."""
+def _host_calibration(seed: int, true: StepCost, per_run: float = 0.1, per_round: float = 0.0,
+                      speeds: list | None = None) -> tuple[list[StepShape], list[float], list]:
+    """A calibration on a host whose speed moves between a workload's runs (`per_run`: 10 % of its
+    time, one draw per run) and between rounds (`per_round`: one draw for every workload's k-th
+    run; each round's speed appended to `speeds`) far more than between passes of one run (1 %):
+    six workloads of 8 passes, each run three times, each run a prompt pass then decode passes on
+    top of it, or a batch decoding."""
     import random
     rng = random.Random(seed)
     workloads = [[prompt_shape(0, p)] + [StepShape(decode_rows=1, decode_context=p + k) for k in range(1, 8)]
@@ -419,8 +426,11 @@ def _host_calibration(seed: int, true: StepCost) -> tuple[list[StepShape], list[
                   for d in (2, 4, 8)]
     shapes, seconds, groups = [], [], []
     for run in range(3):
+        moment = rng.lognormvariate(0.0, per_round)
+        if speeds is not None:
+            speeds.append(moment)
         for w, passes in enumerate(workloads):
-            speed = rng.lognormvariate(0.0, 0.1)
+            speed = moment * rng.lognormvariate(0.0, per_run)
             for s in passes:
                 shapes.append(s)
                 seconds.append(true.predict(s) * speed * rng.lognormvariate(0.0, 0.01))
@@ -439,7 +449,7 @@ def test_a_fits_standard_errors_see_the_host_move_between_the_runs_of_a_workload
     for pair in range(8):
         a, b = _host_calibration(2 * pair, true), _host_calibration(2 * pair + 1, true)
         runs = [fit(*c[:2], groups=c[2]) for c in (a, b)]
-        assert all(f.fit["stderr_from"] == "runs resampled" for f in runs)
+        assert all(f.fit["stderr_from"] == "runs and rounds resampled" for f in runs)
         wider.append(runs[0].stderr["c_decode"] / runs[0].fit["residual_stderr"]["c_decode"])
         by_runs.append(compare_fits(*runs)["within_noise"])
         by_residuals.append(compare_fits(fit(*a[:2]), fit(*b[:2]))["within_noise"])
@@ -450,6 +460,40 @@ def test_a_fits_standard_errors_see_the_host_move_between_the_runs_of_a_workload
     # a workload run once says nothing of the runs' spread: the residuals' standard errors
     shapes, seconds, groups = _host_calibration(99, true)
     assert fit(shapes, seconds, groups=[(i, 0) for i in range(len(shapes))]).fit["stderr_from"] == "residuals"
+
+
+def test_a_fits_standard_errors_tell_a_host_slow_for_a_whole_round_from_a_changed_cost(monkeypatch):
+    """calibrate runs its workloads in rounds; a host slow for a whole round (a neighbour's
+    minute) slows every workload's run in it together. The fit names each round's level and
+    draws the levels as one factor for every term, apart from the runs: two calibrations of such
+    a host are within noise about as often as the 95 % point says, and a cost that did change
+    (decoding 15 % dearer) is told from them. Each workload's runs drawn alone, with their
+    round's level in them, take the host's moment for a change of the cost's shape (a workload
+    of decoding slow, another fast), and such a change passes for noise."""
+    import app.replay.stepcost as stepcost
+    monkeypatch.setattr(stepcost, "RESAMPLES", 60)   # fewer draws: the suite's time
+    true = StepCost(c0=0.02, c_prompt=0.03, c_prefill=0.001, c_decode=0.004, c_ctx=2e-6, c_prefill_ctx=1e-7)
+    dearer = dataclasses.replace(true, c_decode=true.c_decode * 1.15)
+    same, told = [], []
+    for pair in range(8):
+        speeds: list[float] = []
+        a = _host_calibration(2 * pair, true, per_run=0.01, per_round=0.1, speeds=speeds)
+        kept = fit(*a[:2], groups=a[2])
+        # each round's level, over their mean: the host's speed in that round, over its mean
+        mean = math.exp(sum(map(math.log, speeds)) / len(speeds))
+        assert kept.fit["round_levels"] == pytest.approx([v / mean for v in speeds], rel=0.02)
+        again, changed = (fit(*c[:2], groups=c[2])
+                          for c in (_host_calibration(2 * pair + 1, cost, per_run=0.01, per_round=0.1)
+                                    for cost in (true, dearer)))
+        same.append(compare_fits(kept, again)["within_noise"])
+        told.append(not compare_fits(kept, changed)["within_noise"])
+    assert sum(same) >= 7 and sum(told) >= 7
+    # calibrate prints the rounds' levels beside the errors they went into
+    text = report(kept, list(zip(*a[:2])))
+    assert "standard errors: c0" in text and "(runs and rounds resampled)" in text
+    levels = " / ".join(f"{v:.2f}" for v in kept.fit["round_levels"])
+    assert ("the host's speed in each round of the workloads (its passes' median time over the fit's): "
+            + levels) in text
 
 
 def test_calibrate_times_the_passes_of_prefix_cache_hits(tiny_model):

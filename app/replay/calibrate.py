@@ -270,11 +270,15 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
               f"over the fit's, p10 / p50 / p90: prompt passes {_quantiles(cost.extra_prompt_s)}, "
               f"the others {_quantiles(cost.extra_s)}; a pass's draw follows the one before it at "
               f"rho {cost.rho:.2f}",
-              "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS),
+              "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS)
+              + f" ({f.get('stderr_from', 'residuals')})",
               f"  {f['steps']} passes of {f['shapes']} shapes; relative error per shape (its median pass): "
               f"median {f['median_rel_error']:.1%}, p90 {f['p90_rel_error']:.1%}, "
               f"worst {f['max_rel_error']:.1%}; per single pass: median {f['pass_median_rel_error']:.1%}",
               f"  machine: {cost.machine}; model: {cost.model}"]
+    if f.get("round_levels"):   # how steady the host was: its spread is in the standard errors
+        lines.insert(-2, "  the host's speed in each round of the workloads (its passes' median time over "
+                         "the fit's): " + " / ".join(f"{v:.2f}" for v in f["round_levels"]))
     return "\n".join(lines)
 
 
@@ -420,7 +424,7 @@ def run(args) -> int:
         cost, samples = calibrate(m, log=None if args.quiet else lambda s: print(s, flush=True))
         model_path = m.path
     text = report(cost, samples)
-    print(text if not args.quiet else "\n".join(text.splitlines()[-5:]))
+    print(text if not args.quiet else text.split("\n\n", 1)[1].split("\n", 1)[1])   # the fit, not its passes
     if not args.out and not os.path.exists(model_path):
         raise SystemExit(f"prefixlab calibrate: the log names no model file here ({model_path!r}); "
                          "give --out")

@@ -53,12 +53,14 @@ from statistics import NormalDist
 import numpy as np
 
 COST_FORMAT = "prefixlab-step-cost"
-COST_VERSION = 8          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
+COST_VERSION = 9          # 2 added `stderr`; 3 the prompt-pass terms, padding, tiles and `spread`;
 #                           4 `spread_prompt` (in 3 `spread` held every pass's); 5 `rho` (in 1-4 0);
 #                           6 `extra_s` and `extra_prompt_s`, fitted in place of the two spreads;
 #                           7 `c_hit_after_idle` (in 1-6 0); 8 `covariance`, and `stderr` from the
-#                           run's repeats resampled when the fit knows them (in 2-7 the residuals')
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, COST_VERSION)
+#                           run's repeats resampled when the fit knows them (in 2-7 the residuals');
+#                           9 the rounds' levels in them too (`fit.round_levels`; in 8 each
+#                           workload's runs drawn alone, the host's moment shared by a round unseen)
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, COST_VERSION)
 TERMS = ("c0", "c_prompt", "c_prefill", "c_decode", "c_ctx", "c_prefill_ctx", "c_after_prompt",
          "c_hit_after_idle")
 # Decode-only passes after a prompt pass that find BLAS's threads still spinning: OpenBLAS's
@@ -267,19 +269,20 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     fit is repeated until they settle (iteratively reweighted least squares).
 
     The standard errors: with `groups` (each pass's (workload, run of it): calibrate runs every
-    workload REPEATS times, spread over its minute), the spread of the fit over the runs drawn
-    again with replacement, within each workload (`_resampled`); a residual sees the noise of
-    passes close together in time, the runs also how the host's speed moved between them
-    (docs/twin.md, section 1). Without, or when a workload ran once, the weighted fit's own: the
-    residuals' variance times (A^T A)^-1. The extras are the quantiles of the seconds each pass
+    workload REPEATS times, in rounds spread over its minute), the spread of the fit over the
+    runs drawn again with replacement, within each workload, and over the rounds' levels drawn
+    again (`_resampled`); a residual sees the noise of passes close together in time, the runs
+    and rounds also how the host's speed moved between them (docs/twin.md, section 1). Without,
+    or when a workload ran once, the weighted fit's own: the residuals' variance times
+    (A^T A)^-1. The extras are the quantiles of the seconds each pass
     ran over the fit's time for its shape: the passes holding prompt rows (`extra_prompt_s`), and
     the rest (`extra_s`); `rho` is how those extras follow each other, pass after pass in the
     order given (`_lag1`)."""
     coef, cov, rel, n_shapes = _fit(shapes, seconds, prompt_pad_rows, attention_tile)
     residual_se = np.sqrt(np.maximum(np.diag(cov), 0.0))
-    resampled = _resampled(shapes, seconds, groups, prompt_pad_rows, attention_tile) if groups else None
+    resampled = _resampled(shapes, seconds, groups, coef, prompt_pad_rows, attention_tile) if groups else None
     if resampled is not None:
-        cov = resampled
+        cov, levels = resampled
     every = np.asarray(seconds, dtype=np.float64)
     # each pass's seconds over the fit's for its shape, in the order given: what the twin adds
     extra = (every - np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef).tolist()
@@ -293,8 +296,10 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     about["fit"] = {**about.get("fit", {}), "steps": len(shapes), "shapes": n_shapes,
                     "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90)),
                     "max_rel_error": float(rel.max()), "pass_median_rel_error": float(np.median(rel_pass)),
-                    "stderr_from": "runs resampled" if resampled is not None else "residuals",
+                    "stderr_from": "runs and rounds resampled" if resampled is not None else "residuals",
                     "residual_stderr": {name: float(e) for name, e in zip(TERMS, residual_se)}}
+    if resampled is not None:
+        about["fit"]["round_levels"] = levels.tolist()
     se = np.sqrt(np.maximum(np.diag(cov), 0.0))
     return StepCost(**dict(zip(TERMS, (float(c) for c in coef))), **about,
                     prompt_pad_rows=prompt_pad_rows, attention_tile=attention_tile,
@@ -322,20 +327,35 @@ def _fit(shapes, seconds, pad, tile) -> tuple[np.ndarray, np.ndarray, np.ndarray
 RESAMPLES = 200   # draws of the runs for the standard errors (seeded: the same passes, the same errors)
 
 
-def _resampled(shapes, seconds, groups, pad, tile) -> np.ndarray | None:
-    """The coefficients' covariance over the runs drawn again: `groups` gives each pass's
-    (workload, run); each draw takes, for every workload, as many of its runs as it had, with
-    replacement, and fits their passes (a stratified block bootstrap: a run's passes share the
-    host's moment, so they are drawn together). Drawn so, n runs give a mean (n - 1) / n of its
-    variance (the bootstrap's plug-in variance divides by n, not n - 1), so the covariance is
-    scaled by n / (n - 1), n the fewest runs of a workload. None when a workload ran only once
-    (its runs say nothing of their spread)."""
+def _resampled(shapes, seconds, groups, coef, pad, tile) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the coefficients' covariance, each round's level) over the runs drawn again: `groups`
+    gives each pass's (workload, run); the k-th run of every workload is round k.
+
+    A round's passes share the host's moment: each round's level is the median of its passes'
+    times over the fit's (`coef`); the passes, their round's level divided out, are drawn by
+    runs, for every workload as many of its runs as it had, with replacement (a stratified
+    block bootstrap: a run's passes are drawn together), and each draw's fit is scaled by the
+    mean of as many rounds' levels drawn with replacement. The levels drawn with the runs instead
+    would be drawn for each workload alone, and a host slow for a whole round would count about
+    one workload's share of its weight (docs/twin.md, section 1). Drawn so, n runs give a mean
+    (n - 1) / n of its variance (the bootstrap's plug-in variance divides by n, not n - 1), so
+    the covariance is scaled by n / (n - 1), n the fewest runs of a workload. None when a
+    workload ran only once (its runs say nothing of their spread)."""
     runs: dict = {}
     for i, (workload, run) in enumerate(groups):
         runs.setdefault(workload, {}).setdefault(run, []).append(i)
     n = min(len(r) for r in runs.values())
     if n < 2:
         return None
+    round_of = np.zeros(len(seconds), dtype=np.int64)
+    for by_run in runs.values():
+        for k, run in enumerate(sorted(by_run)):
+            round_of[by_run[run]] = k
+    fitted = np.array([features(s, pad, tile) for s in shapes]) @ coef
+    ratio = np.asarray(seconds, dtype=np.float64) / fitted
+    levels = np.array([np.median(ratio[round_of == k]) for k in range(round_of.max() + 1)])
+    levels /= np.exp(np.mean(np.log(levels)))   # about 1: the fit's own level
+    steady = (np.asarray(seconds, dtype=np.float64) / levels[round_of]).tolist()
     rng = np.random.default_rng(0)
     draws = []
     for _ in range(RESAMPLES):
@@ -344,13 +364,14 @@ def _resampled(shapes, seconds, groups, pad, tile) -> np.ndarray | None:
             each = list(by_run.values())
             for k in rng.integers(len(each), size=len(each)):
                 picked += each[k]
+        level = levels[rng.integers(len(levels), size=len(levels))].mean()
         try:
-            draws.append(_fit([shapes[i] for i in picked], [seconds[i] for i in picked], pad, tile)[0])
+            draws.append(level * _fit([shapes[i] for i in picked], [steady[i] for i in picked], pad, tile)[0])
         except ValueError:   # a draw of too few shapes says nothing
             continue
     if len(draws) < RESAMPLES // 2:
         return None
-    return np.atleast_2d(np.cov(np.array(draws).T, ddof=1)) * n / (n - 1)
+    return np.atleast_2d(np.cov(np.array(draws).T, ddof=1)) * n / (n - 1), levels
 
 
 REWEIGHTS = 5
