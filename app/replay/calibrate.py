@@ -204,7 +204,7 @@ class ServerCalibration:
         time.sleep(IDLE_S)   # the last pass before them is written
         starts, kinds = [os.path.getsize(self.step_log)], []
         for prefix_len, requests in workloads:
-            marks = None if len(kinds) == 0 else starts
+            marks = starts if kinds else None
             kinds.append(self._kinds.setdefault(repr((prefix_len, requests)), len(self._kinds)))
             prefix = self._fresh(prefix_len) if prefix_len else []
             if prefix:
