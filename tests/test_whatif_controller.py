@@ -140,7 +140,10 @@ def test_the_apps_whatif_tab_replays_this_session(open_desktop, qtbot, tiny_gguf
     qtbot.waitUntil(lambda: panel.error.isVisibleTo(panel), timeout=10_000)
     assert "no requests" in panel.error.text()
 
-    set_settings(d, page_rows=4, max_new_tokens=4)
+    # the new pool before the run: a pool change waits for an idle engine, and one that came
+    # after the run would start a new session without its requests
+    with qtbot.waitSignal(c.scheduler_reset, timeout=LOAD_TIMEOUT_MS):
+        set_settings(d, page_rows=4, max_new_tokens=4)
     c.run_all("You are a terse hardware store assistant.",
               [("a", "Do you sell hammers?"), ("b", "Where are the nails?"), ("c", "Do you cut keys?")])
     qtbot.waitUntil(lambda: len(c.finished_records) == 3 and not c.running, timeout=RUN_TIMEOUT_MS)
