@@ -206,6 +206,8 @@ def test_broken_gguf_drop_shows_the_error_and_keeps_the_model(window, qtbot, tmp
     qtbot.waitUntil(lambda: c.last_error is not None, timeout=60_000)
     assert "broken.gguf" in c.last_error
     assert c.model_info == before and w.model_bar.info == before
+    # the title names the model alone: X11 and Windows append " — PrefixLab" (make_app's display name)
+    assert w.windowTitle() == before["name"]
     assert not w.model_bar.loading and w.act_run_all.isEnabled()
 
     # Not a model: the drop is refused.

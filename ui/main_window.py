@@ -273,7 +273,9 @@ class MainWindow(AskAndTell, QMainWindow):
 
     def show_model(self, info: dict) -> None:
         self.model_bar.set_model(info)
-        self.setWindowTitle(f"PrefixLab — {info['name']}")
+        # The document's name only: Qt's X11 and Windows back ends append " — PrefixLab" (the
+        # application's display name) themselves, so "PrefixLab — name" read "... — PrefixLab" twice.
+        self.setWindowTitle(info["name"])
 
     def show_state(self, ready: bool, loading: bool, running: int) -> None:
         """Enable what can be done now; the state label says what goes on."""
