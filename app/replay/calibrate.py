@@ -249,6 +249,12 @@ def calibrate(model, log=None) -> tuple[StepCost, list[tuple[StepShape, float]]]
     return cost, samples
 
 
+FORMULA = ("step seconds = c0 + c_prompt x [prompt rows] + c_prefill x prompt rows (padded)"
+           " + c_decode x decode rows + c_ctx x decode context + c_prefill_ctx x prompt pairs"
+           " + c_after_prompt x [a decode pass just after a prompt pass]"
+           " + c_hit_after_idle x [a prompt pass on cached pages right after an idle moment]")
+
+
 def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
     """The fit, its inputs and each pass's error, as the command prints them."""
     lines = ["pass  prompt rows  (padded)  decode rows  decode ctx  prompt pairs  after  idle hit  "
@@ -259,26 +265,27 @@ def report(cost: StepCost, samples: list[tuple[StepShape, float]]) -> str:
         lines.append(f"{i:4d}  {s.prefill_rows:11d}  {padded:8.0f}  {s.decode_rows:11d}  "
                      f"{s.decode_context:10d}  {pairs:12.0f}  {after:5.0f}  {idle_hit:8.0f}  "
                      f"{t * 1e3:11.2f}  {p * 1e3:12.2f}  {(p - t) / t:+6.1%}")
+    return "\n".join([*lines, "", FORMULA, fit_summary(cost)])
+
+
+def fit_summary(cost: StepCost) -> str:
+    """The coefficients, their errors and how well they fit (what `--quiet` prints)."""
     f = cost.fit
     tile = "x".join(map(str, cost.attention_tile)) if cost.attention_tile else "none"
-    lines += ["", "step seconds = c0 + c_prompt x [prompt rows] + c_prefill x prompt rows (padded)"
-                  " + c_decode x decode rows + c_ctx x decode context + c_prefill_ctx x prompt pairs"
-                  " + c_after_prompt x [a decode pass just after a prompt pass]"
-                  " + c_hit_after_idle x [a prompt pass on cached pages right after an idle moment]",
-              "  " + "  ".join(f"{n} {_ms(n, getattr(cost, n))}" for n in TERMS),
-              f"  a prompt pass pads to {cost.prompt_pad_rows} rows; attention tiles {tile}; a pass's ms "
-              f"over the fit's, p10 / p50 / p90: prompt passes {_quantiles(cost.extra_prompt_s)}, "
-              f"the others {_quantiles(cost.extra_s)}; a pass's draw follows the one before it at "
-              f"rho {cost.rho:.2f}",
-              "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS)
-              + f" ({f.get('stderr_from', 'residuals')})",
-              f"  {f['steps']} passes of {f['shapes']} shapes; relative error per shape (its median pass): "
+    lines = ["  " + "  ".join(f"{n} {_ms(n, getattr(cost, n))}" for n in TERMS),
+             f"  a prompt pass pads to {cost.prompt_pad_rows} rows; attention tiles {tile}; a pass's ms "
+             f"over the fit's, p10 / p50 / p90: prompt passes {_quantiles(cost.extra_prompt_s)}, "
+             f"the others {_quantiles(cost.extra_s)}; a pass's draw follows the one before it at "
+             f"rho {cost.rho:.2f}",
+             "  standard errors: " + "  ".join(f"{n} {_ms(n, cost.stderr.get(n, 0.0))}" for n in TERMS)
+             + f" ({f.get('stderr_from', 'residuals')})"]
+    if f.get("round_levels"):   # how steady the host was: its spread is in the standard errors
+        lines.append("  the host's speed in each round of the workloads (its passes' median time over "
+                     "the fit's): " + " / ".join(f"{v:.2f}" for v in f["round_levels"]))
+    lines += [f"  {f['steps']} passes of {f['shapes']} shapes; relative error per shape (its median pass): "
               f"median {f['median_rel_error']:.1%}, p90 {f['p90_rel_error']:.1%}, "
               f"worst {f['max_rel_error']:.1%}; per single pass: median {f['pass_median_rel_error']:.1%}",
               f"  machine: {cost.machine}; model: {cost.model}"]
-    if f.get("round_levels"):   # how steady the host was: its spread is in the standard errors
-        lines.insert(-2, "  the host's speed in each round of the workloads (its passes' median time over "
-                         "the fit's): " + " / ".join(f"{v:.2f}" for v in f["round_levels"]))
     return "\n".join(lines)
 
 
@@ -423,8 +430,7 @@ def run(args) -> int:
         print(f"calibrating the step cost of {os.path.basename(m.path)} on this machine ...", flush=True)
         cost, samples = calibrate(m, log=None if args.quiet else lambda s: print(s, flush=True))
         model_path = m.path
-    text = report(cost, samples)
-    print(text if not args.quiet else text.split("\n\n", 1)[1].split("\n", 1)[1])   # the fit, not its passes
+    print(fit_summary(cost) if args.quiet else report(cost, samples))
     if not args.out and not os.path.exists(model_path):
         raise SystemExit(f"prefixlab calibrate: the log names no model file here ({model_path!r}); "
                          "give --out")

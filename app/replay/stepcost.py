@@ -280,12 +280,14 @@ def fit(shapes: list[StepShape], seconds: list[float], prompt_pad_rows: int = 0,
     order given (`_lag1`)."""
     coef, cov, rel, n_shapes = _fit(shapes, seconds, prompt_pad_rows, attention_tile)
     residual_se = np.sqrt(np.maximum(np.diag(cov), 0.0))
-    resampled = _resampled(shapes, seconds, groups, coef, prompt_pad_rows, attention_tile) if groups else None
+    fitted = np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef  # per pass
+    resampled = (_resampled(shapes, seconds, groups, fitted, prompt_pad_rows, attention_tile)
+                 if groups else None)
     if resampled is not None:
         cov, levels = resampled
     every = np.asarray(seconds, dtype=np.float64)
     # each pass's seconds over the fit's for its shape, in the order given: what the twin adds
-    extra = (every - np.array([features(s, prompt_pad_rows, attention_tile) for s in shapes]) @ coef).tolist()
+    extra = (every - fitted).tolist()
     rel_pass = np.abs(extra) / every
     spreads = {}
     for prompt in (True, False):
@@ -327,12 +329,12 @@ def _fit(shapes, seconds, pad, tile) -> tuple[np.ndarray, np.ndarray, np.ndarray
 RESAMPLES = 200   # draws of the runs for the standard errors (seeded: the same passes, the same errors)
 
 
-def _resampled(shapes, seconds, groups, coef, pad, tile) -> tuple[np.ndarray, np.ndarray] | None:
+def _resampled(shapes, seconds, groups, fitted, pad, tile) -> tuple[np.ndarray, np.ndarray] | None:
     """(the coefficients' covariance, each round's level) over the runs drawn again: `groups`
     gives each pass's (workload, run); the k-th run of every workload is round k.
 
     A round's passes share the host's moment: each round's level is the median of its passes'
-    times over the fit's (`coef`); the passes, their round's level divided out, are drawn by
+    times over the fit's (`fitted`); the passes, their round's level divided out, are drawn by
     runs, for every workload as many of its runs as it had, with replacement (a stratified
     block bootstrap: a run's passes are drawn together), and each draw's fit is scaled by the
     mean of as many rounds' levels drawn with replacement. The levels drawn with the runs instead
@@ -351,7 +353,6 @@ def _resampled(shapes, seconds, groups, coef, pad, tile) -> tuple[np.ndarray, np
     for by_run in runs.values():
         for k, run in enumerate(sorted(by_run)):
             round_of[by_run[run]] = k
-    fitted = np.array([features(s, pad, tile) for s in shapes]) @ coef
     ratio = np.asarray(seconds, dtype=np.float64) / fitted
     levels = np.array([np.median(ratio[round_of == k]) for k in range(round_of.max() + 1)])
     levels /= np.exp(np.mean(np.log(levels)))   # about 1: the fit's own level
